@@ -1,0 +1,11 @@
+"""torch_fce: fused linear + cross-entropy for large-vocabulary training.
+
+Importing the package registers torch.ops.fce.linear_ce and its kernels.
+"""
+
+from . import ops  # noqa: F401  (registers the ops)
+from .functional import linear_cross_entropy
+from .modules import LinearCrossEntropyLoss
+
+__all__ = ["linear_cross_entropy", "LinearCrossEntropyLoss"]
+__version__ = "0.1.0"

@@ -1,0 +1,39 @@
+"""torch_fce.linear_cross_entropy: the Python entry to fce::linear_ce."""
+
+import torch
+
+from .ops.checks import check_inputs
+
+
+def shift_targets(target, ignore_index):
+    """Causal-LM shift: position t predicts target t+1; the last position is ignored."""
+    pad = target.new_full((*target.shape[:-1], 1), ignore_index)
+    return torch.cat([target[..., 1:], pad], dim=-1)
+
+
+def linear_cross_entropy(hidden, weight, target, bias=None, class_weight=None, *,
+                         ignore_index=-100, reduction="mean", label_smoothing=0.0,
+                         softcap=None, z_loss=0.0, accumulator="fp32", shift=False):
+    """Cross entropy of F.linear(hidden, weight, bias) against target, without the logits.
+
+    Args:
+        hidden: (*, D) bfloat16, float16 or float32.
+        weight: (V, D), hidden's dtype or float32 (master weights).
+        target: (*) int64/int32 class indices; ignore_index marks tokens to skip.
+        bias: optional (V,). class_weight: optional (V,), as `weight=` of F.cross_entropy.
+        shift: pair hidden[..., t, :] with target[..., t + 1] (causal LM); hidden is not
+            copied, the last position of each sequence is ignored.
+        Other options: see API.md.
+
+    Returns:
+        float32 loss: () for "mean"/"sum", target.shape for "none".
+    """
+    if shift:
+        check_inputs(hidden, weight, target, bias, class_weight)
+        if target.dim() == 0:
+            raise ValueError("shift=True needs target with a sequence dimension, got a 0-d tensor")
+        target = shift_targets(target, ignore_index)
+    return torch.ops.fce.linear_ce(
+        hidden, weight, target, bias, class_weight, ignore_index=ignore_index,
+        reduction=reduction, label_smoothing=label_smoothing, softcap=softcap, z_loss=z_loss,
+        accumulator=accumulator)

@@ -1,0 +1,5 @@
+"""Registers the fce:: ops: schemas, fake kernels, autograd and per-device kernels."""
+
+from . import schema  # noqa: F401  (defines the ops; must come first)
+from . import autograd, cpu, fake, linear_ce  # noqa: F401
+from .reference import linear_ce_reference  # noqa: F401

@@ -1,0 +1,60 @@
+"""Cross-token sums of the weight gradient, at the precision `accumulator` asks for.
+
+  "fp32"  float32 sum (also whenever the weight itself is float32: master weights get
+          their gradient summed straight into float32).
+  "kahan" sum in the input dtype plus a compensation term of the same dtype.
+  "input" plain sum in the input dtype.
+Each chunk's partial product a.T @ b is formed with float32 accumulation in all modes.
+"""
+
+import torch
+
+# Kahan updates go through float32 partials of at most this many elements, so the
+# "kahan" mode never holds a weight-sized float32 buffer.
+_KAHAN_BLOCK_ELEMS = 1 << 24
+
+
+def _mm_f32(a_t, b):
+    """a_t @ b with float32 output from low-precision operands."""
+    if a_t.device.type == "cuda":
+        return torch.mm(a_t, b, out_dtype=torch.float32)
+    return a_t.float() @ b.float()
+
+
+class GradAccumulator:
+    """Accumulates sum over chunks of a.T @ b into a (V, D) buffer."""
+
+    def __init__(self, mode, shape, compute_dtype, weight_dtype, device):
+        exact = compute_dtype in (torch.float32, torch.float64)
+        self.sum_dtype = compute_dtype if exact else (
+            torch.float32 if mode == "fp32" or weight_dtype == torch.float32 else compute_dtype
+        )
+        self.acc = torch.zeros(shape, dtype=self.sum_dtype, device=device)
+        self.comp = (
+            torch.zeros_like(self.acc) if mode == "kahan" and self.sum_dtype == compute_dtype
+            and not exact else None
+        )
+
+    def add(self, a, b):
+        """acc += a.T @ b for a (n, V), b (n, D) in the compute dtype."""
+        if self.comp is not None:
+            return self._kahan_add(a, b)
+        if self.sum_dtype == a.dtype:
+            self.acc.addmm_(a.t(), b)
+        elif a.device.type == "cuda":
+            torch.addmm(self.acc, a.t(), b, out_dtype=torch.float32, out=self.acc)
+        else:
+            self.acc.addmm_(a.t().float(), b.float())
+
+    def _kahan_add(self, a, b):
+        rows = max(1, _KAHAN_BLOCK_ELEMS // max(1, b.shape[1]))
+        for v in range(0, self.acc.shape[0], rows):
+            acc, comp = self.acc[v:v + rows], self.comp[v:v + rows]
+            y = _mm_f32(a[:, v:v + rows].t(), b) - comp.float()
+            t = acc.float() + y
+            new = t.to(acc.dtype)
+            comp.copy_((new.float() - acc.float()) - y)
+            acc.copy_(new)
+
+    def result(self, dtype):
+        return self.acc.to(dtype)

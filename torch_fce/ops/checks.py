@@ -1,0 +1,88 @@
+"""Argument checks shared by the op's entry point and its fake kernels.
+
+Everything here works on fake/symbolic tensors too, so bad input fails at trace
+time with the same message as in eager mode. Shape checks go through
+`torch._check_with`, which accepts SymBools without specialising.
+"""
+
+import torch
+
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+TARGET_DTYPES = (torch.int64, torch.int32)
+REDUCTIONS = ("mean", "sum", "none")
+ACCUMULATORS = ("fp32", "kahan", "input")
+
+
+def _value(cond, msg):
+    torch._check_with(ValueError, cond, lambda: msg)
+
+
+def check_options(reduction, label_smoothing, softcap, z_loss, accumulator, ignore_index=-100):
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if accumulator not in ACCUMULATORS:
+        raise ValueError(f"accumulator must be one of {ACCUMULATORS}, got {accumulator!r}")
+    if not isinstance(ignore_index, (int, torch.SymInt)) or isinstance(ignore_index, bool):
+        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    if not 0.0 <= float(label_smoothing) <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+    if softcap is not None and not float(softcap) > 0.0:
+        raise ValueError(f"softcap must be None or > 0, got {softcap}")
+    if not float(z_loss) >= 0.0:
+        raise ValueError(f"z_loss must be >= 0, got {z_loss}")
+
+
+def _check_tensor(name, t):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a Tensor, got {type(t).__name__}")
+
+
+def check_inputs(hidden, weight, target, bias, class_weight):
+    """Checks shapes, dtypes and devices; hidden (*, D), weight (V, D), target (*)."""
+    for name, t in (("hidden", hidden), ("weight", weight), ("target", target)):
+        _check_tensor(name, t)
+    if hidden.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"hidden must be bfloat16, float16 or float32, got {hidden.dtype}")
+    if weight.dtype not in (hidden.dtype, torch.float32):
+        raise TypeError(
+            f"weight must have hidden's dtype ({hidden.dtype}) or float32, got {weight.dtype}"
+        )
+    if target.dtype not in TARGET_DTYPES:
+        raise TypeError(f"target must be int64 or int32, got {target.dtype}")
+    if hidden.dim() < 1:
+        raise ValueError("hidden must have shape (*, D), got a 0-d tensor")
+    if weight.dim() != 2:
+        raise ValueError(f"weight must have shape (V, D), got {tuple(weight.shape)}")
+    if target.dim() != hidden.dim() - 1:
+        raise ValueError(
+            f"target must have hidden's leading shape {tuple(hidden.shape[:-1])}, "
+            f"got {tuple(target.shape)}"
+        )
+    _value(
+        weight.shape[1] == hidden.shape[-1],
+        f"weight must have shape (V, D) with D = hidden.shape[-1] = {hidden.shape[-1]}, "
+        f"got {tuple(weight.shape)}",
+    )
+    for i in range(target.dim()):
+        _value(
+            target.shape[i] == hidden.shape[i],
+            f"target must have hidden's leading shape {tuple(hidden.shape[:-1])}, "
+            f"got {tuple(target.shape)}",
+        )
+    V = weight.shape[0]
+    for name, t, dtypes in (
+        ("bias", bias, (hidden.dtype, weight.dtype)),
+        ("class_weight", class_weight, FLOAT_DTYPES),
+    ):
+        if t is None:
+            continue
+        _check_tensor(name, t)
+        if t.dtype not in dtypes:
+            raise TypeError(f"{name} must have dtype in {dtypes}, got {t.dtype}")
+        if t.dim() != 1:
+            raise ValueError(f"{name} must have shape (V,) = ({V},), got {tuple(t.shape)}")
+        _value(t.shape[0] == V, f"{name} must have shape (V,) = ({V},), got {tuple(t.shape)}")
+    for name, t in (("weight", weight), ("target", target), ("bias", bias),
+                    ("class_weight", class_weight)):
+        if t is not None and t.device != hidden.device:
+            raise ValueError(f"{name} is on {t.device} but hidden is on {hidden.device}")

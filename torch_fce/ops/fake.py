@@ -1,0 +1,35 @@
+"""Fake (meta) kernels: output shapes and dtypes only, plus the argument checks."""
+
+import torch
+
+from .checks import check_inputs, check_options
+from .chunked import grad_dtype
+
+
+def _grads(hidden, weight, bias, needs_grad, keep_f32):
+    empty = hidden.new_empty(0)
+    return (
+        hidden.new_empty(hidden.shape) if needs_grad[0] else empty,
+        weight.new_empty(weight.shape, dtype=grad_dtype(weight.dtype, keep_f32))
+        if needs_grad[1] else empty,
+        bias.new_empty(bias.shape, dtype=grad_dtype(bias.dtype, keep_f32))
+        if needs_grad[2] else empty,
+    )
+
+
+@torch.library.register_fake("fce::linear_ce_fwd")
+def _linear_ce_fwd_fake(hidden, weight, target, bias, class_weight, ignore_index, reduction,
+                        label_smoothing, softcap, z_loss, accumulator, needs_grad):
+    check_options(reduction, label_smoothing, softcap, z_loss, accumulator, ignore_index)
+    check_inputs(hidden, weight, target, bias, class_weight)
+    shape = target.shape if reduction == "none" else ()
+    loss = hidden.new_empty(shape, dtype=torch.float32)
+    return (loss, *_grads(hidden, weight, bias, needs_grad, accumulator == "fp32"))
+
+
+@torch.library.register_fake("fce::linear_ce_bwd")
+def _linear_ce_bwd_fake(grad_loss, hidden, weight, target, bias, class_weight, ignore_index,
+                        label_smoothing, softcap, z_loss, accumulator, needs_grad):
+    check_options("none", label_smoothing, softcap, z_loss, accumulator, ignore_index)
+    check_inputs(hidden, weight, target, bias, class_weight)
+    return _grads(hidden, weight, bias, needs_grad, keep_f32=False)

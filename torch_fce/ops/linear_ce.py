@@ -1,0 +1,37 @@
+"""fce::linear_ce: validates, applies autocast, flattens and picks the gradient strategy."""
+
+import torch
+
+from .checks import check_inputs, check_options
+from .schema import LIB
+
+
+def _autocast(hidden, weight, bias):
+    """As F.linear under torch.autocast: products in the autocast dtype.
+
+    A float32 weight stays float32 (master weights): the kernels run the products in
+    hidden's dtype and sum its gradient straight into float32.
+    """
+    device = hidden.device.type
+    if not torch.is_autocast_enabled(device) or hidden.dtype == torch.float64:
+        return hidden, weight, bias
+    dtype = torch.get_autocast_dtype(device)
+    cast = lambda t: t if t is None or t.dtype == torch.float32 else t.to(dtype)  # noqa: E731
+    return hidden.to(dtype), cast(weight), cast(bias)
+
+
+@torch.library.impl(LIB, "linear_ce", "CompositeImplicitAutograd")
+def linear_ce(hidden, weight, target, bias=None, class_weight=None, *, ignore_index=-100,
+              reduction="mean", label_smoothing=0.0, softcap=None, z_loss=0.0,
+              accumulator="fp32"):
+    check_options(reduction, label_smoothing, softcap, z_loss, accumulator, ignore_index)
+    check_inputs(hidden, weight, target, bias, class_weight)
+    hidden, weight, bias = _autocast(hidden, weight, bias)
+    # Scalar losses get their gradients in the forward (one GEMM fewer); per-token
+    # losses need the upstream gradient first, so they recompute in the backward.
+    grad = torch.is_grad_enabled() and reduction != "none"
+    needs = [grad and t is not None and t.requires_grad for t in (hidden, weight, bias)]
+    loss = torch.ops.fce.linear_ce_fwd(
+        hidden.reshape(-1, hidden.shape[-1]), weight, target.reshape(-1), bias, class_weight,
+        ignore_index, reduction, label_smoothing, softcap, z_loss, accumulator, needs)[0]
+    return loss.reshape(target.shape) if reduction == "none" else loss

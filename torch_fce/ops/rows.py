@@ -1,0 +1,59 @@
+"""Per-row loss math in plain PyTorch: the CPU backend's counterpart of the Triton row kernel.
+
+For a chunk of logits rows z (n, V) (after bias), with p = softmax(softcap(z)):
+  lse    = logsumexp(softcap(z))
+  nll    = w_y * (lse - z_y)                 (0 where ignored)
+  smooth = sum_c w_c * (lse - z_c)           (0 where ignored; only with label smoothing)
+  dz_c   = [p_c * A - B * [c == y] - C * w_c] * softcap'(z_c)
+with A = s * ((1 - eps) * w_y + eps * W / V) + 2 * t * lse, B = s * (1 - eps) * w_y,
+C = s * eps / V, W = sum_c w_c, s the per-token CE gradient scale and t the per-token
+z-loss scale (see tokens.grad_scales).
+"""
+
+from typing import NamedTuple, Optional
+
+import torch
+
+
+class RowOptions(NamedTuple):
+    ignore_index: int
+    label_smoothing: float
+    softcap: Optional[float]
+
+
+def torch_rows(logits, target, class_weight, ce_scale, z_scale, opts, math_dtype):
+    """Returns (lse, nll, smooth, dz) for logits (n, V); dz is None without ce_scale.
+
+    ce_scale/z_scale: (n,) math_dtype. dz has logits' dtype.
+    """
+    n, V = logits.shape
+    eps = opts.label_smoothing
+    z = logits.to(math_dtype)
+    if opts.softcap is not None:
+        tanh = torch.tanh(z / opts.softcap)
+        z = tanh * opts.softcap
+    lse = torch.logsumexp(z, dim=-1)
+    valid = target != opts.ignore_index
+    tgt = torch.where(valid, target, 0).long()
+    cw = None if class_weight is None else class_weight.to(math_dtype)
+    w_y = valid.to(math_dtype) if cw is None else torch.where(valid, cw[tgt], 0.0)
+    z_y = z.gather(1, tgt[:, None]).squeeze(1)
+    nll = w_y * (lse - z_y)
+    W = float(V) if cw is None else cw.sum()
+    if eps > 0.0:
+        zsum = z.sum(-1) if cw is None else z @ cw
+        smooth = torch.where(valid, W * lse - zsum, 0.0)
+    else:
+        smooth = torch.zeros_like(lse)
+    if ce_scale is None:
+        return lse, nll, smooth, None
+
+    a = ce_scale * ((1.0 - eps) * w_y + (eps / V) * W) + 2.0 * z_scale * lse
+    dz = torch.exp(z - lse[:, None]) * a[:, None]
+    dz.scatter_add_(1, tgt[:, None], (-ce_scale * (1.0 - eps) * w_y)[:, None])
+    if eps > 0.0:
+        c = (ce_scale * (eps / V))[:, None]
+        dz -= c if cw is None else c * cw[None, :]
+    if opts.softcap is not None:
+        dz *= 1.0 - tanh * tanh
+    return lse, nll, smooth, dz.to(logits.dtype)

@@ -1,0 +1,39 @@
+"""Every fce:: schema in one place.
+
+`linear_ce` is the public op (../../API.md). It is CompositeImplicitAutograd: under
+autograd and tracing it decomposes into the two internal ops below, which carry the
+fake kernels, the per-device kernels and the autograd formula. That split is what lets
+the forward compute the gradients (3 matmuls instead of 4) when the loss is a scalar,
+while `torch.ops.fce.linear_ce` itself stays one node in pre-grad graphs.
+"""
+
+import torch
+
+LIB = torch.library.Library("fce", "DEF")
+
+
+LIB.define(
+    "linear_ce(Tensor hidden, Tensor weight, Tensor target, Tensor? bias=None, "
+    "Tensor? class_weight=None, *, SymInt ignore_index=-100, str reduction=\"mean\", "
+    "float label_smoothing=0.0, float? softcap=None, float z_loss=0.0, "
+    "str accumulator=\"fp32\") -> Tensor"
+)
+
+# hidden (N, D), target (N,). Returns the loss (() or (N,)) and, for the inputs flagged
+# in needs_grad, the gradients of the loss with unit upstream gradient ((0,) otherwise;
+# never requested for reduction "none"). grad_weight and grad_bias are float32 with the
+# "fp32" accumulator (rounded once, in the backward), else in weight's dtype.
+LIB.define(
+    "linear_ce_fwd(Tensor hidden, Tensor weight, Tensor target, Tensor? bias, "
+    "Tensor? class_weight, SymInt ignore_index, str reduction, float label_smoothing, "
+    "float? softcap, float z_loss, str accumulator, bool[3] needs_grad) "
+    "-> (Tensor loss, Tensor grad_hidden, Tensor grad_weight, Tensor grad_bias)"
+)
+
+# Gradients for a per-token upstream gradient grad_loss (N,), as for reduction "none".
+LIB.define(
+    "linear_ce_bwd(Tensor grad_loss, Tensor hidden, Tensor weight, Tensor target, "
+    "Tensor? bias, Tensor? class_weight, SymInt ignore_index, float label_smoothing, "
+    "float? softcap, float z_loss, str accumulator, bool[3] needs_grad) "
+    "-> (Tensor grad_hidden, Tensor grad_weight, Tensor grad_bias)"
+)

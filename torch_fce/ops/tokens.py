@@ -1,0 +1,54 @@
+"""Per-token scalars: gradient scales for each reduction and the final loss reduction.
+
+The kernels work on one token row at a time and produce per-token terms; everything
+that couples tokens (the "mean" denominators) lives here, as O(N) tensor math, so no
+value ever has to travel to the host.
+"""
+
+import torch
+
+
+def target_weights(target, class_weight, ignore_index, dtype):
+    """Returns (valid (N,) bool, w_y (N,) dtype: class weight of each counted target)."""
+    valid = target != ignore_index
+    if class_weight is None:
+        return valid, valid.to(dtype)
+    safe = torch.where(valid, target, 0).long().clamp(0, class_weight.shape[0] - 1)
+    return valid, torch.where(valid, class_weight.to(dtype)[safe], 0.0)
+
+
+def grad_scales(target, class_weight, ignore_index, reduction, z_loss, dtype, grad_loss=None):
+    """d loss / d (per-token CE term) and d loss / d (per-token lse**2), each (N,) dtype.
+
+    Ignored tokens get exactly 0, so their rows contribute nothing even when a "mean"
+    denominator is 0. grad_loss (N,) is a per-token upstream gradient (reduction "none").
+    """
+    valid, w_y = target_weights(target, class_weight, ignore_index, dtype)
+    zero = torch.zeros((), dtype=dtype, device=target.device)
+    if grad_loss is not None:
+        g = torch.where(valid, grad_loss.to(dtype), zero)
+        return g, g * z_loss
+    if reduction == "mean":
+        ce = torch.where(valid, 1.0 / w_y.sum(), zero)
+        return ce, torch.where(valid, z_loss / valid.sum().to(dtype), zero)
+    ce = valid.to(dtype)
+    return ce, ce * z_loss
+
+
+def reduce_loss(nll, smooth, lse, target, class_weight, ignore_index, reduction,
+                label_smoothing, z_loss, V):
+    """Combines per-token terms (N,) into the loss of API.md's reference formula.
+
+    nll = w_y * (lse - z_y) and smooth = sum_c w_c * (lse - z_c), both 0 where ignored.
+    """
+    valid, w_y = target_weights(target, class_weight, ignore_index, nll.dtype)
+    ce = (1.0 - label_smoothing) * nll
+    if label_smoothing > 0.0:
+        ce = ce + (label_smoothing / V) * smooth
+    zl = torch.where(valid, lse * lse, 0.0) * z_loss if z_loss > 0.0 else None
+    if reduction == "none":
+        return ce if zl is None else ce + zl
+    if reduction == "sum":
+        return ce.sum() if zl is None else ce.sum() + zl.sum()
+    loss = ce.sum() / w_y.sum()
+    return loss if zl is None else loss + zl.sum() / valid.sum()
