@@ -2,7 +2,7 @@
 
 import torch
 
-from .ops.checks import check_inputs
+from .ops.checks import check_inputs, check_options
 
 
 def shift_targets(target, ignore_index):
@@ -28,6 +28,8 @@ def linear_cross_entropy(hidden, weight, target, bias=None, class_weight=None, *
     Returns:
         float32 loss: () for "mean"/"sum", target.shape for "none".
     """
+    # Checked here too: the dispatcher's own type errors would not name the option.
+    check_options(reduction, label_smoothing, softcap, z_loss, accumulator, ignore_index)
     if shift:
         check_inputs(hidden, weight, target, bias, class_weight)
         if target.dim() == 0:

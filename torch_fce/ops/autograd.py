@@ -29,8 +29,22 @@ def _setup_fwd(ctx, inputs, output):
 
 
 def _backward_fwd(ctx, grad_loss, *_):
-    if torch.is_grad_enabled():
-        raise RuntimeError(_NO_DOUBLE)
+    create_graph = torch.is_grad_enabled()
+    with torch.no_grad():
+        grads = _grads(ctx, grad_loss)
+    if create_graph:
+        # As torch.autograd.function.once_differentiable: the gradients are usable,
+        # differentiating them once more raises.
+        grads = [None if g is None else _delayed_error(g) for g in grads]
+    return grads[0], grads[1], None, grads[2], None, None, None, None, None, None, None, None
+
+
+def _delayed_error(t):
+    t = t.detach().requires_grad_()  # the error node needs an input that requires grad
+    return torch._C._functions.DelayedError(_NO_DOUBLE, 1)(t)
+
+
+def _grads(ctx, grad_loss):
     needs = list(ctx.needs_input_grad[:2]) + [ctx.needs_input_grad[3]]
     if ctx.reduction == "none":
         hidden, weight, target, bias, class_weight = ctx.saved_tensors
@@ -41,8 +55,7 @@ def _backward_fwd(ctx, grad_loss, *_):
             (g * grad_loss).to(dtype) if need else None
             for g, dtype, need in zip(ctx.saved_tensors, ctx.dtypes, needs)
         ]
-    gh, gw, gb = (g if need else None for g, need in zip(grads, needs))
-    return gh, gw, None, gb, None, None, None, None, None, None, None, None
+    return [g if need else None for g, need in zip(grads, needs)]
 
 
 torch.library.register_autograd("fce::linear_ce_fwd", _backward_fwd, setup_context=_setup_fwd)

@@ -68,7 +68,7 @@ def linear_ce_fwd(hidden, weight, target, bias, class_weight, ignore_index, redu
             hidden, weight, target, bias, class_weight, opts, needs_grad, ce_scale, z_scale,
             rows, chunk_rows, accumulator)
         loss = reduce_loss(nll, smooth, lse, target, class_weight, ignore_index, reduction,
-                           label_smoothing, z_loss, weight.shape[0]).float()
+                           label_smoothing, z_loss, weight.shape[0]).to(mdt)
     return (loss, *_grad_outputs(hidden, weight, bias, grads, accumulator == "fp32"))
 
 
@@ -94,9 +94,8 @@ def grad_dtype(dtype, keep_f32):
 def _grad_outputs(hidden, weight, bias, grads, keep_f32):
     """Casts gradients to their output dtypes; (0,) placeholders for those not wanted."""
     gh, gw, gb = grads
-    empty = hidden.new_empty(0)
     return (
-        empty if gh is None else gh,
-        empty if gw is None else gw.result(grad_dtype(weight.dtype, keep_f32)),
-        empty if gb is None else gb.to(grad_dtype(bias.dtype, keep_f32)),
+        hidden.new_empty(0) if gh is None else gh,
+        hidden.new_empty(0) if gw is None else gw.result(grad_dtype(weight.dtype, keep_f32)),
+        hidden.new_empty(0) if gb is None else gb.to(grad_dtype(bias.dtype, keep_f32)),
     )

@@ -7,13 +7,12 @@ from .chunked import grad_dtype
 
 
 def _grads(hidden, weight, bias, needs_grad, keep_f32):
-    empty = hidden.new_empty(0)
     return (
-        hidden.new_empty(hidden.shape) if needs_grad[0] else empty,
+        hidden.new_empty(hidden.shape) if needs_grad[0] else hidden.new_empty(0),
         weight.new_empty(weight.shape, dtype=grad_dtype(weight.dtype, keep_f32))
-        if needs_grad[1] else empty,
+        if needs_grad[1] else hidden.new_empty(0),
         bias.new_empty(bias.shape, dtype=grad_dtype(bias.dtype, keep_f32))
-        if needs_grad[2] else empty,
+        if needs_grad[2] else hidden.new_empty(0),
     )
 
 
@@ -23,7 +22,8 @@ def _linear_ce_fwd_fake(hidden, weight, target, bias, class_weight, ignore_index
     check_options(reduction, label_smoothing, softcap, z_loss, accumulator, ignore_index)
     check_inputs(hidden, weight, target, bias, class_weight)
     shape = target.shape if reduction == "none" else ()
-    loss = hidden.new_empty(shape, dtype=torch.float32)
+    # float32 (float64 for float64 inputs, which exist for gradcheck)
+    loss = hidden.new_empty(shape, dtype=torch.promote_types(hidden.dtype, torch.float32))
     return (loss, *_grads(hidden, weight, bias, needs_grad, accumulator == "fp32"))
 
 

@@ -1,0 +1,70 @@
+"""The Triton row kernel inside the chunked loop, against the float64 reference.
+
+Without a GPU this runs in Triton's interpreter (conftest sets TRITON_INTERPRET=1).
+"""
+
+import pytest
+import torch
+from hypothesis import given, strategies as st
+
+from torch_fce.ops import chunked
+from torch_fce.ops.triton.rows import triton_rows
+from torch_fce.testing import LOSS_TOL, grad_tol, make_inputs, reference_loss_and_grads, rel_err
+
+from .strategies import problems
+
+
+def _triton_loss_and_grads(x, options, accumulator, chunk_rows, grad_out):
+    h = x["hidden"].reshape(-1, x["hidden"].shape[-1])
+    t = x["target"].reshape(-1)
+    args = (h, x["weight"], t, x["bias"], x["class_weight"], -100)
+    rest = (options["label_smoothing"], options["softcap"], options["z_loss"], accumulator,
+            [True, True, x["bias"] is not None])
+    kw = dict(rows=triton_rows, chunk_rows=chunk_rows)
+    if options["reduction"] == "none":
+        loss = chunked.linear_ce_fwd(*args, "none", *rest[:-1], [False] * 3, **kw)[0]
+        grads = chunked.linear_ce_bwd(grad_out.reshape(-1), *args, *rest, **kw)
+    else:
+        loss, *grads = chunked.linear_ce_fwd(*args, options["reduction"], *rest, **kw)
+        grads = [g * grad_out for g in grads]
+    return loss, dict(zip(("hidden", "weight", "bias"), grads))
+
+
+@given(problems(dtypes=(torch.float32, torch.float16, torch.bfloat16), vocab=(2, 31, 97)),
+       st.sampled_from(["fp32", "kahan", "input"]), st.sampled_from([1, 5, 64]))
+def test_triton_rows_match_reference(problem, accumulator, chunk_rows):
+    x, options = problem
+    N = x["target"].numel()
+    g = torch.randn(N) if options["reduction"] == "none" else torch.tensor(1.7)
+    loss, grads = _triton_loss_and_grads(x, options, accumulator, chunk_rows, g)
+    ref_loss, ref_grads = reference_loss_and_grads(**x, grad_out=g, **options)
+    counted = int((x["target"] != -100).sum())
+    if options["reduction"] == "mean" and counted == 0:
+        assert torch.isnan(loss)
+        return
+    assert rel_err(loss.reshape(ref_loss.shape), ref_loss) <= LOSS_TOL
+    dtype = x["hidden"].dtype
+    # bf16/fp16 sums across chunks in "input" mode round once per chunk.
+    chunks = -(-N // chunk_rows) if accumulator == "input" else 1
+    tol = grad_tol(dtype, max(N, x["weight"].shape[0])) * max(1, chunks.bit_length())
+    for name, grad in grads.items():
+        if x[name] is not None:
+            assert rel_err(grad, ref_grads[name]) <= tol, name
+
+
+def test_triton_rows_out_of_range_target_gives_nan_not_a_crash():
+    x = make_inputs(4, 3, 11, torch.float32, ignore_frac=0.0)
+    x["target"][1] = 11
+    loss = chunked.linear_ce_fwd(x["hidden"], x["weight"], x["target"], None, None, -100,
+                                 "none", 0.0, None, 0.0, "fp32", [False] * 3,
+                                 rows=triton_rows, chunk_rows=4)[0]
+    assert torch.isnan(loss[1]) and torch.isfinite(loss[[0, 2, 3]]).all()
+
+
+@pytest.mark.cuda
+def test_triton_backend_is_registered_for_cuda():
+    x = make_inputs(64, 16, 1000, torch.bfloat16, device="cuda")
+    loss = torch.ops.fce.linear_ce(x["hidden"], x["weight"], x["target"])
+    ref, _ = reference_loss_and_grads(**{k: v.cpu() if v is not None else None
+                                         for k, v in x.items()})
+    assert rel_err(loss.cpu(), ref) <= LOSS_TOL

@@ -1,0 +1,243 @@
+"""python -m torch_fce.bench: fused linear + cross-entropy, methods x shapes.
+
+Per method: forward+backward median time, the time of one (N, D) x (D, V) matmul in the
+same run and the ratio, peak memory beyond inputs and gradients, and the relative L2
+error of loss, dE (hidden gradient) and dW (weight gradient) against a float32
+reference computed from the same inputs. Prints one table; --json writes the rows with
+the machine, versions and git SHA; --plot writes PNG bar charts (needs matplotlib).
+"""
+
+import argparse
+import dataclasses
+import json
+import platform
+import subprocess
+import sys
+
+import torch
+import torch.nn.functional as F
+
+import torch_fce
+from torch_fce.measure import median_time, peak_extra_bytes
+from torch_fce.testing import make_inputs, rel_err
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    name: str
+    N: int
+    D: int
+    V: int
+
+
+SHAPES = {
+    "cpu": Shape("cpu", 8192, 512, 32000),
+    "tiny": Shape("tiny", 256, 64, 1000),
+    "A": Shape("A", 16384, 4096, 128256),
+    "B": Shape("B", 8192, 2304, 256000),
+    "C": Shape("C", 32768, 4096, 151936),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+    shape: str
+    N: int
+    D: int
+    V: int
+    dtype: str
+    method: str
+    ms: float
+    mm_ms: float
+    x_mm: float
+    extra_mib: float
+    loss_err: float
+    dE_err: float
+    dW_err: float
+
+
+def _torch_unfused(h, w, t):
+    # As HF: logits in the input dtype, upcast to float32 for the loss.
+    return F.cross_entropy(F.linear(h, w).float(), t, ignore_index=-100)
+
+
+def _fce(accumulator):
+    return lambda h, w, t: torch_fce.linear_cross_entropy(h, w, t, accumulator=accumulator)
+
+
+def _liger():
+    from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+    loss = LigerFusedLinearCrossEntropyLoss(ignore_index=-100)
+    return lambda h, w, t: loss(w, h, t)
+
+
+def _cce():
+    from cut_cross_entropy import linear_cross_entropy
+
+    return lambda h, w, t: linear_cross_entropy(h, w, t, ignore_index=-100)
+
+
+def methods(device, with_compile):
+    """Name -> loss function (hidden, weight, target) for every method available here."""
+    out = {"torch": _torch_unfused}
+    if with_compile:
+        out["torch.compile"] = torch.compile(_torch_unfused, fullgraph=True)
+    if device == "cuda":
+        for name, make in (("liger", _liger), ("cce", _cce)):
+            try:
+                out[name] = make()
+            except ImportError:
+                pass
+    for acc in ("fp32", "kahan", "input"):
+        out[f"fce-{acc}"] = _fce(acc)
+    return out
+
+
+def _reference(x):
+    """float32 loss and gradients from the same (rounded) inputs, logits materialised."""
+    h = x["hidden"].float().requires_grad_()
+    w = x["weight"].float().requires_grad_()
+    loss = F.cross_entropy(F.linear(h, w), x["target"], ignore_index=-100)
+    loss.backward()
+    return loss.detach(), h.grad, w.grad
+
+
+def _run(fn, x):
+    h = x["hidden"].detach().requires_grad_()
+    w = x["weight"].detach().requires_grad_()
+    loss = fn(h, w, x["target"])
+    loss.backward()
+    return loss.detach(), h.grad, w.grad
+
+
+def bench_shape(shape, dtype, device, fns, reps, progress):
+    x = make_inputs(shape.N, shape.D, shape.V, dtype, device=device, weight_scale=2.0)
+    old_tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    ref = _reference(x)
+    torch.backends.cuda.matmul.allow_tf32 = old_tf32
+    mm = median_time(lambda: x["hidden"] @ x["weight"].T, device, reps=reps)
+    rows = []
+    for name, fn in fns.items():
+        progress(f"{shape.name} {name}")
+        try:
+            out = _run(fn, x)  # warm-up (compiles) and the error sample
+            t = median_time(lambda: _run(fn, x), device, reps=reps, warmup=1)
+            # Gradients are the caller's; what a method holds beyond them is its cost.
+            grads = x["hidden"].numel() + x["weight"].numel()
+            mem = peak_extra_bytes(lambda: _run(fn, x), device) - grads * x["hidden"].element_size()
+        except Exception as e:  # a peer failing on a shape is a result, not a crash
+            print(f"  {name} failed on {shape.name}: {type(e).__name__}: {e}", file=sys.stderr)
+            continue
+        errs = [rel_err(a, b) for a, b in zip(out, ref)]
+        rows.append(Result(shape.name, shape.N, shape.D, shape.V, str(dtype).split(".")[-1],
+                           name, t * 1e3, mm * 1e3, t / mm, max(mem, 0) / 2**20, *errs))
+        del out
+    return rows
+
+
+def _cpu_name():
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next(line.split(":", 1)[1].strip() for line in f
+                         if line.startswith("model name"))
+    except (OSError, StopIteration):
+        model = platform.machine()
+    return f"{model}, {torch.get_num_threads()} threads"
+
+
+def environment():
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, check=False).stdout.strip()
+    except OSError:
+        sha = ""
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else _cpu_name()
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    return dict(device=gpu, torch=torch.__version__, triton=triton_version, git=sha,
+                python=platform.python_version())
+
+
+def print_table(rows):
+    head = f"{'shape':6} {'method':14} {'ms':>9} {'x mm':>6} {'extra MiB':>10} " \
+           f"{'loss err':>9} {'dE err':>8} {'dW err':>8}"
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        print(f"{r.shape:6} {r.method:14} {r.ms:9.2f} {r.x_mm:6.2f} {r.extra_mib:10.1f} "
+              f"{r.loss_err:9.2e} {r.dE_err:8.2e} {r.dW_err:8.2e}")
+
+
+def plot(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shapes = sorted({r.shape for r in rows}, key=[r.shape for r in rows].index)
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for ax, field, label in zip(axes, ("x_mm", "extra_mib", "dW_err"),
+                                ("time / one matmul", "extra memory (MiB)", "dW rel. error")):
+        names = sorted({r.method for r in rows}, key=[r.method for r in rows].index)
+        width = 0.8 / len(names)
+        for i, m in enumerate(names):
+            vals = [next((getattr(r, field) for r in rows if r.shape == s and r.method == m),
+                         0.0) for s in shapes]
+            ax.bar([j + i * width for j in range(len(shapes))], vals, width, label=m)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(shapes))], shapes)
+        ax.set_title(label)
+        if field != "x_mm":
+            ax.set_yscale("log")
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m torch_fce.bench", description=__doc__)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--shapes", default=None,
+                   help="comma-separated names from %s or N:D:V (default: A,B,C on "
+                        "CUDA, cpu on CPU)" % ",".join(SHAPES))
+    p.add_argument("--dtype", default=None, help="bfloat16 (CUDA default) or float32 (CPU)")
+    p.add_argument("--methods", default=None, help="comma-separated subset of the methods")
+    p.add_argument("--compile", action="store_true", help="include torch.compile")
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--json", default=None, help="write rows + environment here")
+    p.add_argument("--plot", default=None, help="write a PNG here (needs matplotlib)")
+    args = p.parse_args(argv)
+    cuda = args.device == "cuda"
+    dtype = getattr(torch, args.dtype or ("bfloat16" if cuda else "float32"))
+    names = (args.shapes or ("A,B,C" if cuda else "cpu")).split(",")
+    shapes = [SHAPES[n] if n in SHAPES else Shape(n, *map(int, n.split(":"))) for n in names]
+    fns = methods(args.device, args.compile)
+    if args.methods:
+        fns = {k: v for k, v in fns.items() if k in args.methods.split(",")}
+    total, done = len(shapes) * len(fns), [0]
+
+    def progress(what):
+        done[0] += 1
+        print(f"[{done[0]:3d}/{total}] {what}", file=sys.stderr, flush=True)
+
+    rows = []
+    for shape in shapes:
+        rows += bench_shape(shape, dtype, args.device, fns, args.reps, progress)
+    env = environment()
+    print(f"# {env}")
+    print_table(rows)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(environment=env, rows=[dataclasses.asdict(r) for r in rows]), f,
+                      indent=1)
+    if args.plot:
+        plot(rows, args.plot)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""Time and peak-memory measurement for the main job and the benchmarks.
+
+CUDA: the caching allocator's peak. CPU: the process's resident-set high-water mark
+(Linux), with glibc told to serve every allocation of 64 KiB or more by mmap so freed
+tensors leave the resident set at once instead of lingering in malloc's heap.
+"""
+
+import ctypes
+import gc
+import statistics
+import time
+
+import torch
+
+_M_MMAP_THRESHOLD = -3
+_pinned = False
+
+
+def _pin_mmap_threshold():
+    global _pinned
+    if not _pinned:
+        try:
+            ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, 1 << 16)
+        except OSError:
+            pass
+        _pinned = True
+
+
+def _status_kib(field):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def peak_extra_bytes(fn, device):
+    """Peak memory fn() allocates beyond what is live when it starts, in bytes."""
+    gc.collect()
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        fn()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+    _pin_mmap_threshold()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets the high-water mark VmHWM to the current RSS
+    base = _status_kib("VmRSS")
+    fn()
+    return (_status_kib("VmHWM") - base) * 1024
+
+
+def median_time(fn, device, reps=5, warmup=1):
+    """Median wall time of fn() in seconds (device-synchronised)."""
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)

@@ -1,0 +1,33 @@
+"""The CUDA backend: the chunked loop with cuBLAS GEMMs and the Triton row kernel."""
+
+import torch
+
+from . import chunked
+from .rows import torch_rows
+from .triton.rows import triton_rows
+
+# Bytes of one logits chunk (its gradient is written over it): a fixed workspace.
+WORKSPACE_BYTES = 256 << 20
+
+
+def _rows(dtype):
+    return torch_rows if dtype == torch.float64 else triton_rows
+
+
+def chunk_rows(V, dtype):
+    rows = WORKSPACE_BYTES // (V * torch.empty((), dtype=dtype).element_size())
+    return max(1, rows // 128 * 128 if rows >= 128 else rows)
+
+
+@torch.library.impl("fce::linear_ce_fwd", "CUDA")
+def linear_ce_fwd(hidden, weight, target, bias, class_weight, *options):
+    return chunked.linear_ce_fwd(
+        hidden, weight, target, bias, class_weight, *options, rows=_rows(hidden.dtype),
+        chunk_rows=chunk_rows(weight.shape[0], hidden.dtype))
+
+
+@torch.library.impl("fce::linear_ce_bwd", "CUDA")
+def linear_ce_bwd(grad_loss, hidden, weight, target, bias, class_weight, *options):
+    return chunked.linear_ce_bwd(
+        grad_loss, hidden, weight, target, bias, class_weight, *options, rows=_rows(hidden.dtype),
+        chunk_rows=chunk_rows(weight.shape[0], hidden.dtype))

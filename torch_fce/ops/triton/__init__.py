@@ -1,0 +1,1 @@
+"""Triton kernels (no autograd, no torch.library: the launchers are called by backends)."""

@@ -1,0 +1,131 @@
+"""Triton row kernel: logsumexp, loss terms and the logits gradient of a logits chunk.
+
+One program per token row, two sweeps over the vocabulary: the first forms the
+logsumexp online (and the sums label smoothing needs), the second writes the logits
+gradient over the logits in place, so a chunk is read twice and written once, in its
+own dtype, with no float32 copy. The math is that of rows.torch_rows.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+# Finite "minus infinity": keeps (m_old - m_new) finite for rows that are -inf so far.
+_NEG_BIG = tl.constexpr(-1.0e30)
+
+
+@triton.jit
+def _tanh(x):
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+@triton.jit
+def _load_z(ptrs, mask, softcap, HAS_SOFTCAP: tl.constexpr):
+    z = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_SOFTCAP:
+        z = softcap * _tanh(z / softcap)
+    return tl.where(mask, z, float("-inf"))
+
+
+@triton.jit
+def _linear_ce_rows_kernel(
+    # pointers
+    logits_ptr, target_ptr, class_weight_ptr, weight_sum_ptr, ce_scale_ptr, z_scale_ptr,
+    lse_ptr, nll_ptr, smooth_ptr,
+    # sizes and options
+    V, ignore_index, label_smoothing, softcap,
+    # strides
+    stride_ln,
+    # meta-parameters
+    HAS_GRAD: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_CLASS_WEIGHT: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """logits (n, V) -> lse, nll, smooth (n,) float32; with HAS_GRAD, logits <- dz."""
+    # int64: row * stride_ln passes 2^31 for chunks of large vocabularies.
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = logits_ptr + row * stride_ln
+    t = tl.load(target_ptr + row).to(tl.int64)
+    valid = t != ignore_index
+    in_range = (t >= 0) & (t < V)
+    cols = tl.arange(0, BLOCK_V)
+
+    # ---- sweep 1: online logsumexp and the weighted logit sum -------------------
+    m = tl.max(tl.full([BLOCK_V], _NEG_BIG, tl.float32), axis=0)
+    s = tl.sum(tl.zeros([BLOCK_V], tl.float32), axis=0)
+    zsum = tl.zeros([BLOCK_V], tl.float32)
+    for v0 in range(0, V, BLOCK_V):
+        offs = v0 + cols
+        mask = offs < V
+        z = _load_z(row_ptr + offs, mask, softcap, HAS_SOFTCAP)
+        m_new = tl.maximum(m, tl.max(z, axis=0))
+        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
+        m = m_new
+        if HAS_SMOOTHING:
+            w = tl.load(class_weight_ptr + offs, mask=mask, other=0.0).to(tl.float32) \
+                if HAS_CLASS_WEIGHT else 1.0
+            zsum += tl.where(mask, z * w, 0.0)
+    lse = m + tl.log(s)
+
+    # ---- per-token terms ----------------------------------------------------------
+    t_safe = tl.where(valid & in_range, t, 0)
+    z_y = _load_z(row_ptr + t_safe, True, softcap, HAS_SOFTCAP)
+    w_y = tl.load(class_weight_ptr + t_safe).to(tl.float32) if HAS_CLASS_WEIGHT else 1.0
+    # Out-of-range targets never read out of bounds: they poison the row with NaN.
+    w_y = tl.where(in_range, w_y, float("nan"))
+    w_y = tl.where(valid, w_y, 0.0)
+    w_sum = tl.load(weight_sum_ptr).to(tl.float32) if HAS_CLASS_WEIGHT else V * 1.0
+    tl.store(lse_ptr + row, lse)
+    tl.store(nll_ptr + row, tl.where(valid, w_y * (lse - z_y), 0.0))
+    smooth = tl.where(valid, w_sum * lse - tl.sum(zsum, axis=0), 0.0) if HAS_SMOOTHING else 0.0
+    tl.store(smooth_ptr + row, smooth)
+
+    # ---- sweep 2: dz = p * A - B * onehot(y) - C * w, times softcap' -------------------
+    if HAS_GRAD:
+        s_ce = tl.load(ce_scale_ptr + row)
+        s_z = tl.load(z_scale_ptr + row)
+        a = s_ce * ((1.0 - label_smoothing) * w_y + label_smoothing * w_sum / V) \
+            + 2.0 * s_z * lse
+        b = s_ce * (1.0 - label_smoothing) * w_y
+        c = s_ce * label_smoothing / V
+        for v0 in range(0, V, BLOCK_V):
+            offs = v0 + cols
+            mask = offs < V
+            z = _load_z(row_ptr + offs, mask, softcap, HAS_SOFTCAP)
+            dz = tl.exp(z - lse) * a - tl.where(offs == t, b, 0.0)
+            if HAS_SMOOTHING:
+                w = tl.load(class_weight_ptr + offs, mask=mask, other=0.0).to(tl.float32) \
+                    if HAS_CLASS_WEIGHT else 1.0
+                dz -= c * w
+            if HAS_SOFTCAP:
+                th = z / softcap
+                dz *= 1.0 - th * th
+            tl.store(row_ptr + offs, dz.to(logits_ptr.dtype.element_ty), mask=mask)
+
+
+def _block_v(V):
+    return min(4096, triton.next_power_of_2(V))
+
+
+def triton_rows(logits, target, class_weight, ce_scale, z_scale, opts, math_dtype):
+    """Row function for chunked.run_chunks: (lse, nll, smooth, dz), dz written over logits.
+
+    logits (n, V) with unit stride along V, target (n,), ce_scale/z_scale (n,) float32.
+    """
+    n, V = logits.shape
+    assert math_dtype == torch.float32 and logits.stride(1) == 1
+    lse, nll, smooth = (logits.new_empty(n, dtype=torch.float32) for _ in range(3))
+    has_grad = ce_scale is not None
+    cw = class_weight.float() if class_weight is not None else None
+    w_sum = cw.sum() if cw is not None else lse
+    _linear_ce_rows_kernel[(n,)](
+        logits, target, cw if cw is not None else lse, w_sum,
+        ce_scale if has_grad else lse, z_scale if has_grad else lse,
+        lse, nll, smooth,
+        V, opts.ignore_index, opts.label_smoothing,
+        opts.softcap if opts.softcap is not None else 1.0,
+        logits.stride(0),
+        HAS_GRAD=has_grad, HAS_SOFTCAP=opts.softcap is not None,
+        HAS_CLASS_WEIGHT=cw is not None, HAS_SMOOTHING=opts.label_smoothing > 0.0,
+        BLOCK_V=_block_v(V), num_warps=8,
+    )
+    return lse, nll, smooth, logits if has_grad else None

@@ -1,0 +1,75 @@
+"""Input builders, references and tolerances shared by the tests and the benchmarks."""
+
+import torch
+import torch.nn.functional as F
+
+from .ops.reference import logits_ce_reference
+
+# Machine epsilon of each dtype; the tolerances below derive from it.
+EPS = {torch.float64: 2.0 ** -52, torch.float32: 2.0 ** -23, torch.float16: 2.0 ** -10,
+       torch.bfloat16: 2.0 ** -7}
+
+
+def grad_tol(dtype, terms):
+    """Relative L2 error allowed for a gradient against reference_loss_and_grads.
+
+    One epsilon of the output dtype (the result is rounded once to it, and the logits
+    gradient once before the GEMMs, as torch does), or the float32 error of summing
+    `terms` products (random-walk growth, 4 sqrt(terms) epsilons), whichever is larger.
+    """
+    work = EPS[torch.float64 if dtype == torch.float64 else torch.float32]
+    return max(EPS[dtype] if dtype != torch.float64 else 0.0, 4 * work * max(terms, 16) ** 0.5)
+
+# The loss is float32 math on the same rounded logits as the reference.
+LOSS_TOL = 64 * EPS[torch.float32]
+OPTION_NAMES = ("ignore_index", "reduction", "label_smoothing", "softcap", "z_loss")
+
+
+def make_inputs(N, D, V, dtype=torch.float32, *, ignore_frac=1 / 17, bias=False,
+                class_weight=False, weight_dtype=None, device="cpu", seed=0,
+                weight_scale=1.0):
+    """hidden ~ randn/sqrt(D), weight ~ weight_scale * randn, targets uniform with a
+    fraction set to -100. Returns dict(hidden, weight, target, bias, class_weight)."""
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(N, D, generator=g, dtype=torch.float64) / max(D, 1) ** 0.5
+    weight = torch.randn(V, D, generator=g, dtype=torch.float64) * weight_scale
+    target = torch.randint(0, V, (N,), generator=g)
+    target[torch.rand(N, generator=g) < ignore_frac] = -100
+    out = dict(
+        hidden=hidden.to(dtype),
+        weight=weight.to(weight_dtype or dtype),
+        target=target,
+        bias=(torch.randn(V, generator=g, dtype=torch.float64) * 0.5).to(weight_dtype or dtype)
+        if bias else None,
+        class_weight=torch.rand(V, generator=g) + 0.1 if class_weight else None,
+    )
+    return {k: v if v is None else v.to(device) for k, v in out.items()}
+
+
+def rel_err(actual, expected):
+    """Relative L2 error ||a - e|| / ||e|| in float64 (0 when both are 0)."""
+    a, e = actual.detach().double(), expected.detach().double()
+    den = e.norm()
+    return float((a - e).norm() / den) if den > 0 else float((a - e).norm())
+
+
+def reference_loss_and_grads(hidden, weight, target, bias=None, class_weight=None,
+                             grad_out=None, **options):
+    """float64 loss and gradients of API.md's formula with the logits rounded as the op
+    rounds them: products in hidden's dtype, everything after in float64.
+
+    Returns (loss, dict of float64 gradients "hidden", "weight", "bias" for grad_out).
+    """
+    dtype = hidden.dtype
+    w = weight.to(dtype)
+    b = None if bias is None else bias.to(dtype)
+    h2 = hidden.reshape(-1, hidden.shape[-1])
+    z = F.linear(h2, w, b).double().requires_grad_()
+    loss = logits_ce_reference(z, target.reshape(-1), class_weight, **options)
+    g = torch.ones_like(loss) if grad_out is None else grad_out.double().reshape(loss.shape)
+    (dz,) = torch.autograd.grad(loss, z, g)
+    grads = dict(hidden=(dz @ w.double()).reshape(hidden.shape), weight=dz.t() @ h2.double(),
+                 bias=dz.sum(0))
+    if options.get("reduction") == "none":
+        loss = loss.reshape(target.shape)
+    return loss.detach(), grads
