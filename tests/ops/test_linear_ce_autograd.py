@@ -69,3 +69,14 @@ def test_linear_ce_master_weights_and_autocast():
     assert rel_err(loss, ref_loss) <= LOSS_TOL
     for k, v in leaves.items():
         assert rel_err(v.grad, ref[k]) <= grad_tol(torch.bfloat16, 16), k
+
+
+def test_linear_ce_float16_gradients_survive_a_loss_scale():
+    # fp16 logits gradients of a mean over many tokens underflow unless the upstream loss
+    # scale is applied before they are rounded, as torch's unfused path does.
+    x = make_inputs(4096, 8, 2000, torch.float16, ignore_frac=0.0)
+    w = x["weight"].requires_grad_()
+    scale = 2.0 ** 16
+    (torch_fce.linear_cross_entropy(**x) * scale).backward()
+    _, ref = reference_loss_and_grads(**x, grad_out=torch.tensor(scale))
+    assert rel_err(w.grad, ref["weight"]) <= grad_tol(torch.float16, 4096)

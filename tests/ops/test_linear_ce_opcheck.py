@@ -36,4 +36,6 @@ def test_linear_ce_internal_ops_opcheck(needs):
     torch.library.opcheck(torch.ops.fce.linear_ce_fwd.default,
                           (*args, "mean", 0.1, 3.0, 1e-3, "fp32", needs))
     torch.library.opcheck(torch.ops.fce.linear_ce_bwd.default,
-                          (torch.randn(5), *args, 0.1, 3.0, 1e-3, "kahan", needs))
+                          (torch.randn(5), *args, "none", 0.1, 3.0, 1e-3, "kahan", needs))
+    torch.library.opcheck(torch.ops.fce.linear_ce_bwd.default,
+                          (torch.tensor(2.0), *args, "mean", 0.1, 3.0, 1e-3, "fp32", needs))

@@ -9,7 +9,9 @@ Each chunk's partial product a.T @ b is formed with float32 accumulation in all 
 
 import torch
 
-# Kahan updates go through float32 partials of at most this many elements, so the
+# Tests set this to run the Triton Kahan GEMM on CPU tensors (Triton's interpreter).
+_TRITON_ON_CPU = False
+# Off CUDA, Kahan updates go through float32 partials of at most this many elements, so the
 # "kahan" mode never holds a weight-sized float32 buffer.
 _KAHAN_BLOCK_ELEMS = 1 << 24
 
@@ -47,6 +49,10 @@ class GradAccumulator:
             self.acc.addmm_(a.t().float(), b.float())
 
     def _kahan_add(self, a, b):
+        if a.device.type == "cuda" or _TRITON_ON_CPU:
+            from .triton.kahan import _launch_kahan_addmm
+
+            return _launch_kahan_addmm(a, b, self.acc, self.comp)
         rows = max(1, _KAHAN_BLOCK_ELEMS // max(1, b.shape[1]))
         for v in range(0, self.acc.shape[0], rows):
             acc, comp = self.acc[v:v + rows], self.comp[v:v + rows]
@@ -57,4 +63,6 @@ class GradAccumulator:
             acc.copy_(new)
 
     def result(self, dtype):
+        if self.comp is not None:  # the compensation holds minus the lost low-order part
+            return torch.sub(self.acc, self.comp).to(dtype)
         return self.acc.to(dtype)

@@ -1,10 +1,10 @@
 """Autograd formulas of the internal ops (the public op decomposes into them).
 
-reduction "mean"/"sum": the forward already computed the gradients for a unit upstream
-gradient, so the backward only scales them by the (scalar) upstream gradient. Saved
-tensors are never modified, so retain_graph and repeated backwards stay correct.
-reduction "none": the upstream gradient differs per token, so the backward recomputes
-the logits chunk by chunk (fce::linear_ce_bwd).
+When the forward computed the gradients (scalar losses, see linear_ce.py), the backward
+only scales them by the scalar upstream gradient. Saved tensors are never modified, so
+retain_graph and repeated backwards stay correct. Otherwise (reduction "none", float16
+inputs) the backward recomputes the logits chunk by chunk with the upstream gradient
+applied before anything is rounded (fce::linear_ce_bwd).
 """
 
 import torch
@@ -20,12 +20,12 @@ def _setup_fwd(ctx, inputs, output):
     _, gh, gw, gb = output
     ctx.mark_non_differentiable(gh, gw, gb)
     ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
-    ctx.reduction = reduction
-    ctx.options = (ignore_index, label_smoothing, softcap, z_loss, accumulator)
-    if reduction == "none":
-        ctx.save_for_backward(hidden, weight, target, bias, class_weight)
-    else:
+    ctx.precomputed = any(needs_grad)
+    ctx.options = (ignore_index, reduction, label_smoothing, softcap, z_loss, accumulator)
+    if ctx.precomputed:
         ctx.save_for_backward(gh, gw, gb)
+    else:
+        ctx.save_for_backward(hidden, weight, target, bias, class_weight)
 
 
 def _backward_fwd(ctx, grad_loss, *_):
@@ -46,13 +46,12 @@ def _delayed_error(t):
 
 def _grads(ctx, grad_loss):
     needs = list(ctx.needs_input_grad[:2]) + [ctx.needs_input_grad[3]]
-    if ctx.reduction == "none":
-        hidden, weight, target, bias, class_weight = ctx.saved_tensors
-        grads = torch.ops.fce.linear_ce_bwd(
-            grad_loss, hidden, weight, target, bias, class_weight, *ctx.options, needs)
+    if not ctx.precomputed:
+        grads = torch.ops.fce.linear_ce_bwd(grad_loss, *ctx.saved_tensors, *ctx.options, needs)
     else:
+        # Scaled and rounded in one pass: no float32 temporary of the weight's size.
         grads = [
-            (g * grad_loss).to(dtype) if need else None
+            torch.mul(g, grad_loss, out=g.new_empty(g.shape, dtype=dtype)) if need else None
             for g, dtype, need in zip(ctx.saved_tensors, ctx.dtypes, needs)
         ]
     return [g if need else None for g, need in zip(grads, needs)]

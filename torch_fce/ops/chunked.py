@@ -73,13 +73,13 @@ def linear_ce_fwd(hidden, weight, target, bias, class_weight, ignore_index, redu
 
 
 def linear_ce_bwd(grad_loss, hidden, weight, target, bias, class_weight, ignore_index,
-                  label_smoothing, softcap, z_loss, accumulator, needs_grad, *, rows,
-                  chunk_rows):
+                  reduction, label_smoothing, softcap, z_loss, accumulator, needs_grad, *,
+                  rows, chunk_rows):
     """fce::linear_ce_bwd on one device: recomputes the logits chunk by chunk."""
     mdt = math_dtype_for(hidden.dtype)
     opts = RowOptions(ignore_index, label_smoothing, softcap)
     ce_scale, z_scale = grad_scales(
-        target, class_weight, ignore_index, "none", z_loss, mdt, grad_loss=grad_loss)
+        target, class_weight, ignore_index, reduction, z_loss, mdt, grad_loss=grad_loss)
     with torch.autocast(hidden.device.type, enabled=False):
         _, grads = run_chunks(hidden, weight, target, bias, class_weight, opts, needs_grad,
                               ce_scale, z_scale, rows, chunk_rows, accumulator)

@@ -36,9 +36,9 @@ def linear_ce_fwd(hidden, weight, target, bias, class_weight, ignore_index, redu
 
 @torch.library.impl("fce::linear_ce_bwd", "CompositeExplicitAutograd")
 def linear_ce_bwd(grad_loss, hidden, weight, target, bias, class_weight, ignore_index,
-                  label_smoothing, softcap, z_loss, accumulator, needs_grad):
+                  reduction, label_smoothing, softcap, z_loss, accumulator, needs_grad):
     _check_targets(target, weight.shape[0], ignore_index)
     return chunked.linear_ce_bwd(
-        grad_loss, hidden, weight, target, bias, class_weight, ignore_index, label_smoothing,
-        softcap, z_loss, accumulator, needs_grad, rows=torch_rows,
+        grad_loss, hidden, weight, target, bias, class_weight, ignore_index, reduction,
+        label_smoothing, softcap, z_loss, accumulator, needs_grad, rows=torch_rows,
         chunk_rows=_chunk_rows(weight.shape[0]))

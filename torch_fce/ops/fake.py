@@ -29,7 +29,7 @@ def _linear_ce_fwd_fake(hidden, weight, target, bias, class_weight, ignore_index
 
 @torch.library.register_fake("fce::linear_ce_bwd")
 def _linear_ce_bwd_fake(grad_loss, hidden, weight, target, bias, class_weight, ignore_index,
-                        label_smoothing, softcap, z_loss, accumulator, needs_grad):
-    check_options("none", label_smoothing, softcap, z_loss, accumulator, ignore_index)
+                        reduction, label_smoothing, softcap, z_loss, accumulator, needs_grad):
+    check_options(reduction, label_smoothing, softcap, z_loss, accumulator, ignore_index)
     check_inputs(hidden, weight, target, bias, class_weight)
     return _grads(hidden, weight, bias, needs_grad, keep_f32=False)

@@ -27,9 +27,11 @@ def linear_ce(hidden, weight, target, bias=None, class_weight=None, *, ignore_in
     check_options(reduction, label_smoothing, softcap, z_loss, accumulator, ignore_index)
     check_inputs(hidden, weight, target, bias, class_weight)
     hidden, weight, bias = _autocast(hidden, weight, bias)
-    # Scalar losses get their gradients in the forward (one GEMM fewer); per-token
-    # losses need the upstream gradient first, so they recompute in the backward.
-    grad = torch.is_grad_enabled() and reduction != "none"
+    # Scalar losses get their gradients in the forward (one GEMM fewer). Per-token losses
+    # need the upstream gradient first, and so does float16, whose logits gradient would
+    # underflow if rounded before a loss scale (GradScaler) is applied: both recompute
+    # the logits in the backward.
+    grad = torch.is_grad_enabled() and reduction != "none" and hidden.dtype != torch.float16
     needs = [grad and t is not None and t.requires_grad for t in (hidden, weight, bias)]
     loss = torch.ops.fce.linear_ce_fwd(
         hidden.reshape(-1, hidden.shape[-1]), weight, target.reshape(-1), bias, class_weight,

@@ -21,7 +21,7 @@ LIB.define(
 
 # hidden (N, D), target (N,). Returns the loss (() or (N,)) and, for the inputs flagged
 # in needs_grad, the gradients of the loss with unit upstream gradient ((0,) otherwise;
-# never requested for reduction "none"). grad_weight and grad_bias are float32 with the
+# requested only for reduction "mean"/"sum"). grad_weight and grad_bias are float32 with the
 # "fp32" accumulator (rounded once, in the backward), else in weight's dtype.
 LIB.define(
     "linear_ce_fwd(Tensor hidden, Tensor weight, Tensor target, Tensor? bias, "
@@ -30,10 +30,12 @@ LIB.define(
     "-> (Tensor loss, Tensor grad_hidden, Tensor grad_weight, Tensor grad_bias)"
 )
 
-# Gradients for a per-token upstream gradient grad_loss (N,), as for reduction "none".
+# Gradients for the upstream gradient grad_loss of the loss (() or (N,) as the loss),
+# recomputing the logits.
 LIB.define(
     "linear_ce_bwd(Tensor grad_loss, Tensor hidden, Tensor weight, Tensor target, "
-    "Tensor? bias, Tensor? class_weight, SymInt ignore_index, float label_smoothing, "
+    "Tensor? bias, Tensor? class_weight, SymInt ignore_index, str reduction, "
+    "float label_smoothing, "
     "float? softcap, float z_loss, str accumulator, bool[3] needs_grad) "
     "-> (Tensor grad_hidden, Tensor grad_weight, Tensor grad_bias)"
 )

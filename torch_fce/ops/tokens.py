@@ -21,18 +21,20 @@ def grad_scales(target, class_weight, ignore_index, reduction, z_loss, dtype, gr
     """d loss / d (per-token CE term) and d loss / d (per-token lse**2), each (N,) dtype.
 
     Ignored tokens get exactly 0, so their rows contribute nothing even when a "mean"
-    denominator is 0. grad_loss (N,) is a per-token upstream gradient (reduction "none").
+    denominator is 0. grad_loss, when given, is the upstream gradient (() or (N,)).
     """
     valid, w_y = target_weights(target, class_weight, ignore_index, dtype)
     zero = torch.zeros((), dtype=dtype, device=target.device)
-    if grad_loss is not None:
-        g = torch.where(valid, grad_loss.to(dtype), zero)
-        return g, g * z_loss
     if reduction == "mean":
         ce = torch.where(valid, 1.0 / w_y.sum(), zero)
-        return ce, torch.where(valid, z_loss / valid.sum().to(dtype), zero)
-    ce = valid.to(dtype)
-    return ce, ce * z_loss
+        zl = torch.where(valid, z_loss / valid.sum().to(dtype), zero)
+    else:
+        ce = valid.to(dtype)
+        zl = ce * z_loss
+    if grad_loss is not None:
+        g = grad_loss.to(dtype)
+        ce, zl = ce * g, zl * g
+    return ce, zl
 
 
 def reduce_loss(nll, smooth, lse, target, class_weight, ignore_index, reduction,

@@ -1,0 +1,123 @@
+"""The CUDA backend at real sizes: reference agreement, CUDA graphs, compile, 64-bit
+indexing, untouched inputs. Skipped without a GPU."""
+
+import pytest
+import torch
+
+import torch_fce
+from torch_fce.testing import LOSS_TOL, grad_tol, make_inputs, reference_loss_and_grads, rel_err
+
+pytestmark = pytest.mark.cuda
+
+OPTION_SETS = [
+    dict(reduction="mean"),
+    dict(reduction="sum", label_smoothing=0.1, softcap=30.0, z_loss=1e-4),
+    dict(reduction="none", ignore_index=5),
+]
+
+
+def _op(x, options, accumulator="fp32", grad_out=None):
+    leaves = {k: x[k].detach().clone().requires_grad_() for k in ("hidden", "weight", "bias")
+              if x[k] is not None}
+    loss = torch_fce.linear_cross_entropy(**{**x, **leaves}, **options,
+                                          accumulator=accumulator)
+    loss.backward(grad_out if grad_out is not None else torch.ones_like(loss))
+    return loss.detach(), {k: v.grad for k, v in leaves.items()}
+
+
+@pytest.mark.parametrize("options", OPTION_SETS)
+@pytest.mark.parametrize("accumulator", ["fp32", "kahan", "input"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_cuda_matches_reference(options, accumulator, dtype):
+    x = make_inputs(3000, 256, 50257, dtype, bias=options["reduction"] == "sum",
+                    class_weight=options["reduction"] == "sum", device="cuda",
+                    weight_scale=2.0)
+    if options.get("ignore_index") == 5:
+        x["target"][x["target"] == -100] = 5
+    g = torch.randn(3000, device="cuda") if options["reduction"] == "none" else None
+    loss, grads = _op(x, options, accumulator, g)
+    ref_loss, ref = reference_loss_and_grads(**x, grad_out=g, **options)
+    assert rel_err(loss, ref_loss) <= LOSS_TOL
+    tol = grad_tol(dtype, 50257) * (4 if accumulator == "input" else 1)
+    for k, v in grads.items():
+        assert v.dtype == x[k].dtype
+        assert rel_err(v, ref[k]) <= tol, k
+
+
+def test_cuda_master_weights():
+    x = make_inputs(2048, 128, 32000, torch.bfloat16, weight_dtype=torch.float32,
+                    device="cuda")
+    loss, grads = _op(x, {})
+    ref_loss, ref = reference_loss_and_grads(**x)
+    assert grads["weight"].dtype == torch.float32
+    assert rel_err(loss, ref_loss) <= LOSS_TOL
+    assert rel_err(grads["weight"], ref["weight"]) <= grad_tol(torch.float32, 2048) * 8
+
+
+def test_cuda_graph_capture_forward_backward():
+    x = make_inputs(1024, 128, 32000, torch.bfloat16, device="cuda")
+    h = x["hidden"].clone().requires_grad_()
+    w = x["weight"].clone().requires_grad_()
+    t = x["target"].clone()
+
+    def step():
+        h.grad = w.grad = None
+        loss = torch_fce.linear_cross_entropy(h, w, t, z_loss=1e-4)
+        loss.backward()
+        return loss
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_loss = step()
+    y = make_inputs(1024, 128, 32000, torch.bfloat16, device="cuda", seed=1)
+    with torch.no_grad():
+        h.copy_(y["hidden"])
+        t.copy_(y["target"])
+    graph.replay()
+    torch.cuda.synchronize()
+    y["weight"] = x["weight"]
+    ref_loss, ref = reference_loss_and_grads(**y, z_loss=1e-4)
+    assert rel_err(static_loss, ref_loss) <= LOSS_TOL
+    assert rel_err(h.grad, ref["hidden"]) <= grad_tol(torch.bfloat16, 32000)
+
+
+def test_cuda_compile_matches_eager():
+    x = make_inputs(2048, 128, 32000, torch.bfloat16, device="cuda")
+    compiled = torch.compile(torch_fce.linear_cross_entropy, fullgraph=True)
+    h1, h2 = (x["hidden"].clone().requires_grad_() for _ in range(2))
+    l1 = compiled(h1, x["weight"], x["target"], z_loss=1e-4)
+    l1.backward()
+    l2 = torch_fce.linear_cross_entropy(h2, x["weight"], x["target"], z_loss=1e-4)
+    l2.backward()
+    assert rel_err(l1, l2) <= 1e-6 and rel_err(h1.grad, h2.grad) <= 1e-6
+
+
+def test_cuda_more_than_2_31_logits():
+    N, D, V = 16500, 16, 131072  # N * V = 2.16e9 > 2^31
+    x = make_inputs(N, D, V, torch.bfloat16, device="cuda", ignore_frac=0.1)
+    loss, grads = _op(x, dict(reduction="sum"))
+    ref_loss, ref_w = 0.0, torch.zeros(V, D, dtype=torch.float64, device="cuda")
+    for s in range(0, N, 2048):  # the reference, chunked so its logits fit
+        part = {**x, "hidden": x["hidden"][s:s + 2048], "target": x["target"][s:s + 2048]}
+        l, g = reference_loss_and_grads(**part, reduction="sum")
+        ref_loss += l
+        ref_w += g["weight"]
+        assert rel_err(grads["hidden"][s:s + 2048], g["hidden"]) <= grad_tol(torch.bfloat16, V)
+    assert rel_err(loss, ref_loss) <= LOSS_TOL
+    assert rel_err(grads["weight"], ref_w) <= grad_tol(torch.bfloat16, N)
+
+
+def test_cuda_inputs_unchanged_and_bad_target_is_nan():
+    x = make_inputs(512, 64, 5000, torch.bfloat16, bias=True, device="cuda")
+    x["target"][7] = 5000  # out of range: NaN, never an out-of-bounds read
+    before = {k: v.clone() for k, v in x.items() if v is not None}
+    loss, _ = _op(x, dict(reduction="none"))
+    assert torch.isnan(loss[7]) and torch.isfinite(loss[:7]).all()
+    for k, v in before.items():
+        assert torch.equal(x[k], v), k
