@@ -74,12 +74,12 @@ class TestCapturedGraph(expecttest.TestCase):
         # Forward then backward graph: the fused op and views; no mm/softmax/log_softmax.
         self.assertExpectedInline(self._op_sets({}, torch.float32), """\
 aten.view.default fce.linear_ce_fwd.default getitem
-aten.mul.Tensor aten.view.default""")
+aten.view.default fce.scale_grad.default""")
 
     def test_linear_ce_graph_bf16_casts_grads_once(self):
         self.assertExpectedInline(self._op_sets({}, torch.bfloat16), """\
 aten.view.default fce.linear_ce_fwd.default getitem
-aten._to_copy.default aten.mul.Tensor aten.view.default""")
+aten.view.default fce.scale_grad.default""")
 
     def test_linear_ce_graph_per_token_loss_recomputes_in_backward(self):
         self.assertExpectedInline(self._op_sets(dict(reduction="none"), torch.float32), """\

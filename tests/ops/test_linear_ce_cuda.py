@@ -35,6 +35,9 @@ def test_cuda_matches_reference(options, accumulator, dtype):
     if options.get("ignore_index") == 5:
         x["target"][x["target"] == -100] = 5
     g = torch.randn(3000, device="cuda") if options["reduction"] == "none" else None
+    if dtype == torch.float16 and options["reduction"] == "mean":
+        # As under GradScaler: unscaled fp16 gradients of a mean underflow (in torch too).
+        g = torch.tensor(2.0 ** 16, device="cuda")
     loss, grads = _op(x, options, accumulator, g)
     ref_loss, ref = reference_loss_and_grads(**x, grad_out=g, **options)
     assert rel_err(loss, ref_loss) <= LOSS_TOL
@@ -51,7 +54,8 @@ def test_cuda_master_weights():
     ref_loss, ref = reference_loss_and_grads(**x)
     assert grads["weight"].dtype == torch.float32
     assert rel_err(loss, ref_loss) <= LOSS_TOL
-    assert rel_err(grads["weight"], ref["weight"]) <= grad_tol(torch.float32, 2048) * 8
+    # The logits gradient is rounded to bf16 before the GEMM (products in hidden's dtype).
+    assert rel_err(grads["weight"], ref["weight"]) <= grad_tol(torch.bfloat16, 2048)
 
 
 def test_cuda_graph_capture_forward_backward():

@@ -39,3 +39,9 @@ def test_linear_ce_internal_ops_opcheck(needs):
                           (torch.randn(5), *args, "none", 0.1, 3.0, 1e-3, "kahan", needs))
     torch.library.opcheck(torch.ops.fce.linear_ce_bwd.default,
                           (torch.tensor(2.0), *args, "mean", 0.1, 3.0, 1e-3, "fp32", needs))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_scale_grad_opcheck(dtype):
+    torch.library.opcheck(torch.ops.fce.scale_grad.default,
+                          (torch.randn(5, 3), torch.tensor(0.5), dtype))

@@ -9,7 +9,7 @@ from hypothesis import given, strategies as st
 
 from torch_fce.ops import chunked
 from torch_fce.ops.triton.rows import triton_rows
-from torch_fce.testing import LOSS_TOL, grad_tol, make_inputs, reference_loss_and_grads, rel_err
+from torch_fce.testing import EPS, LOSS_TOL, grad_tol, make_inputs, reference_loss_and_grads, rel_err
 
 from .strategies import problems
 
@@ -97,3 +97,15 @@ def test_triton_kahan_accumulator_through_the_op(monkeypatch):
     x = make_inputs(64, 8, 31, torch.bfloat16, bias=True, weight_scale=4.0)
     opts = dict(reduction="sum", label_smoothing=0.1, softcap=None, z_loss=0.0)
     assert_matches_reference(x, opts, accumulator="kahan")
+
+
+def test_triton_scale_cast_rounds_once():
+    from torch_fce.ops.triton.scale import _launch_scale_cast
+
+    x = torch.randn(5000, generator=torch.Generator().manual_seed(0))
+    out = torch.empty(5000, dtype=torch.bfloat16)
+    _launch_scale_cast(x, torch.tensor(0.37), out)
+    exact = x.double() * 0.37
+    # One rounding of the float32 product: within one bfloat16 epsilon of the exact value
+    # (the interpreter truncates where a GPU rounds to nearest; both pass).
+    assert ((out.double() - exact).abs() <= EPS[torch.bfloat16] * exact.abs()).all()

@@ -51,7 +51,7 @@ def _grads(ctx, grad_loss):
     else:
         # Scaled and rounded in one pass: no float32 temporary of the weight's size.
         grads = [
-            torch.mul(g, grad_loss, out=g.new_empty(g.shape, dtype=dtype)) if need else None
+            torch.ops.fce.scale_grad(g, grad_loss, dtype) if need else None
             for g, dtype, need in zip(ctx.saved_tensors, ctx.dtypes, needs)
         ]
     return [g if need else None for g, need in zip(grads, needs)]

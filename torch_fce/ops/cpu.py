@@ -42,3 +42,8 @@ def linear_ce_bwd(grad_loss, hidden, weight, target, bias, class_weight, ignore_
         grad_loss, hidden, weight, target, bias, class_weight, ignore_index, reduction,
         label_smoothing, softcap, z_loss, accumulator, needs_grad, rows=torch_rows,
         chunk_rows=_chunk_rows(weight.shape[0]))
+
+
+@torch.library.impl("fce::scale_grad", "CompositeExplicitAutograd")
+def scale_grad(grad, scale, dtype):
+    return torch.mul(grad, scale, out=grad.new_empty(grad.shape, dtype=dtype))

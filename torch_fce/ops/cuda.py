@@ -5,6 +5,7 @@ import torch
 from . import chunked
 from .rows import torch_rows
 from .triton.rows import triton_rows
+from .triton.scale import _launch_scale_cast
 
 # Bytes of one logits chunk (its gradient is written over it): a fixed workspace.
 WORKSPACE_BYTES = 256 << 20
@@ -31,3 +32,10 @@ def linear_ce_bwd(grad_loss, hidden, weight, target, bias, class_weight, *option
     return chunked.linear_ce_bwd(
         grad_loss, hidden, weight, target, bias, class_weight, *options, rows=_rows(hidden.dtype),
         chunk_rows=chunk_rows(weight.shape[0], hidden.dtype))
+
+
+@torch.library.impl("fce::scale_grad", "CUDA")
+def scale_grad(grad, scale, dtype):
+    out = grad.new_empty(grad.shape, dtype=dtype)
+    _launch_scale_cast(grad.contiguous(), scale.to(grad.device), out)
+    return out

@@ -33,3 +33,8 @@ def _linear_ce_bwd_fake(grad_loss, hidden, weight, target, bias, class_weight, i
     check_options(reduction, label_smoothing, softcap, z_loss, accumulator, ignore_index)
     check_inputs(hidden, weight, target, bias, class_weight)
     return _grads(hidden, weight, bias, needs_grad, keep_f32=False)
+
+
+@torch.library.register_fake("fce::scale_grad")
+def _scale_grad_fake(grad, scale, dtype):
+    return grad.new_empty(grad.shape, dtype=dtype)

@@ -39,3 +39,7 @@ LIB.define(
     "float? softcap, float z_loss, str accumulator, bool[3] needs_grad) "
     "-> (Tensor grad_hidden, Tensor grad_weight, Tensor grad_bias)"
 )
+
+# grad * scale rounded once to dtype (the backward of a loss whose gradients the forward
+# computed); scale is the 0-d upstream gradient.
+LIB.define("scale_grad(Tensor grad, Tensor scale, ScalarType dtype) -> Tensor")
