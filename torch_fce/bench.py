@@ -94,10 +94,10 @@ def methods(device, with_compile):
     return out
 
 
-def _reference(x):
-    """float32 loss and gradients from the same (rounded) inputs, logits materialised."""
-    h = x["hidden"].float().requires_grad_()
-    w = x["weight"].float().requires_grad_()
+def _reference(x, dtype=torch.float32):
+    """Loss and gradients in dtype from the same (rounded) inputs, logits materialised."""
+    h = x["hidden"].to(dtype).requires_grad_()
+    w = x["weight"].to(dtype).requires_grad_()
     loss = F.cross_entropy(F.linear(h, w), x["target"], ignore_index=-100)
     loss.backward()
     return loss.detach(), h.grad, w.grad
@@ -147,6 +147,47 @@ def _cpu_name():
     return f"{model}, {torch.get_num_threads()} threads"
 
 
+@dataclasses.dataclass(frozen=True)
+class AccuracyResult:
+    N: int
+    D: int
+    V: int
+    method: str
+    loss_err: float
+    dE_err: float
+    dW_err: float
+    loss_api_err: float
+
+
+def accuracy(fns, device, Ns, D=256, V=2048, progress=print):
+    """Errors against a float64 reference from the same bf16 inputs, as N grows."""
+    rows = []
+    for N in Ns:
+        x = make_inputs(N, D, V, torch.bfloat16, device=device, weight_scale=2.0)
+        ref = _reference(x, torch.float64)
+        # API.md's formula rounds the logits to the input dtype before the float32 math.
+        api_loss = F.cross_entropy(F.linear(x["hidden"], x["weight"]).double(), x["target"],
+                                   ignore_index=-100)
+        for name, fn in fns.items():
+            progress(f"accuracy N={N} {name}")
+            try:
+                out = _run(fn, x)
+            except Exception as e:
+                print(f"  {name} failed at N={N}: {type(e).__name__}: {e}", file=sys.stderr)
+                continue
+            errs = [rel_err(a, b) for a, b in zip(out, ref)]
+            rows.append(AccuracyResult(N, D, V, name, *errs, rel_err(out[0], api_loss)))
+    return rows
+
+
+def print_accuracy(rows):
+    print(f"{'N':>7} {'method':14} {'loss err':>9} {'dE err':>8} {'dW err':>8} "
+          f"{'loss err vs API formula':>24}")
+    for r in rows:
+        print(f"{r.N:7d} {r.method:14} {r.loss_err:9.2e} {r.dE_err:8.2e} {r.dW_err:8.2e} "
+              f"{r.loss_api_err:24.2e}")
+
+
 def environment():
     try:
         sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
@@ -173,12 +214,23 @@ def print_table(rows):
               f"{r.loss_err:9.2e} {r.dE_err:8.2e} {r.dW_err:8.2e}")
 
 
-def plot(rows, path):
+def plot(rows, acc_rows, path):
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    if acc_rows:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for m in sorted({r.method for r in acc_rows}):
+            pts = [(r.N, r.dW_err) for r in acc_rows if r.method == m]
+            ax.plot(*zip(*pts), marker="o", label=m)
+        ax.set(xscale="log", yscale="log", xlabel="N (tokens)", ylabel="dW rel. error vs float64")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(path.replace(".png", "_accuracy.png"), dpi=120)
+    if not rows:
+        return
     shapes = sorted({r.shape for r in rows}, key=[r.shape for r in rows].index)
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     for ax, field, label in zip(axes, ("x_mm", "extra_mib", "dW_err"),
@@ -208,12 +260,15 @@ def main(argv=None):
     p.add_argument("--methods", default=None, help="comma-separated subset of the methods")
     p.add_argument("--compile", action="store_true", help="include torch.compile")
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--accuracy", default=None,
+                   help="comma-separated N for the error-vs-N study (D=256, V=2048, bf16), "
+                        "e.g. 4096,65536,262144")
     p.add_argument("--json", default=None, help="write rows + environment here")
     p.add_argument("--plot", default=None, help="write a PNG here (needs matplotlib)")
     args = p.parse_args(argv)
     cuda = args.device == "cuda"
     dtype = getattr(torch, args.dtype or ("bfloat16" if cuda else "float32"))
-    names = (args.shapes or ("A,B,C" if cuda else "cpu")).split(",")
+    names = [n for n in (args.shapes or ("A,B,C" if cuda else "cpu")).split(",") if n]
     shapes = [SHAPES[n] if n in SHAPES else Shape(n, *map(int, n.split(":"))) for n in names]
     fns = methods(args.device, args.compile)
     if args.methods:
@@ -227,16 +282,24 @@ def main(argv=None):
     rows = []
     for shape in shapes:
         rows += bench_shape(shape, dtype, args.device, fns, args.reps, progress)
+    acc_rows = []
+    if args.accuracy:
+        Ns = [int(n) for n in args.accuracy.split(",")]
+        acc_fns = {k: v for k, v in fns.items() if k != "torch.compile"}
+        total += len(Ns) * len(acc_fns)
+        acc_rows = accuracy(acc_fns, args.device, Ns, progress=progress)
     env = environment()
     print(f"# {env}")
     print_table(rows)
+    if acc_rows:
+        print_accuracy(acc_rows)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(environment=env, rows=[dataclasses.asdict(r) for r in rows]), f,
-                      indent=1)
+            json.dump(dict(environment=env, rows=[dataclasses.asdict(r) for r in rows],
+                           accuracy=[dataclasses.asdict(r) for r in acc_rows]), f, indent=1)
     if args.plot:
-        plot(rows, args.plot)
-    return rows
+        plot(rows, acc_rows, args.plot)
+    return rows, acc_rows
 
 
 if __name__ == "__main__":

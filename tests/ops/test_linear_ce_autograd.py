@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import torch_fce
 from torch_fce.testing import LOSS_TOL, grad_tol, make_inputs, reference_loss_and_grads, rel_err
@@ -80,3 +81,29 @@ def test_linear_ce_float16_gradients_survive_a_loss_scale():
     (torch_fce.linear_cross_entropy(**x) * scale).backward()
     _, ref = reference_loss_and_grads(**x, grad_out=torch.tensor(scale))
     assert rel_err(w.grad, ref["weight"]) <= grad_tol(torch.float16, 4096)
+
+
+class _LargeAllocations(TorchDispatchMode):
+    """Records ops that return tensors of at least `numel` elements."""
+
+    def __init__(self, numel):
+        super().__init__()
+        self.numel, self.seen = numel, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor) and t.numel() >= self.numel:
+                self.seen.append(str(func))
+        return out
+
+
+def test_linear_ce_backward_allocates_only_the_gradients():
+    # No weight-sized temporaries in the backward: no zero-filled gradients for the
+    # forward's gradient outputs, no float32 copy before the cast.
+    x = make_inputs(64, 64, 4000, torch.bfloat16)
+    w = x["weight"].requires_grad_()
+    loss = torch_fce.linear_cross_entropy(**x)
+    with _LargeAllocations(w.numel()) as mode:
+        loss.backward()
+    assert [op for op in mode.seen if op != "aten.detach.default"] == ["fce.scale_grad.default"]

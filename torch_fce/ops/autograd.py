@@ -19,6 +19,7 @@ def _setup_fwd(ctx, inputs, output):
         softcap, z_loss, accumulator, needs_grad = inputs
     _, gh, gw, gb = output
     ctx.mark_non_differentiable(gh, gw, gb)
+    ctx.set_materialize_grads(False)  # else autograd makes zero "gradients" of gh, gw, gb
     ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
     ctx.precomputed = any(needs_grad)
     ctx.options = (ignore_index, reduction, label_smoothing, softcap, z_loss, accumulator)
@@ -29,6 +30,8 @@ def _setup_fwd(ctx, inputs, output):
 
 
 def _backward_fwd(ctx, grad_loss, *_):
+    if grad_loss is None:  # the loss got no gradient (grads are not materialised)
+        return (None,) * 12
     create_graph = torch.is_grad_enabled()
     with torch.no_grad():
         grads = _grads(ctx, grad_loss)

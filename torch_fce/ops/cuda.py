@@ -1,5 +1,7 @@
 """The CUDA backend: the chunked loop with cuBLAS GEMMs and the Triton row kernel."""
 
+import os
+
 import torch
 
 from . import chunked
@@ -7,8 +9,10 @@ from .rows import torch_rows
 from .triton.rows import triton_rows
 from .triton.scale import _launch_scale_cast
 
-# Bytes of one logits chunk (its gradient is written over it): a fixed workspace.
-WORKSPACE_BYTES = 256 << 20
+# Bytes of one logits chunk (its gradient is written over it): a fixed workspace,
+# whatever N is. Larger chunks keep the GEMMs large and amortise the float32 weight
+# gradient's read-modify-write per chunk (docs/benchmarks.md has the trade-off).
+WORKSPACE_BYTES = int(os.environ.get("TORCH_FCE_WORKSPACE_MB", "1024")) << 20
 
 
 def _rows(dtype):

@@ -78,5 +78,5 @@ def _launch_kahan_addmm(a, b, s, c):
         a, b, s, c, M, N, K,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), s.stride(0), s.stride(1),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, UPCAST=interpret,
-        num_warps=8, num_stages=4,
+        num_warps=4, num_stages=3,
     )
