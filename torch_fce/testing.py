@@ -73,3 +73,28 @@ def reference_loss_and_grads(hidden, weight, target, bias=None, class_weight=Non
     if options.get("reduction") == "none":
         loss = loss.reshape(target.shape)
     return loss.detach(), grads
+
+
+def torch_loss_and_grads(hidden, weight, target, bias=None, class_weight=None,
+                         grad_out=None, **options):
+    """torch's own unfused path (as HF runs it): F.linear in the input dtype, float32
+    loss math, autograd. Returns (loss, dict of gradients in the inputs' dtypes).
+
+    Its error against reference_loss_and_grads is the yardstick for ill-conditioned
+    problems, where no float32 implementation can meet a fixed relative tolerance.
+    """
+    from .ops.reference import linear_ce_reference
+
+    leaves = {k: v.detach().clone().requires_grad_() for k, v in
+              (("hidden", hidden), ("weight", weight), ("bias", bias)) if v is not None}
+    loss = linear_ce_reference(leaves["hidden"], leaves["weight"], target, leaves.get("bias"),
+                               class_weight, products_dtype=hidden.dtype,
+                               math_dtype=torch.float32, **options)
+    g = torch.ones_like(loss) if grad_out is None else grad_out.float().reshape(loss.shape)
+    grads = torch.autograd.grad(loss, list(leaves.values()), g, allow_unused=True)
+    return loss.detach(), dict(zip(leaves, grads))
+
+
+def allowed_error(tol, torch_value, reference):
+    """A tolerance, or twice the error torch's own path makes, whichever is larger."""
+    return max(tol, 2.0 * rel_err(torch_value, reference))

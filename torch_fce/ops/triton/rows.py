@@ -16,7 +16,14 @@ _NEG_BIG = tl.constexpr(-1.0e30)
 
 @triton.jit
 def _tanh(x):
-    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+    # tanh from exp loses relative accuracy near 0 (1 - 2/(e^2x + 1) cancels), so small
+    # arguments use the Taylor series, exact to float32 rounding below |x| = 0.3.
+    ax = tl.abs(x)
+    big = 1.0 - 2.0 / (tl.exp(2.0 * ax) + 1.0)
+    x2 = x * x
+    small = x * (1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 + x2 * (-17.0 / 315.0 + x2 * (
+        62.0 / 2835.0 + x2 * (-1382.0 / 155925.0))))))
+    return tl.where(ax < 0.3, small, tl.where(x < 0.0, -big, big))
 
 
 @triton.jit
