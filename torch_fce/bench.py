@@ -133,6 +133,7 @@ def bench_shape(shape, dtype, device, fns, reps, progress):
         errs = [rel_err(a, b) for a, b in zip(out, ref)]
         rows.append(Result(shape.name, shape.N, shape.D, shape.V, str(dtype).split(".")[-1],
                            name, t * 1e3, mm * 1e3, t / mm, max(mem, 0) / 2**20, *errs))
+        progress(f"  -> {t / mm:.2f} x mm, {max(mem, 0) / 2**20:.0f} MiB extra", step=False)
         del out
     return rows
 
@@ -275,8 +276,8 @@ def main(argv=None):
         fns = {k: v for k, v in fns.items() if k in args.methods.split(",")}
     total, done = len(shapes) * len(fns), [0]
 
-    def progress(what):
-        done[0] += 1
+    def progress(what, step=True):
+        done[0] += step
         print(f"[{done[0]:3d}/{total}] {what}", file=sys.stderr, flush=True)
 
     rows = []
