@@ -55,9 +55,13 @@ def test_triton_rows_match_reference(problem, accumulator, chunk_rows, seed):
         assert torch.isnan(loss)
         return
     torch_loss, torch_grads = torch_loss_and_grads(**x, grad_out=g, **options)
-    assert rel_err(loss.reshape(ref_loss.shape), ref_loss) <= \
-        allowed_error(LOSS_TOL, torch_loss, ref_loss)
     dtype = x["hidden"].dtype
+    # cuBLAS rounds low-precision logits per GEMM shape (a one-row chunk may round a
+    # logit to the other neighbour than the whole-matrix reference): one input-dtype
+    # epsilon then bounds the loss difference.
+    loss_tol = EPS[dtype] if DEVICE == "cuda" and dtype != torch.float32 else LOSS_TOL
+    assert rel_err(loss.reshape(ref_loss.shape), ref_loss) <= \
+        allowed_error(loss_tol, torch_loss, ref_loss)
     # bf16/fp16 sums across chunks in "input" mode round once per chunk; the interpreter
     # rounds bf16 by truncation (a GPU rounds to nearest), doubling the rounding error.
     chunks = -(-N // chunk_rows) if accumulator == "input" else 1
