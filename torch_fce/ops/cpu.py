@@ -6,7 +6,7 @@ from . import chunked
 from .rows import torch_rows
 
 # Elements of one logits chunk: a fixed workspace whatever N is (at least one row).
-WORKSPACE_ELEMS = 1 << 23
+WORKSPACE_ELEMS = 1 << 22
 
 
 def _chunk_rows(V):

@@ -24,36 +24,39 @@ class RowOptions(NamedTuple):
 def torch_rows(logits, target, class_weight, ce_scale, z_scale, opts, math_dtype):
     """Returns (lse, nll, smooth, dz) for logits (n, V); dz is None without ce_scale.
 
-    ce_scale/z_scale: (n,) math_dtype. dz has logits' dtype.
+    logits is the backend's own chunk buffer: it is overwritten (the math runs in place
+    to keep the passes over the chunk few). ce_scale/z_scale: (n,) math_dtype. dz has
+    logits' dtype.
     """
     n, V = logits.shape
     eps = opts.label_smoothing
-    z = logits.to(math_dtype)
+    z = logits.to(math_dtype)  # the buffer itself when it already is math_dtype
+    tanh = None
     if opts.softcap is not None:
-        tanh = torch.tanh(z / opts.softcap)
+        tanh = z.div_(opts.softcap).tanh_()
         z = tanh * opts.softcap
-    lse = torch.logsumexp(z, dim=-1)
     valid = target != opts.ignore_index
     tgt = torch.where(valid, target, 0).long()
     cw = None if class_weight is None else class_weight.to(math_dtype)
     w_y = valid.to(math_dtype) if cw is None else torch.where(valid, cw[tgt], 0.0)
     z_y = z.gather(1, tgt[:, None]).squeeze(1)
-    nll = w_y * (lse - z_y)
     W = float(V) if cw is None else cw.sum()
-    if eps > 0.0:
-        zsum = z.sum(-1) if cw is None else z @ cw
-        smooth = torch.where(valid, W * lse - zsum, 0.0)
-    else:
-        smooth = torch.zeros_like(lse)
+    zsum = (z.sum(-1) if cw is None else z @ cw) if eps > 0.0 else None
+    m = z.amax(-1, keepdim=True).clamp_min(torch.finfo(math_dtype).min)  # finite if all -inf
+    e = z.sub_(m).exp_()  # z is consumed from here on
+    total = e.sum(-1)
+    lse = m.squeeze(1) + total.log()
+    nll = w_y * (lse - z_y)
+    smooth = torch.where(valid, W * lse - zsum, 0.0) if eps > 0.0 else torch.zeros_like(lse)
     if ce_scale is None:
         return lse, nll, smooth, None
 
     a = ce_scale * ((1.0 - eps) * w_y + (eps / V) * W) + 2.0 * z_scale * lse
-    dz = torch.exp(z - lse[:, None]) * a[:, None]
+    dz = e.mul_((a / total)[:, None])  # softmax * A
     dz.scatter_add_(1, tgt[:, None], (-ce_scale * (1.0 - eps) * w_y)[:, None])
     if eps > 0.0:
         c = (ce_scale * (eps / V))[:, None]
         dz -= c if cw is None else c * cw[None, :]
-    if opts.softcap is not None:
-        dz *= 1.0 - tanh * tanh
+    if tanh is not None:
+        dz.mul_(1.0 - tanh * tanh)
     return lse, nll, smooth, dz.to(logits.dtype)

@@ -1,0 +1,228 @@
+"""The Inductor pass: every supported pattern fuses and matches eager; others stay."""
+
+import collections
+import contextlib
+
+import expecttest
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch._dynamo.utils import counters
+
+import torch_fce.lowering as lowering
+from torch_fce.testing import grad_tol, rel_err
+
+D, V = 16, 37
+
+
+@pytest.fixture(autouse=True)
+def fresh_compiles():
+    torch._dynamo.reset()
+    counters.clear()
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        yield
+    torch._dynamo.reset()
+
+
+class Head(nn.Module):
+    """A (B, T, D) hidden state and an lm head; `loss` picks how the loss is written."""
+
+    def __init__(self, loss, bias=False):
+        super().__init__()
+        self.proj = nn.Linear(D, D)
+        self.head = nn.Linear(D, V, bias=bias)
+        self.loss = loss
+        self.register_buffer("class_weight", torch.rand(V) + 0.5)
+
+    def forward(self, x, labels, n=None):
+        return self.loss(self, torch.tanh(self.proj(x)), labels, n)
+
+
+def _hf_causal_lm(m, h, labels, n):
+    # transformers' ForCausalLMLoss: upcast, pad + shift labels, sum / num_items_in_batch.
+    logits = m.head(h).float()
+    labels = F.pad(labels, (0, 1), value=-100)[..., 1:].contiguous()
+    loss = F.cross_entropy(logits.view(-1, V), labels.view(-1), ignore_index=-100,
+                           reduction="sum")
+    return loss / n
+
+
+PATTERNS = {
+    "F.linear+bias": (lambda m, h, y, n: F.cross_entropy(
+        F.linear(h, m.head.weight, m.proj.bias.new_zeros(V) + 0.1).flatten(0, 1),
+        y.flatten())),
+    "nn.Linear+float+view+ignore": (lambda m, h, y, n: F.cross_entropy(
+        m.head(h).float().view(-1, V), y.view(-1).clamp_min(0), ignore_index=3)),
+    "matmul_T+CrossEntropyLoss(weight, smoothing, sum)": (lambda m, h, y, n: nn.CrossEntropyLoss(
+        weight=m.class_weight, label_smoothing=0.1, reduction="sum")(
+            (h @ m.head.weight.T).reshape(-1, V), y.reshape(-1))),
+    "to(float32)+reshape+none": (lambda m, h, y, n: F.cross_entropy(
+        m.head(h).to(torch.float32).reshape(-1, V), y.reshape(-1), reduction="none").sum()),
+    "hf_causal_lm": _hf_causal_lm,
+    "slice_shift": (lambda m, h, y, n: F.cross_entropy(
+        m.head(h)[..., :-1, :].contiguous().view(-1, V), y[..., 1:].contiguous().view(-1))),
+    "gemma_softcap": (lambda m, h, y, n: F.cross_entropy(
+        (torch.tanh(m.head(h) / 5.0) * 5.0).float().view(-1, V), y.view(-1))),
+}
+
+
+def _inputs(B=2, T=6, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, T, D, generator=g)
+    y = torch.randint(0, V, (B, T), generator=g)
+    y[0, 2] = -100
+    return x, y, torch.tensor(float((y != -100).sum()))
+
+
+def _loss_and_grads(model, fn, *args):
+    model.zero_grad()
+    loss = fn(*args)
+    loss.backward()
+    return loss.detach(), {k: p.grad.clone() for k, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("name", PATTERNS)
+def test_lowering_pattern_fuses_and_matches_eager(name):
+    model = Head(PATTERNS[name])
+    args = _inputs()
+    ref_loss, ref_grads = _loss_and_grads(model, model, *args)
+    with lowering.auto_fuse():
+        loss, grads = _loss_and_grads(model, torch.compile(model, fullgraph=True), *args)
+    assert counters["inductor"][lowering.FUSED] == 1, dict(counters[lowering.SKIPPED])
+    assert rel_err(loss, ref_loss) <= 1e-5
+    for k in ref_grads:
+        assert rel_err(grads[k], ref_grads[k]) <= grad_tol(torch.float32, 64), k
+
+
+def _logits_reused(m, h, y, n):
+    logits = m.head(h).view(-1, V)
+    return F.cross_entropy(logits, y.view(-1)) + logits.mean()
+
+
+def _z_loss(m, h, y, n):
+    logits = m.head(h).view(-1, V)
+    return F.cross_entropy(logits, y.view(-1)) + 1e-4 * torch.logsumexp(logits, -1).pow(2).mean()
+
+
+NEGATIVE = {
+    "logits reused": _logits_reused,
+    "z-loss reuses the logits": _z_loss,
+    "class dim not last": (lambda m, h, y, n: F.cross_entropy(m.head(h).transpose(1, 2), y)),
+}
+
+
+@pytest.mark.parametrize("name", NEGATIVE)
+def test_lowering_leaves_other_uses_unfused(name):
+    model = Head(NEGATIVE[name])
+    args = _inputs()
+    ref_loss, ref_grads = _loss_and_grads(model, model, *args)
+    with lowering.auto_fuse():
+        loss, grads = _loss_and_grads(model, torch.compile(model, fullgraph=True), *args)
+    assert counters["inductor"][lowering.FUSED] == 0
+    assert sum(counters[lowering.SKIPPED].values()) >= 1
+    assert rel_err(loss, ref_loss) <= 1e-5
+
+
+def test_lowering_inference_and_dynamic_shapes():
+    model = Head(PATTERNS["hf_causal_lm"])
+    with lowering.auto_fuse():
+        compiled = torch.compile(model, fullgraph=True)
+        with torch.no_grad():
+            for T in (5, 7, 9, 12):
+                x, y, n = _inputs(T=T, seed=T)
+                assert rel_err(compiled(x, y, n), model(x, y, n)) <= 1e-5
+    # one static compile, then one dynamic graph for every later length
+    assert counters["inductor"][lowering.FUSED] == 2
+    assert counters["stats"]["unique_graphs"] == 2
+
+
+def test_lowering_other_backends_run_unfused():
+    model = Head(PATTERNS["hf_causal_lm"])
+    args = _inputs()
+    with lowering.auto_fuse():
+        out = torch.compile(model, backend="aot_eager", fullgraph=True)(*args)
+    assert counters["inductor"][lowering.FUSED] == 0
+    assert rel_err(out, model(*args)) <= 1e-6
+
+
+def test_lowering_chains_with_an_installed_pass():
+    seen = []
+
+    class Other(torch._inductor.custom_graph_pass.CustomGraphPass):
+        def __call__(self, graph):
+            seen.append(True)
+
+        def uuid(self):
+            return "other"
+
+    other = Other()
+    with torch._inductor.config.patch(pre_grad_custom_pass=other):
+        lowering.enable()
+        assert torch._inductor.config.pre_grad_custom_pass == (other, lowering._PASS)
+        torch.compile(Head(PATTERNS["slice_shift"]))(*_inputs())
+        lowering.disable()
+        assert torch._inductor.config.pre_grad_custom_pass is other
+    assert seen and counters["inductor"][lowering.FUSED] == 1
+
+
+class TestFusedGraph(expecttest.TestCase):
+    def _pre_grad_ops(self, name):
+        graphs = []
+
+        class Capture(torch._inductor.custom_graph_pass.CustomGraphPass):
+            def __call__(self, graph):
+                graphs.append(collections.Counter(
+                    _op_name(n) for n in graph.nodes if n.op in ("call_function", "call_method")))
+
+            def uuid(self):
+                return "capture"
+
+        torch._dynamo.reset()
+        with lowering.auto_fuse():
+            passes = torch._inductor.config.pre_grad_custom_pass
+            with torch._inductor.config.patch(pre_grad_custom_pass=(passes, Capture())):
+                torch.compile(Head(PATTERNS[name]), fullgraph=True)(*_inputs())
+        return " ".join(f"{k}x{v}" for k, v in sorted(graphs[0].items()))
+
+    def test_lowering_hf_graph_has_fused_op_and_no_logits(self):
+        # The lm head's linear and cross_entropy are gone; the labels' pad/shift stay.
+        self.assertExpectedInline(self._pre_grad_ops("hf_causal_lm"), """contiguousx1 flattenx1 getitemx1 linearx1 linear_ce.defaultx1 padx1 reshapex1 tanhx1 truedivx1 viewx1""")
+
+    def test_lowering_softcap_graph(self):
+        self.assertExpectedInline(self._pre_grad_ops("gemma_softcap"), """flattenx1 linearx1 linear_ce.defaultx1 reshapex1 tanhx1 viewx1""")
+
+
+def _op_name(node):
+    t = node.target
+    return t if isinstance(t, str) else getattr(t, "__name__", str(t))
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_lowering_tiny_lm_trains_like_unfused(tied):
+    from torch_fce.tiny_lm import TinyLM
+
+    def train(fuse):
+        torch.manual_seed(0)
+        model = TinyLM(97, dim=32, layers=1, heads=2, max_len=16, tied=tied)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        step = torch.compile(model, fullgraph=True)
+        g = torch.Generator().manual_seed(1)
+        losses = []
+        with lowering.auto_fuse() if fuse else contextlib.nullcontext():
+            for _ in range(5):
+                ids = torch.randint(0, 97, (2, 16), generator=g)
+                loss = step(ids, ids)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.item())
+        return losses, [p.detach().clone() for p in model.parameters()]
+
+    losses, params = train(fuse=True)
+    assert counters["inductor"][lowering.FUSED] >= 1
+    torch._dynamo.reset()
+    ref_losses, ref_params = train(fuse=False)
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    for p, q in zip(params, ref_params):
+        assert rel_err(p, q) <= 1e-5

@@ -1,0 +1,64 @@
+"""python -m torch_fce.bench_lowering: what the lowering pass saves in a compiled step.
+
+Compiles one training step (forward + backward) of torch_fce.tiny_lm.TinyLM, whose loss
+is written the unfused way, with and without torch_fce.lowering, and prints the peak
+memory of the step beyond the model and batch, its time, and the fp32 logits' size.
+"""
+
+import argparse
+import contextlib
+
+import torch
+
+import torch_fce.lowering as lowering
+from torch_fce.bench import environment
+from torch_fce.measure import median_time, peak_extra_bytes
+from torch_fce.tiny_lm import TinyLM
+
+
+def measure(fuse, args):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = TinyLM(args.V, dim=args.D, layers=args.layers, heads=4, max_len=args.T)
+    model.to(args.device)
+    ids = torch.randint(0, args.V, (args.B, args.T), device=args.device)
+    step_fn = torch.compile(model)
+
+    def step():
+        loss = step_fn(ids, ids)
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+        return loss
+
+    with lowering.auto_fuse() if fuse else contextlib.nullcontext():
+        loss = step().item()  # compiles
+    mem = peak_extra_bytes(step, args.device)
+    return loss, mem, median_time(step, args.device, reps=3)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m torch_fce.bench_lowering", description=__doc__)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--V", type=int, default=32768)
+    p.add_argument("--D", type=int, default=128)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--B", type=int, default=4)
+    p.add_argument("--T", type=int, default=512)
+    args = p.parse_args(argv)
+    N = args.B * args.T
+    print(f"# {environment()}")
+    print(f"TinyLM V={args.V} D={args.D} layers={args.layers}, batch {args.B}x{args.T}: "
+          f"N*V = {N * args.V} (2^{(N * args.V).bit_length() - 1}), fp32 logits "
+          f"{N * args.V * 4 / 2**20:.0f} MiB")
+    results = {}
+    for fuse in (False, True):
+        results[fuse] = measure(fuse, args)
+        loss, mem, sec = results[fuse]
+        print(f"{'with pass' if fuse else 'unfused':10} loss {loss:.6f}  peak extra "
+              f"{mem / 2**20:8.1f} MiB  step {sec * 1e3:8.1f} ms")
+    saved = results[False][1] - results[True][1]
+    print(f"saved {saved / 2**20:.1f} MiB = {saved / (N * args.V * 4):.2f} x the fp32 logits")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,53 @@
+"""Automatic fusion of linear + cross_entropy in torch.compile'd (Inductor) models.
+
+    torch_fce.lowering.enable()          # every later Inductor compile
+    with torch_fce.lowering.auto_fuse(): # or just inside this block
+        loss = torch.compile(model)(batch)
+
+The pass runs before autograd, so the fused op's own autograd serves training. It only
+exists for the Inductor backend; elsewhere models simply run unfused. What it did is
+counted in torch._dynamo.utils.counters["inductor"]["fce_linear_ce_fused"] and, per
+reason, counters["fce_linear_ce_skipped"]; the logger torch_fce.lowering says more.
+"""
+
+import contextlib
+
+import torch._inductor.config as inductor_config
+
+from .graph_pass import FUSED, SKIPPED, FuseLinearCrossEntropy
+
+__all__ = ["enable", "disable", "auto_fuse", "FUSED", "SKIPPED"]
+
+_PASS = FuseLinearCrossEntropy()
+
+
+def _installed():
+    current = inductor_config.pre_grad_custom_pass
+    if current is None:
+        return ()
+    return tuple(current) if isinstance(current, (list, tuple)) else (current,)
+
+
+def enable():
+    """Adds the pass after any pre-grad pass already installed (idempotent)."""
+    passes = _installed()
+    if _PASS not in passes:
+        inductor_config.pre_grad_custom_pass = passes + (_PASS,) if passes else _PASS
+
+
+def disable():
+    """Removes the pass, leaving any other installed pass in place."""
+    rest = tuple(p for p in _installed() if p is not _PASS)
+    inductor_config.pre_grad_custom_pass = None if not rest else rest[0] if len(rest) == 1 \
+        else rest
+
+
+@contextlib.contextmanager
+def auto_fuse():
+    """Enables the pass inside the block (compiles that happen there), restores after."""
+    was = inductor_config.pre_grad_custom_pass
+    enable()
+    try:
+        yield
+    finally:
+        inductor_config.pre_grad_custom_pass = was

@@ -1,0 +1,55 @@
+"""The Inductor pre-grad pass that rewrites linear + cross_entropy into fce::linear_ce."""
+
+import logging
+import operator
+import os
+
+import torch
+import torch.nn.functional as F
+from torch._dynamo.utils import counters
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+from .patterns import NoMatch, match
+
+log = logging.getLogger(__name__)
+FUSED = "fce_linear_ce_fused"  # counters["inductor"][FUSED]: rewrites done
+SKIPPED = "fce_linear_ce_skipped"  # counters[SKIPPED][reason]: cross entropies left alone
+
+
+class FuseLinearCrossEntropy(CustomGraphPass):
+    """Replaces F.cross_entropy(linear(x, W, b)...) by torch.ops.fce.linear_ce."""
+
+    def __call__(self, graph):
+        for node in list(graph.nodes):
+            if node.op == "call_function" and node.target is F.cross_entropy:
+                try:
+                    m = match(node)
+                except NoMatch as reason:
+                    counters[SKIPPED][str(reason)] += 1
+                    log.info("fce lowering: left %s unfused: %s", node.name, reason)
+                    continue
+                _rewrite(graph, m)
+                counters["inductor"][FUSED] += 1
+                log.info("fce lowering: fused %s into fce::linear_ce", node.name)
+
+    def uuid(self):
+        here = os.path.dirname(__file__)
+        return get_hash_for_files(tuple(os.path.join(here, f) for f in
+                                        ("graph_pass.py", "patterns.py")))
+
+
+def _rewrite(graph, m):
+    with graph.inserting_before(m.cross_entropy):
+        hidden = m.hidden
+        for index in m.leading_slices:  # slices of the logits' leading dims, on hidden
+            hidden = graph.call_function(operator.getitem, (hidden, index))
+        hidden = graph.call_method("flatten", (hidden, 0, -2))
+        target = graph.call_method("reshape", (m.target, -1))
+        fused = graph.call_function(
+            torch.ops.fce.linear_ce.default,
+            (hidden, m.weight, target, m.bias, m.class_weight), m.options)
+    m.cross_entropy.replace_all_uses_with(fused)
+    graph.erase_node(m.cross_entropy)
+    for node in m.chain:  # consumer first, so each is unused when erased
+        if not node.users:
+            graph.erase_node(node)

@@ -1,0 +1,170 @@
+"""Recognising cross_entropy(linear(x, W)) in Dynamo's pre-grad FX graphs.
+
+A match walks back from an F.cross_entropy node through the logits' producers, each of
+which must have no other user: views that only merge leading dimensions, slices of
+leading dimensions (the causal-LM shift), an upcast, the Gemma softcap
+`tanh(z / c) * c`, down to F.linear / nn.Linear / `x @ W.T`. Anything else ends the
+walk with a reason, and the graph is left as it was.
+"""
+
+import dataclasses
+import inspect
+import operator
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch.fx import Node
+
+CROSS_ENTROPY = (F.cross_entropy,)
+LINEAR = (torch._C._nn.linear,)
+MATMUL = (operator.matmul, torch.matmul)
+TANH = (torch.tanh,)
+_CE_SIGNATURE = inspect.signature(F.cross_entropy)
+_SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclasses.dataclass
+class Match:
+    cross_entropy: Node
+    hidden: Node
+    weight: Node
+    bias: Optional[Node]
+    target: Node
+    class_weight: Optional[Node]
+    options: dict
+    leading_slices: list  # getitem indices to apply to hidden, in order
+    chain: list  # logits producers to erase, consumer first
+
+
+class NoMatch(Exception):
+    """Why a cross_entropy node was left unfused (the message is the reason)."""
+
+
+def _meta(node):
+    val = node.meta.get("example_value") if isinstance(node, Node) else None
+    if not isinstance(val, torch.Tensor):
+        raise NoMatch("no tensor metadata")
+    return val
+
+
+def _is_method(node, *names):
+    return node.op == "call_method" and node.target in names
+
+
+def _only_user(node, user):
+    if len(node.users) != 1:
+        raise NoMatch("the logits have another use")
+    assert user in node.users
+
+
+def _ce_options(node):
+    bound = _CE_SIGNATURE.bind(*node.args, **node.kwargs)
+    bound.apply_defaults()
+    a = bound.arguments
+    if a["size_average"] is not None or a["reduce"] is not None:
+        raise NoMatch("legacy size_average/reduce arguments")
+    for name in ("ignore_index", "reduction", "label_smoothing"):
+        if isinstance(a[name], Node):
+            raise NoMatch(f"{name} is a tensor")
+    return a
+
+
+def _softcap(mul_node):
+    """c if mul_node is tanh(z / c) * c (either operand order), else None."""
+    if mul_node.op != "call_function" or mul_node.target not in (operator.mul, torch.mul):
+        return None
+    a, b = mul_node.args[:2]
+    tanh, c = (a, b) if isinstance(a, Node) else (b, a)
+    if not isinstance(c, (int, float)) or not isinstance(tanh, Node):
+        return None
+    if not (tanh.op == "call_function" and tanh.target in TANH or _is_method(tanh, "tanh")):
+        return None
+    div = tanh.args[0]
+    if not (isinstance(div, Node) and div.op == "call_function"
+            and div.target in (operator.truediv, torch.div) and div.args[1] == c
+            and len(tanh.users) == 1 and len(div.users) == 1):
+        return None
+    return float(c), div
+
+
+def _keeps_last_dim(index, ndim):
+    """A getitem index that slices only leading dimensions."""
+    items = index if isinstance(index, tuple) else (index,)
+    if not all(isinstance(i, slice) or i is Ellipsis for i in items):
+        return False
+    if Ellipsis not in items and len(items) < ndim:
+        return True
+    return items[-1] == slice(None, None, None)
+
+
+def _transposed_weight(node):
+    """W if node is W.T / W.t() / W.transpose(0, 1) of a 2-D W, else None."""
+    if node.op == "call_function" and node.target is getattr and node.args[1] in ("T", "mT"):
+        w = node.args[0]
+    elif _is_method(node, "t") or node.op == "call_function" and node.target is torch.t:
+        w = node.args[0]
+    elif _is_method(node, "transpose") and sorted(node.args[1:3]) in ([0, 1], [-2, -1]):
+        w = node.args[0]
+    else:
+        return None
+    return w if isinstance(w, Node) and _meta(w).dim() == 2 and len(node.users) == 1 else None
+
+
+def match(ce):
+    """Returns a Match for an F.cross_entropy node, or raises NoMatch with the reason."""
+    a = _ce_options(ce)
+    logits, V = a["input"], None
+    if not isinstance(logits, Node) or _meta(logits).dim() != 2:
+        raise NoMatch("cross_entropy input is not (N, V) logits")
+    V = _meta(logits).shape[-1]
+    softcap, slices, chain, node, user = None, [], [], logits, ce
+    while True:
+        _only_user(node, user)
+        chain.append(node)
+        if node.op == "call_function" and node.target in LINEAR:
+            hidden, weight = node.args[:2]
+            bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+            break
+        if node.op == "call_function" and node.target in MATMUL:
+            hidden, wt = node.args[:2]
+            weight = _transposed_weight(wt) if isinstance(wt, Node) else None
+            if weight is None:
+                raise NoMatch("matmul with something other than a transposed 2-D weight")
+            chain.append(wt)
+            bias = None
+            break
+        capped = _softcap(node)
+        if capped is not None and softcap is None:
+            softcap, div = capped
+            chain += [node.args[0] if isinstance(node.args[0], Node) else node.args[1]]
+            user, node = div, div.args[0]
+            chain.append(div)
+            continue
+        if _is_method(node, "float") or _is_method(node, "to") and (
+                torch.float32 in node.args[1:] or node.kwargs.get("dtype") == torch.float32):
+            pass
+        elif _is_method(node, "view", "reshape", "flatten", "contiguous"):
+            if _meta(node).shape[-1] != V or _meta(node.args[0]).shape[-1] != V:
+                raise NoMatch("a reshape changes the vocabulary dimension")
+        elif node.op == "call_function" and node.target is operator.getitem:
+            if not _keeps_last_dim(node.args[1], _meta(node.args[0]).dim()):
+                raise NoMatch("an index touches the vocabulary dimension")
+            slices.insert(0, node.args[1])
+        else:
+            raise NoMatch(f"logits come from {node.op} {getattr(node.target, '__name__', node.target)}")
+        user, node = node, node.args[0]
+        if not isinstance(node, Node):
+            raise NoMatch("logits do not come from a tensor")
+    _check_dtypes(hidden, weight, bias)
+    options = dict(ignore_index=a["ignore_index"], reduction=a["reduction"],
+                   label_smoothing=float(a["label_smoothing"]), softcap=softcap)
+    return Match(ce, hidden, weight, bias, a["target"], a["weight"], options, slices, chain)
+
+
+def _check_dtypes(hidden, weight, bias):
+    h, w = _meta(hidden), _meta(weight)
+    if h.dtype not in _SUPPORTED_DTYPES or w.dtype not in (h.dtype, torch.float32):
+        raise NoMatch(f"unsupported dtypes hidden={h.dtype} weight={w.dtype}")
+    if bias is not None and _meta(bias).dtype not in (h.dtype, w.dtype):
+        raise NoMatch("bias dtype differs from hidden and weight")
