@@ -9,6 +9,7 @@ import argparse
 import contextlib
 
 import torch
+from torch._dynamo.utils import counters
 
 import torch_fce.lowering as lowering
 from torch_fce.bench import environment
@@ -20,7 +21,7 @@ def measure(fuse, args):
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = TinyLM(args.V, dim=args.D, layers=args.layers, heads=4, max_len=args.T)
-    model.to(args.device)
+    model.to(args.device, getattr(torch, args.dtype))
     ids = torch.randint(0, args.V, (args.B, args.T), device=args.device)
     step_fn = torch.compile(model)
 
@@ -30,8 +31,12 @@ def measure(fuse, args):
         model.zero_grad(set_to_none=True)
         return loss
 
+    counters.clear()
     with lowering.auto_fuse() if fuse else contextlib.nullcontext():
         loss = step().item()  # compiles
+    if fuse:
+        print(f"  fused {counters['inductor'][lowering.FUSED]} cross entropies; skipped: "
+              f"{dict(counters[lowering.SKIPPED]) or 'none'}")
     mem = peak_extra_bytes(step, args.device)
     return loss, mem, median_time(step, args.device, reps=3)
 
@@ -44,10 +49,12 @@ def main(argv=None):
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--B", type=int, default=4)
     p.add_argument("--T", type=int, default=512)
+    p.add_argument("--dtype", default="float32", help="the model's dtype (e.g. bfloat16)")
     args = p.parse_args(argv)
     N = args.B * args.T
     print(f"# {environment()}")
-    print(f"TinyLM V={args.V} D={args.D} layers={args.layers}, batch {args.B}x{args.T}: "
+    print(f"TinyLM V={args.V} D={args.D} layers={args.layers} {args.dtype}, batch "
+          f"{args.B}x{args.T}: "
           f"N*V = {N * args.V} (2^{(N * args.V).bit_length() - 1}), fp32 logits "
           f"{N * args.V * 4 / 2**20:.0f} MiB")
     results = {}

@@ -64,6 +64,8 @@ PATTERNS = {
         m.head(h)[..., :-1, :].contiguous().view(-1, V), y[..., 1:].contiguous().view(-1))),
     "gemma_softcap": (lambda m, h, y, n: F.cross_entropy(
         (torch.tanh(m.head(h) / 5.0) * 5.0).float().view(-1, V), y.view(-1))),
+    "aten_cross_entropy_loss(sum)": (lambda m, h, y, n: torch._C._nn.cross_entropy_loss(
+        m.head(h).view(-1, V), y.view(-1), None, 2, -100, 0.0)),
 }
 
 

@@ -5,11 +5,10 @@ import operator
 import os
 
 import torch
-import torch.nn.functional as F
 from torch._dynamo.utils import counters
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-from .patterns import NoMatch, match
+from .patterns import CROSS_ENTROPY, NoMatch, match
 
 log = logging.getLogger(__name__)
 FUSED = "fce_linear_ce_fused"  # counters["inductor"][FUSED]: rewrites done
@@ -21,7 +20,7 @@ class FuseLinearCrossEntropy(CustomGraphPass):
 
     def __call__(self, graph):
         for node in list(graph.nodes):
-            if node.op == "call_function" and node.target is F.cross_entropy:
+            if node.op == "call_function" and node.target in CROSS_ENTROPY:
                 try:
                     m = match(node)
                 except NoMatch as reason:

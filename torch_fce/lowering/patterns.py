@@ -16,7 +16,10 @@ import torch
 import torch.nn.functional as F
 from torch.fx import Node
 
-CROSS_ENTROPY = (F.cross_entropy,)
+# F.cross_entropy as Dynamo records it, and the ATen-level call some torch versions
+# record instead (its reduction is an enum).
+CROSS_ENTROPY = (F.cross_entropy, torch._C._nn.cross_entropy_loss)
+_REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}
 LINEAR = (torch._C._nn.linear,)
 MATMUL = (operator.matmul, torch.matmul)
 TANH = (torch.tanh,)
@@ -59,9 +62,15 @@ def _only_user(node, user):
 
 
 def _ce_options(node):
-    bound = _CE_SIGNATURE.bind(*node.args, **node.kwargs)
-    bound.apply_defaults()
-    a = bound.arguments
+    if node.target is torch._C._nn.cross_entropy_loss:
+        names = ("input", "target", "weight", "reduction", "ignore_index", "label_smoothing")
+        a = dict(zip(names, (None, None, None, 1, -100, 0.0)))
+        a.update(zip(names, node.args), **node.kwargs, size_average=None, reduce=None)
+        a["reduction"] = _REDUCTIONS.get(a["reduction"], a["reduction"])
+    else:
+        bound = _CE_SIGNATURE.bind(*node.args, **node.kwargs)
+        bound.apply_defaults()
+        a = bound.arguments
     if a["size_average"] is not None or a["reduce"] is not None:
         raise NoMatch("legacy size_average/reduce arguments")
     for name in ("ignore_index", "reduction", "label_smoothing"):
