@@ -1,0 +1,172 @@
+"""transformers integration: patched causal LMs give the unpatched loss and gradients."""
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from torch_fce.integrations import transformers as fce_hf  # noqa: E402
+from torch_fce.testing import grad_tol, rel_err  # noqa: E402
+
+pytestmark = pytest.mark.integration
+V = 128
+COMMON = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+              num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
+
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "llama_tied": ("LlamaConfig", "LlamaForCausalLM", dict(tie_word_embeddings=True)),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=16)),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM",
+               dict(head_dim=16, final_logit_softcapping=3.0)),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM",
+               dict(head_dim=16, final_logit_softcapping=3.0)),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(pad_token_id=0)),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
+    "granite": ("GraniteConfig", "GraniteForCausalLM", dict(logits_scaling=4.0)),
+    "cohere": ("CohereConfig", "CohereForCausalLM", dict(logit_scale=0.5)),
+}
+
+
+def make(family, seed=0):
+    config_cls, model_cls, extra = FAMILIES[family]
+    torch.manual_seed(seed)
+    config = getattr(transformers, config_cls)(**COMMON, **extra)
+    return getattr(transformers, model_cls)(config).train()
+
+
+def batch(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, V, (2, 12), generator=g)
+    labels = ids.clone()
+    labels[0, :3] = -100
+    labels[1, 7] = -100
+    return ids, labels
+
+
+def loss_and_grads(model, **kwargs):
+    model.zero_grad()
+    out = model(**kwargs)
+    out.loss.backward()
+    return out, {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+
+
+CASES = {
+    "ignored": lambda ids, labels: dict(input_ids=ids, labels=labels),
+    "num_items_in_batch": lambda ids, labels: dict(
+        input_ids=ids, labels=labels, num_items_in_batch=torch.tensor(40)),
+    "shift_labels": lambda ids, labels: dict(
+        input_ids=ids, labels=labels, shift_labels=torch.roll(labels, -1, 1)),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_transformers_family_matches_unpatched(family, case):
+    model = make(family)
+    kwargs = CASES[case](*batch())
+    ref, ref_grads = loss_and_grads(model, **kwargs)
+    fce_hf.apply(model)
+    out, grads = loss_and_grads(model, **kwargs)
+    assert out.logits is None
+    assert rel_err(out.loss, ref.loss) <= 1e-5
+    assert grads.keys() == ref_grads.keys()
+    for k in grads:
+        assert rel_err(grads[k], ref_grads[k]) <= grad_tol(torch.float32, V), k
+
+
+def test_transformers_eval_and_no_labels_behave_as_unpatched():
+    model = make("gemma2")
+    ids, labels = batch()
+    with torch.no_grad():
+        ref = model(ids).logits
+        fce_hf.apply(model)
+        assert torch.equal(model(ids).logits, ref)
+        model.eval()
+        out = model(ids, labels=labels)
+        assert out.logits is not None and torch.isfinite(out.loss)
+    fce_hf.revert(model)
+    assert "forward" not in vars(model)
+
+
+def test_transformers_lm_head_bias():
+    model = make("llama")
+    model.lm_head = torch.nn.Linear(32, V, bias=True)
+    kwargs = CASES["ignored"](*batch())
+    ref, ref_grads = loss_and_grads(model, **kwargs)
+    fce_hf.apply(model)
+    out, grads = loss_and_grads(model, **kwargs)
+    assert rel_err(out.loss, ref.loss) <= 1e-5
+    assert rel_err(grads["lm_head.bias"], ref_grads["lm_head.bias"]) <= 1e-5
+
+
+def test_transformers_unknown_logit_transform_is_refused():
+    class Scaled(transformers.LlamaForCausalLM):
+        def forward(self, *args, **kwargs):
+            out = super().forward(*args, **kwargs)
+            out.logits = out.logits * 3.0
+            return out
+
+    config = transformers.LlamaConfig(**COMMON)
+    with pytest.raises(ValueError, match="cannot serve"):
+        fce_hf.apply(Scaled(config))
+
+
+def test_transformers_user_tensors_unchanged():
+    model = fce_hf.apply(make("qwen2"))
+    ids, labels = batch()
+    before = ids.clone(), labels.clone()
+    model(input_ids=ids, labels=labels).loss.backward()
+    assert torch.equal(ids, before[0]) and torch.equal(labels, before[1])
+
+
+def test_transformers_training_converges_like_unpatched():
+    def train(patch):
+        model = make("llama", seed=1)
+        if patch:
+            fce_hf.apply(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        losses = []
+        for step in range(20):
+            ids, labels = batch(seed=step % 4)
+            loss = model(input_ids=ids, labels=labels).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses, list(model.parameters())
+
+    losses, params = train(True)
+    ref_losses, ref_params = train(False)
+    assert losses[-1] < losses[0]
+    assert losses == pytest.approx(ref_losses, rel=1e-4)
+    for p, q in zip(params, ref_params):
+        assert rel_err(p, q) <= 1e-4
+
+
+def test_transformers_compiled():
+    model = make("llama")
+    kwargs = CASES["num_items_in_batch"](*batch())
+    ref, ref_grads = loss_and_grads(model, **kwargs)
+    fce_hf.apply(model)
+    compiled = torch.compile(model)
+    model.zero_grad()
+    out = compiled(**kwargs)
+    out.loss.backward()
+    assert rel_err(out.loss, ref.loss) <= 1e-5
+    assert rel_err(model.lm_head.weight.grad, ref_grads["lm_head.weight"]) <= 1e-5
+
+
+def test_transformers_trainer(tmp_path):
+    model = fce_hf.apply(make("llama"))
+    data = [dict(input_ids=ids, labels=labels) for ids, labels in
+            (tuple(t[0] for t in batch(seed=s)) for s in range(8))]
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=4,
+        learning_rate=1e-3, report_to=[], save_strategy="no", use_cpu=True, logging_steps=1)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=data)
+    result = trainer.train()
+    assert torch.isfinite(torch.tensor(result.training_loss))
+    assert all(torch.isfinite(p).all() for p in model.parameters())
