@@ -1,46 +1,161 @@
-"""python -m torch_fce: the main job — fused vs unfused loss on a realistic problem.
+"""python -m torch_fce: the main job — train a small causal LM twice, unfused and fused.
 
-Builds hidden (N, D), weight (V, D) and targets on the default device, runs
-torch_fce.linear_cross_entropy and the unfused F.linear + F.cross_entropy, and prints
-how closely loss and gradients agree and the peak memory and time of each.
+A TinyLM (torch_fce/tiny_lm.py, loss written the unfused way transformers writes it) is
+trained with AdamW on text shipped in the package (its own docstrings, as word tokens
+hashed into a large vocabulary), compiled with torch.compile, once as is and once with
+torch_fce.lowering, which rewrites its loss into fce::linear_ce. Prints the loss of both
+per step, their agreement, peak memory and step time; writes a JSON record and a PNG.
 """
 
 import argparse
+import contextlib
+import importlib
+import json
+import os
+import pkgutil
+import re
+import sys
+import time
+import zlib
 
 import torch
+from torch._dynamo.utils import counters
 
-from torch_fce.bench import Shape, _run, _torch_unfused, _fce, environment
-from torch_fce.measure import median_time, peak_extra_bytes
-from torch_fce.testing import make_inputs, rel_err
+import torch_fce
+import torch_fce.lowering as lowering
+from torch_fce.bench import environment
+from torch_fce.measure import peak_extra_bytes
+from torch_fce.tiny_lm import TinyLM
+
+
+def corpus_ids(vocab):
+    """The package's docstrings as word tokens, hashed (crc32) into [0, vocab)."""
+    text = []
+    for info in pkgutil.walk_packages(torch_fce.__path__, "torch_fce."):
+        module = importlib.import_module(info.name)
+        text.append(module.__doc__ or "")
+        text += [obj.__doc__ or "" for obj in vars(module).values()
+                 if getattr(obj, "__module__", None) == info.name]
+    words = re.findall(r"\w+|[^\w\s]", " ".join(text).lower())
+    return torch.tensor([zlib.crc32(w.encode()) % vocab for w in words])
+
+
+def batches(ids, batch, seq, steps, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        starts = torch.randint(0, len(ids) - seq - 1, (batch,), generator=g)
+        yield torch.stack([ids[s:s + seq] for s in starts.tolist()])
+
+
+def train(args, ids, fused, progress):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = TinyLM(args.vocab, dim=args.dim, layers=args.layers, heads=4,
+                   max_len=args.seq).to(args.device)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    step_fn = torch.compile(model)
+    fused_before = counters["inductor"][lowering.FUSED]
+    losses, times = [], []
+
+    def step(x):
+        loss = step_fn(x, x)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    # Compile afresh (no FX-graph cache) so the lowering pass runs and is counted.
+    no_cache = torch._inductor.config.patch(fx_graph_cache=False)
+    with no_cache, lowering.auto_fuse(args.accumulator) if fused else contextlib.nullcontext():
+        for i, x in enumerate(batches(ids, args.batch, args.seq, args.steps)):
+            x = x.to(args.device)
+            t0 = time.perf_counter()
+            losses.append(step(x).item())
+            times.append(time.perf_counter() - t0)
+            progress(i + 1, args.steps, losses[-1])
+        probe = next(batches(ids, args.batch, args.seq, 1, seed=1)).to(args.device)
+        peak = peak_extra_bytes(lambda: step(probe), args.device)
+    # The first steps compile; report the median of the rest.
+    steady = sorted(times[min(2, len(times) - 1):])
+    return dict(losses=losses, peak_mib=peak / 2**20, step_ms=steady[len(steady) // 2] * 1e3,
+                fused=counters["inductor"][lowering.FUSED] - fused_before)
+
+
+def _bar(name):
+    def progress(i, n, loss):
+        filled = int(30 * i / n)
+        print(f"\r{name:9} [{'#' * filled}{'.' * (30 - filled)}] {i}/{n} loss {loss:.4f}",
+              end="" if i < n else "\n", file=sys.stderr, flush=True)
+    return progress
+
+
+def plot(record, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.5))
+    for name, run in record["runs"].items():
+        a.plot(run["losses"], label=name)
+    a.set(xlabel="step", ylabel="loss", title="training loss")
+    a.legend()
+    names = list(record["runs"])
+    b.bar(names, [record["runs"][n]["peak_mib"] for n in names], color=["C0", "C1"])
+    b.set(ylabel="MiB", title="peak memory of a step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m torch_fce", description=__doc__)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--N", type=int, default=8192)
-    p.add_argument("--D", type=int, default=512)
-    p.add_argument("--V", type=int, default=32000)
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--tiny", action="store_true", help="a small model, for a quick check")
+    p.add_argument("--vocab", type=int, default=None)
+    p.add_argument("--dim", type=int, default=None)
+    p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--seq", type=int, default=None)
+    p.add_argument("--batch", type=int, default=None)
+    p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--accumulator", default="fp32", choices=("fp32", "kahan", "input"))
+    p.add_argument("--out", default="torch_fce_main", help="folder for the JSON and PNG")
     args = p.parse_args(argv)
-    shape = Shape("main", args.N, args.D, args.V)
-    x = make_inputs(shape.N, shape.D, shape.V, getattr(torch, args.dtype), device=args.device)
-    print(f"# {environment()}")
-    print(f"N={shape.N} D={shape.D} V={shape.V} dtype={args.dtype} device={args.device}")
-    runs = {"unfused": _torch_unfused, "torch_fce": _fce(args.accumulator)}
-    out, stats = {}, {}
-    for name, fn in runs.items():
-        out[name] = _run(fn, x)
-        mem = peak_extra_bytes(lambda: _run(fn, x), args.device)
-        stats[name] = (mem / 2**20, median_time(lambda: _run(fn, x), args.device, reps=3))
-    for name, (mib, sec) in stats.items():
-        print(f"{name:10} loss {out[name][0].item():.6f}  peak {mib:8.1f} MiB  "
-              f"fwd+bwd {sec * 1e3:8.1f} ms")
-    errs = [rel_err(a, b) for a, b in zip(out["torch_fce"], out["unfused"])]
-    print("agreement (relative L2 vs unfused): loss {:.2e}  dE {:.2e}  dW {:.2e}".format(*errs))
-    ratio = stats["torch_fce"][0] / max(stats["unfused"][0], 1e-9)
-    print(f"torch_fce peak memory = {ratio:.3f} x unfused; time = "
-          f"{stats['torch_fce'][1] / stats['unfused'][1]:.2f} x unfused")
+    size = dict(vocab=8192, dim=32, layers=1, seq=256, batch=8) if args.tiny else \
+        dict(vocab=32000, dim=128, layers=2, seq=256, batch=8)
+    for k, v in size.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    ids = corpus_ids(args.vocab)
+    env = environment()
+    N = args.batch * args.seq
+    print(f"# {env}")
+    print(f"TinyLM vocab={args.vocab} dim={args.dim} layers={args.layers}, batch "
+          f"{args.batch}x{args.seq} (fp32 logits {N * args.vocab * 4 / 2**20:.0f} MiB), "
+          f"{len(ids)} corpus tokens, {args.steps} steps on {args.device}")
+    runs = {name: train(args, ids, name == "torch_fce", _bar(name))
+            for name in ("unfused", "torch_fce")}
+    a, b = runs["unfused"]["losses"], runs["torch_fce"]["losses"]
+    for i in range(0, len(a), max(1, len(a) // 10)):
+        print(f"step {i + 1:3d}  unfused {a[i]:.6f}  torch_fce {b[i]:.6f}  "
+              f"rel diff {abs(a[i] - b[i]) / abs(a[i]):.1e}")
+    worst = max(abs(x - y) / abs(x) for x, y in zip(a, b))
+    for name, run in runs.items():
+        print(f"{name:10} peak {run['peak_mib']:8.1f} MiB  step {run['step_ms']:8.1f} ms  "
+              f"final loss {run['losses'][-1]:.6f}")
+    print(f"largest per-step loss difference {worst:.1e}; torch_fce fused "
+          f"{runs['torch_fce']['fused']} cross entropy; peak memory "
+          f"{runs['torch_fce']['peak_mib'] / runs['unfused']['peak_mib']:.2f} x unfused")
+    record = dict(environment=env, args=vars(args), runs=runs, max_rel_loss_diff=worst)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "main.json"), "w") as f:
+        json.dump(record, f, indent=1)
+    try:
+        plot(record, os.path.join(args.out, "main.png"))
+    except ImportError:
+        print("(matplotlib not installed: no PNG)")
+    print(f"wrote {args.out}/main.json" + (" and main.png" if os.path.exists(
+        os.path.join(args.out, "main.png")) else ""))
 
 
 if __name__ == "__main__":

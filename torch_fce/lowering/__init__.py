@@ -28,8 +28,10 @@ def _installed():
     return tuple(current) if isinstance(current, (list, tuple)) else (current,)
 
 
-def enable():
-    """Adds the pass after any pre-grad pass already installed (idempotent)."""
+def enable(accumulator="fp32"):
+    """Adds the pass after any pre-grad pass already installed (idempotent); the fused
+    ops it inserts use `accumulator` (see API.md)."""
+    _PASS.accumulator = accumulator
     passes = _installed()
     if _PASS not in passes:
         inductor_config.pre_grad_custom_pass = passes + (_PASS,) if passes else _PASS
@@ -43,10 +45,10 @@ def disable():
 
 
 @contextlib.contextmanager
-def auto_fuse():
+def auto_fuse(accumulator="fp32"):
     """Enables the pass inside the block (compiles that happen there), restores after."""
     was = inductor_config.pre_grad_custom_pass
-    enable()
+    enable(accumulator)
     try:
         yield
     finally:

@@ -18,6 +18,9 @@ SKIPPED = "fce_linear_ce_skipped"  # counters[SKIPPED][reason]: cross entropies 
 class FuseLinearCrossEntropy(CustomGraphPass):
     """Replaces F.cross_entropy(linear(x, W, b)...) by torch.ops.fce.linear_ce."""
 
+    def __init__(self, accumulator="fp32"):
+        self.accumulator = accumulator  # of the inserted ops
+
     def __call__(self, graph):
         for node in list(graph.nodes):
             if node.op == "call_function" and node.target in CROSS_ENTROPY:
@@ -27,17 +30,17 @@ class FuseLinearCrossEntropy(CustomGraphPass):
                     counters[SKIPPED][str(reason)] += 1
                     log.info("fce lowering: left %s unfused: %s", node.name, reason)
                     continue
-                _rewrite(graph, m)
+                _rewrite(graph, m, self.accumulator)
                 counters["inductor"][FUSED] += 1
                 log.info("fce lowering: fused %s into fce::linear_ce", node.name)
 
     def uuid(self):
         here = os.path.dirname(__file__)
-        return get_hash_for_files(tuple(os.path.join(here, f) for f in
-                                        ("graph_pass.py", "patterns.py")))
+        files = tuple(os.path.join(here, f) for f in ("graph_pass.py", "patterns.py"))
+        return get_hash_for_files(files, extra=self.accumulator)
 
 
-def _rewrite(graph, m):
+def _rewrite(graph, m, accumulator):
     with graph.inserting_before(m.cross_entropy):
         hidden = m.hidden
         for index in m.leading_slices:  # slices of the logits' leading dims, on hidden
@@ -46,7 +49,8 @@ def _rewrite(graph, m):
         target = graph.call_method("reshape", (m.target, -1))
         fused = graph.call_function(
             torch.ops.fce.linear_ce.default,
-            (hidden, m.weight, target, m.bias, m.class_weight), m.options)
+            (hidden, m.weight, target, m.bias, m.class_weight),
+            dict(m.options, accumulator=accumulator))
     m.cross_entropy.replace_all_uses_with(fused)
     graph.erase_node(m.cross_entropy)
     for node in m.chain:  # consumer first, so each is unused when erased
