@@ -1,0 +1,33 @@
+"""docs/api.md lists the signatures the code has."""
+
+import inspect
+import pathlib
+
+import torch
+
+import torch_fce
+import torch_fce.lowering
+from torch_fce.integrations import transformers as fce_hf
+
+API = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "api.md").read_text()
+
+
+def _sig(name, fn):
+    return name + str(inspect.signature(fn)).replace("(self, ", "(")
+
+
+def test_docs_api_schema_matches_the_registered_op():
+    assert str(torch.ops.fce.linear_ce.default._schema) in API
+
+
+def test_docs_api_python_signatures_match():
+    for name, fn in {
+        "torch_fce.linear_cross_entropy": torch_fce.linear_cross_entropy,
+        "torch_fce.LinearCrossEntropyLoss": torch_fce.LinearCrossEntropyLoss.__init__,
+        "torch_fce.lowering.enable": torch_fce.lowering.enable,
+        "torch_fce.lowering.disable": torch_fce.lowering.disable,
+        "torch_fce.lowering.auto_fuse": torch_fce.lowering.auto_fuse,
+        "torch_fce.integrations.transformers.apply": fce_hf.apply,
+        "torch_fce.integrations.transformers.revert": fce_hf.revert,
+    }.items():
+        assert _sig(name, fn) in API, _sig(name, fn)
