@@ -58,17 +58,16 @@ def linear_ce_fwd(hidden, weight, target, bias, class_weight, ignore_index, redu
                   label_smoothing, softcap, z_loss, accumulator, needs_grad, *, rows,
                   chunk_rows):
     """fce::linear_ce_fwd on one device, given its row function and chunk size."""
-    mdt = math_dtype_for(hidden.dtype)
     opts = RowOptions(ignore_index, label_smoothing, softcap)
     want = any(needs_grad)
-    ce_scale, z_scale = grad_scales(
-        target, class_weight, ignore_index, reduction, z_loss, mdt) if want else (None, None)
+    ce_scale, z_scale = grad_scales(target, class_weight, ignore_index, reduction, z_loss,
+                                    math_dtype_for(hidden.dtype)) if want else (None, None)
     with torch.autocast(hidden.device.type, enabled=False):
         (lse, nll, smooth), grads = run_chunks(
             hidden, weight, target, bias, class_weight, opts, needs_grad, ce_scale, z_scale,
             rows, chunk_rows, accumulator)
         loss = reduce_loss(nll, smooth, lse, target, class_weight, ignore_index, reduction,
-                           label_smoothing, z_loss, weight.shape[0]).to(mdt)
+                           label_smoothing, z_loss, weight.shape[0])
     return (loss, *_grad_outputs(hidden, weight, bias, grads, accumulator == "fp32"))
 
 
