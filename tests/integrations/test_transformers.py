@@ -170,3 +170,14 @@ def test_transformers_trainer(tmp_path):
     result = trainer.train()
     assert torch.isfinite(torch.tensor(result.training_loss))
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_transformers_logits_to_keep():
+    model = make("llama")
+    ids, labels = batch()
+    kwargs = dict(input_ids=ids, labels=labels[:, -5:], logits_to_keep=5)
+    ref, ref_grads = loss_and_grads(model, **kwargs)
+    fce_hf.apply(model)
+    out, grads = loss_and_grads(model, **kwargs)
+    assert rel_err(out.loss, ref.loss) <= 1e-5
+    assert rel_err(grads["lm_head.weight"], ref_grads["lm_head.weight"]) <= 1e-5
