@@ -2,7 +2,9 @@
 
 CUDA: the caching allocator's peak. CPU: the process's resident-set high-water mark
 (Linux), with glibc told to serve every allocation of 64 KiB or more by mmap so freed
-tensors leave the resident set at once instead of lingering in malloc's heap.
+tensors leave the resident set at once instead of lingering in malloc's heap. Memory
+freed to malloc's heap before the first measurement can still be reused unseen, so CPU
+figures are meant for fresh processes (the benchmarks and the main job).
 """
 
 import ctypes
@@ -13,17 +15,17 @@ import time
 import torch
 
 _M_MMAP_THRESHOLD = -3
-_pinned = False
 
 
 def _pin_mmap_threshold():
-    global _pinned
-    if not _pinned:
-        try:
-            ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, 1 << 16)
-        except OSError:
-            pass
-        _pinned = True
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, 1 << 16)
+    except OSError:  # not glibc: figures may then miss memory reused from the heap
+        pass
+
+
+# At import, before the benchmarks allocate anything (only they import this module).
+_pin_mmap_threshold()
 
 
 def _status_kib(field):
@@ -44,7 +46,6 @@ def peak_extra_bytes(fn, device):
         fn()
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - base
-    _pin_mmap_threshold()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # resets the high-water mark VmHWM to the current RSS
     base = _status_kib("VmRSS")
