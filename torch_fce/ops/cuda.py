@@ -34,8 +34,8 @@ def linear_ce_fwd(hidden, weight, target, bias, class_weight, *options):
 @torch.library.impl("fce::linear_ce_bwd", "CUDA")
 def linear_ce_bwd(grad_loss, hidden, weight, target, bias, class_weight, *options):
     return chunked.linear_ce_bwd(
-        grad_loss, hidden, weight, target, bias, class_weight, *options, rows=_rows(hidden.dtype),
-        chunk_rows=chunk_rows(weight.shape[0], hidden.dtype))
+        grad_loss, hidden, weight, target, bias, class_weight, *options,
+        rows=_rows(hidden.dtype), chunk_rows=chunk_rows(weight.shape[0], hidden.dtype))
 
 
 @torch.library.impl("fce::scale_grad", "CUDA")
