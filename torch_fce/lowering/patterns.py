@@ -161,7 +161,8 @@ def match(ce):
                 raise NoMatch("an index touches the vocabulary dimension")
             slices.insert(0, node.args[1])
         else:
-            raise NoMatch(f"logits come from {node.op} {getattr(node.target, '__name__', node.target)}")
+            name = getattr(node.target, "__name__", node.target)
+            raise NoMatch(f"logits come from {node.op} {name}")
         user, node = node, node.args[0]
         if not isinstance(node, Node):
             raise NoMatch("logits do not come from a tensor")
