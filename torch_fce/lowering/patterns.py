@@ -45,7 +45,9 @@ class NoMatch(Exception):
 
 
 def _meta(node):
-    val = node.meta.get("example_value") if isinstance(node, Node) else None
+    # Dynamo records "example_value"; graphs that went through fake propagation, "val".
+    val = (node.meta.get("example_value", node.meta.get("val"))
+           if isinstance(node, Node) else None)
     if not isinstance(val, torch.Tensor):
         raise NoMatch("no tensor metadata")
     return val
