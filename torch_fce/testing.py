@@ -20,9 +20,9 @@ def grad_tol(dtype, terms):
     work = EPS[torch.float64 if dtype == torch.float64 else torch.float32]
     return max(EPS[dtype] if dtype != torch.float64 else 0.0, 4 * work * max(terms, 16) ** 0.5)
 
+
 # The loss is float32 math on the same rounded logits as the reference.
 LOSS_TOL = 64 * EPS[torch.float32]
-OPTION_NAMES = ("ignore_index", "reduction", "label_smoothing", "softcap", "z_loss")
 
 
 def make_inputs(N, D, V, dtype=torch.float32, *, ignore_frac=1 / 17, bias=False,

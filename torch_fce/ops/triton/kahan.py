@@ -9,7 +9,6 @@ no extra pass over S are needed.
 
 import os
 
-import torch
 import triton
 import triton.language as tl
 
