@@ -125,3 +125,13 @@ def test_cuda_inputs_unchanged_and_bad_target_is_nan():
     assert torch.isnan(loss[7]) and torch.isfinite(loss[:7]).all()
     for k, v in before.items():
         assert torch.equal(x[k], v), k
+
+
+def test_cuda_opt_in_target_check_raises(monkeypatch):
+    from torch_fce.ops import checks
+
+    monkeypatch.setattr(checks, "CHECK_TARGETS", True)
+    x = make_inputs(64, 16, 100, torch.bfloat16, device="cuda")
+    x["target"][3] = 100
+    with pytest.raises(IndexError, match="target"):
+        torch_fce.linear_cross_entropy(**x)

@@ -5,7 +5,13 @@ time with the same message as in eager mode. Shape checks go through
 `torch._check_with`, which accepts SymBools without specialising.
 """
 
+import os
+
 import torch
+
+# Opt-in eager check of target ranges on CUDA (it syncs with the host): without it,
+# out-of-range targets give NaN losses and are never read out of bounds (API.md).
+CHECK_TARGETS = os.environ.get("TORCH_FCE_CHECK_TARGETS") == "1"
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 TARGET_DTYPES = (torch.int64, torch.int32)
@@ -86,3 +92,13 @@ def check_inputs(hidden, weight, target, bias, class_weight):
                     ("class_weight", class_weight)):
         if t is not None and t.device != hidden.device:
             raise ValueError(f"{name} is on {t.device} but hidden is on {hidden.device}")
+
+
+def check_target_range(target, V, ignore_index):
+    """Raises IndexError for a target outside [0, V) that is not ignore_index (syncs)."""
+    bad = (target != ignore_index) & ((target < 0) | (target >= V))
+    if bad.any():
+        raise IndexError(
+            f"target holds {int(target[bad][0])}, outside [0, V) = [0, {V}) and not "
+            f"ignore_index ({ignore_index})"
+        )

@@ -4,7 +4,7 @@ import os
 
 import torch
 
-from . import chunked
+from . import checks, chunked
 from .rows import torch_rows
 from .triton.rows import triton_rows
 from .triton.scale import _launch_scale_cast
@@ -25,10 +25,12 @@ def chunk_rows(V, dtype):
 
 
 @torch.library.impl("fce::linear_ce_fwd", "CUDA")
-def linear_ce_fwd(hidden, weight, target, bias, class_weight, *options):
+def linear_ce_fwd(hidden, weight, target, bias, class_weight, ignore_index, *options):
+    if checks.CHECK_TARGETS:
+        checks.check_target_range(target, weight.shape[0], ignore_index)
     return chunked.linear_ce_fwd(
-        hidden, weight, target, bias, class_weight, *options, rows=_rows(hidden.dtype),
-        chunk_rows=chunk_rows(weight.shape[0], hidden.dtype))
+        hidden, weight, target, bias, class_weight, ignore_index, *options,
+        rows=_rows(hidden.dtype), chunk_rows=chunk_rows(weight.shape[0], hidden.dtype))
 
 
 @torch.library.impl("fce::linear_ce_bwd", "CUDA")
