@@ -21,6 +21,36 @@ class RowOptions(NamedTuple):
     softcap: Optional[float]
 
 
+def softcapped(logits, softcap, math_dtype):
+    """(z, tanh): the logits in math_dtype after the softcap, and tanh(logits / softcap)
+    for its derivative (None without softcap). Overwrites logits where it can."""
+    z = logits.to(math_dtype)  # the buffer itself when it already is math_dtype
+    if softcap is None:
+        return z, None
+    tanh = z.div_(softcap).tanh_()
+    return tanh * softcap, tanh
+
+
+def logits_grad_(e, norm, tgt, onehot_scale, w_y, lse, cw, W, V, ce_scale, z_scale, opts,
+                 tanh):
+    """Turns e (n, Vs) = exp(z - c) with softmax = e * norm into dz, in place.
+
+    Vs may be a shard of the V classes (vocab parallel): tgt is then the target's column
+    in the shard and onehot_scale is 0 for rows whose target lives elsewhere; cw is the
+    shard's class weights; w_y, W, lse, scales are those of the whole vocabulary.
+    """
+    eps = opts.label_smoothing
+    a = ce_scale * ((1.0 - eps) * w_y + (eps / V) * W) + 2.0 * z_scale * lse
+    dz = e.mul_((a * norm)[:, None])  # softmax * A
+    dz.scatter_add_(1, tgt[:, None], (-ce_scale * (1.0 - eps) * w_y * onehot_scale)[:, None])
+    if eps > 0.0:
+        c = (ce_scale * (eps / V))[:, None]
+        dz -= c if cw is None else c * cw[None, :]
+    if tanh is not None:
+        dz.mul_(1.0 - tanh * tanh)
+    return dz
+
+
 def torch_rows(logits, target, class_weight, ce_scale, z_scale, opts, math_dtype):
     """Returns (lse, nll, smooth, dz) for logits (n, V); dz is None without ce_scale.
 
@@ -30,11 +60,7 @@ def torch_rows(logits, target, class_weight, ce_scale, z_scale, opts, math_dtype
     """
     n, V = logits.shape
     eps = opts.label_smoothing
-    z = logits.to(math_dtype)  # the buffer itself when it already is math_dtype
-    tanh = None
-    if opts.softcap is not None:
-        tanh = z.div_(opts.softcap).tanh_()
-        z = tanh * opts.softcap
+    z, tanh = softcapped(logits, opts.softcap, math_dtype)
     valid = target != opts.ignore_index
     tgt = torch.where(valid, target, 0).long()
     cw = None if class_weight is None else class_weight.to(math_dtype)
@@ -50,13 +76,6 @@ def torch_rows(logits, target, class_weight, ce_scale, z_scale, opts, math_dtype
     smooth = torch.where(valid, W * lse - zsum, 0.0) if eps > 0.0 else torch.zeros_like(lse)
     if ce_scale is None:
         return lse, nll, smooth, None
-
-    a = ce_scale * ((1.0 - eps) * w_y + (eps / V) * W) + 2.0 * z_scale * lse
-    dz = e.mul_((a / total)[:, None])  # softmax * A
-    dz.scatter_add_(1, tgt[:, None], (-ce_scale * (1.0 - eps) * w_y)[:, None])
-    if eps > 0.0:
-        c = (ce_scale * (eps / V))[:, None]
-        dz -= c if cw is None else c * cw[None, :]
-    if tanh is not None:
-        dz.mul_(1.0 - tanh * tanh)
+    dz = logits_grad_(e, 1.0 / total, tgt, 1.0, w_y, lse, cw, W, V, ce_scale, z_scale, opts,
+                      tanh)
     return lse, nll, smooth, dz.to(logits.dtype)
