@@ -7,6 +7,7 @@ import torch
 
 import torch_fce
 import torch_fce.lowering
+from torch_fce.distributed import vocab_parallel_linear_cross_entropy
 from torch_fce.integrations import transformers as fce_hf
 
 API = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "api.md").read_text()
@@ -29,5 +30,7 @@ def test_docs_api_python_signatures_match():
         "torch_fce.lowering.auto_fuse": torch_fce.lowering.auto_fuse,
         "torch_fce.integrations.transformers.apply": fce_hf.apply,
         "torch_fce.integrations.transformers.revert": fce_hf.revert,
+        "torch_fce.distributed.vocab_parallel_linear_cross_entropy":
+            vocab_parallel_linear_cross_entropy,
     }.items():
         assert _sig(name, fn) in API, _sig(name, fn)
