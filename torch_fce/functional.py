@@ -24,6 +24,8 @@ def linear_cross_entropy(hidden, weight, target, bias=None, class_weight=None, *
         shift: pair hidden[..., t, :] with target[..., t + 1] (causal LM); hidden is not
             copied, the last position of each sequence is ignored.
         Other options: see API.md.
+        A DTensor weight sharded on dim 0 (vocabulary) runs the vocab-parallel loss over
+        its mesh dimension (torch_fce.distributed); the loss is the same on every rank.
 
     Returns:
         float32 loss: () for "mean"/"sum", target.shape for "none".
@@ -35,7 +37,20 @@ def linear_cross_entropy(hidden, weight, target, bias=None, class_weight=None, *
         if target.dim() == 0:
             raise ValueError("shift=True needs target with a sequence dimension, got a 0-d tensor")
         target = shift_targets(target, ignore_index)
-    return torch.ops.fce.linear_ce(
-        hidden, weight, target, bias, class_weight, ignore_index=ignore_index,
-        reduction=reduction, label_smoothing=label_smoothing, softcap=softcap, z_loss=z_loss,
-        accumulator=accumulator)
+    options = dict(ignore_index=ignore_index, reduction=reduction,
+                   label_smoothing=label_smoothing, softcap=softcap, z_loss=z_loss,
+                   accumulator=accumulator)
+    if _is_dtensor(weight):  # sharded by vocabulary: the vocab-parallel loss
+        from .distributed.dtensor import dtensor_linear_cross_entropy
+
+        return dtensor_linear_cross_entropy(hidden, weight, target, bias, class_weight,
+                                            **options)
+    return torch.ops.fce.linear_ce(hidden, weight, target, bias, class_weight, **options)
+
+
+def _is_dtensor(t):
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)

@@ -75,17 +75,70 @@ def _check_compiled(rank, world):
         assert rel_err(a, b) <= 1e-6
 
 
+def _check_dtensor(world):
+    # torch_fce.linear_cross_entropy with a Shard(0) DTensor weight (torch's even chunks).
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    x = make_inputs(16, 8, V, bias=True, seed=9)
+    leaves = {k: x[k].clone().requires_grad_() for k in ("hidden", "weight", "bias")}
+    ref = torch_fce.linear_cross_entropy(**{**x, **leaves}, label_smoothing=0.1)
+    ref.backward()
+    h = x["hidden"].clone().requires_grad_()
+    w = distribute_tensor(x["weight"], mesh, [Shard(0)]).requires_grad_()
+    b = distribute_tensor(x["bias"], mesh, [Shard(0)]).requires_grad_()
+    loss = torch_fce.linear_cross_entropy(h, w, x["target"], b, label_smoothing=0.1)
+    loss.backward()
+    assert rel_err(loss, ref) <= LOSS_TOL
+    assert rel_err(h.grad, leaves["hidden"].grad) <= grad_tol(torch.float32, V)
+    assert rel_err(w.grad.full_tensor(), leaves["weight"].grad) <= grad_tol(torch.float32, V)
+    assert rel_err(b.grad.full_tensor(), leaves["bias"].grad) <= grad_tol(torch.float32, V)
+
+
+class _TinyLM(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(V, 8)
+        self.head = torch.nn.Linear(8, V, bias=False)
+
+    def forward(self, ids):
+        return torch_fce.linear_cross_entropy(torch.tanh(self.embed(ids)), self.head.weight,
+                                              ids, shift=True)
+
+
+def _check_fsdp2(rank, world):
+    # FSDP2 gathers the head as usual; the op sees a plain weight. Each rank trains on its
+    # own batch; the averaged gradients equal one process on the whole batch.
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import init_device_mesh
+
+    ids = torch.randint(0, V, (world, 2, 6), generator=torch.Generator().manual_seed(4))
+    ref = _TinyLM()
+    torch.stack([ref(ids[r]) for r in range(world)]).mean().backward()
+    model = fully_shard(_TinyLM(), mesh=init_device_mesh("cpu", (world,)))
+    model(ids[rank]).backward()
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        assert rel_err(p.grad.full_tensor(), q.grad) <= 1e-5, name
+
+
 def _worker(rank, world, path):
     dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
     try:
         for family in FAMILIES:
             _check_family(rank, world, family)
         _check_compiled(rank, world)
+        _check_dtensor(world)
+        _check_fsdp2(rank, world)
         # Shards that do not tile V: every rank raises the same clear error, none hangs.
         w = torch.randn(10, 8)
         with pytest.raises(ValueError, match="do not tile"):
             vocab_parallel_linear_cross_entropy(torch.randn(4, 8), w, torch.zeros(4).long(),
                                                 vocab_start=0, vocab_size=20)
+        n = 4 + rank  # different token counts across ranks
+        with pytest.raises(ValueError, match="differ across ranks"):
+            vocab_parallel_linear_cross_entropy(torch.randn(n, 8), w, torch.zeros(n).long(),
+                                                vocab_start=10 * rank, vocab_size=10 * world)
     finally:
         dist.destroy_process_group()
 

@@ -1,0 +1,36 @@
+"""DTensor entry: a weight sharded by vocabulary (Shard(0)) runs the vocab-parallel loss."""
+
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from .vocab_parallel import vocab_parallel_linear_cross_entropy
+
+
+def _local(t):
+    if not isinstance(t, DTensor):
+        return t
+    if any(not isinstance(p, Replicate) for p in t.placements):
+        raise ValueError(f"with a vocab-sharded weight, hidden/target/class_weight must be "
+                         f"replicated, got placements {t.placements}")
+    return t.to_local()
+
+
+def dtensor_linear_cross_entropy(hidden, weight, target, bias, class_weight, **options):
+    """Loss for a DTensor weight sharded on dim 0 along one mesh dimension (replicated on
+    any other); the result, a plain tensor, is the same on every rank."""
+    dims = [i for i, p in enumerate(weight.placements) if isinstance(p, Shard)]
+    if len(dims) != 1 or weight.placements[dims[0]].dim != 0 or any(
+            not isinstance(p, (Shard, Replicate)) for p in weight.placements):
+        raise ValueError(f"weight must be a DTensor sharded on dim 0 (vocabulary) along one "
+                         f"mesh dimension, got placements {weight.placements}")
+    if bias is not None and (not isinstance(bias, DTensor)
+                             or tuple(bias.placements) != tuple(weight.placements)):
+        raise ValueError("bias must be a DTensor with weight's placements")
+    mesh = weight.device_mesh
+    _, offset = compute_local_shape_and_global_offset(weight.shape, mesh, weight.placements)
+    return vocab_parallel_linear_cross_entropy(
+        _local(hidden), weight.to_local(), _local(target),
+        None if bias is None else bias.to_local(), _local(class_weight),
+        vocab_start=offset[0], vocab_size=weight.shape[0], group=mesh.get_group(dims[0]),
+        **options)
+
