@@ -18,34 +18,38 @@ import torch.nn.functional as F
 from ..ops.accumulate import GradAccumulator, _mm_f32
 from ..ops.checks import check_inputs, check_options
 from ..ops.chunked import math_dtype_for
+from ..ops.cpu import _chunk_rows
 from ..ops.rows import RowOptions, logits_grad_, softcapped
 from ..ops.tokens import grad_scales, reduce_loss, target_weights
 
-# Elements of one shard-logits chunk (at least one row), as the CPU backend.
-WORKSPACE_ELEMS = 1 << 22
-
-
 def _chunks(N, Vs):
-    rows = max(1, WORKSPACE_ELEMS // max(1, Vs))
+    """Token chunks whose shard logits fit the CPU backend's workspace."""
+    rows = _chunk_rows(Vs)
     return [(s, min(N, s + rows)) for s in range(0, N, rows)]
 
 
-def _in_shard(target, start, Vs, ignore_index):
-    """Column of each target in this shard (0 elsewhere) and where it lives here."""
-    here = (target >= start) & (target < start + Vs) & (target != ignore_index)
-    return torch.where(here, target - start, 0).long(), here
+def _shard(hidden, weight, bias, target, class_weight, start, V, opts):
+    """What forward and backward both derive: the head in hidden's dtype, the class
+    weights (whole and this shard's), their sum W, and each target's column in the
+    shard with where it lives here."""
+    mdt = math_dtype_for(hidden.dtype)
+    Vs = weight.shape[0]
+    w, b = weight.to(hidden.dtype), None if bias is None else bias.to(hidden.dtype)
+    cw = None if class_weight is None else class_weight.to(mdt)
+    cw_shard = None if cw is None else cw[start:start + Vs]
+    W = float(V) if cw is None else cw.sum()
+    here = (target >= start) & (target < start + Vs) & (target != opts.ignore_index)
+    tgt = torch.where(here, target - start, 0).long()
+    return mdt, w, b, cw_shard, W, tgt, here
 
 
 class _VocabParallelLinearCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, target, class_weight, group, start, V, opts,
                 reduction, z_loss, accumulator):
-        mdt = math_dtype_for(hidden.dtype)
+        mdt, w, b, cw_shard, W, tgt, here = _shard(hidden, weight, bias, target,
+                                                   class_weight, start, V, opts)
         N, Vs = hidden.shape[0], weight.shape[0]
-        w, b = weight.to(hidden.dtype), None if bias is None else bias.to(hidden.dtype)
-        cw = None if class_weight is None else class_weight.to(mdt)
-        cw_shard = None if cw is None else cw[start:start + Vs]
-        tgt, here = _in_shard(target, start, Vs, opts.ignore_index)
         m, s, z_y, wz = (hidden.new_zeros(N, dtype=mdt) for _ in range(4))
         for a, e in _chunks(N, Vs):
             z, _ = softcapped(F.linear(hidden[a:e], w, b), opts.softcap, mdt)
@@ -58,7 +62,6 @@ class _VocabParallelLinearCE(torch.autograd.Function):
         lse = M + funcol.all_reduce(s * torch.exp(m - M), "sum", group).log()
         z_y = funcol.all_reduce(z_y, "sum", group)
         valid, w_y = target_weights(target, class_weight, opts.ignore_index, mdt)
-        W = float(V) if cw is None else cw.sum()
         smooth = torch.zeros_like(lse)
         if opts.label_smoothing > 0.0:
             smooth = torch.where(valid, W * lse - funcol.all_reduce(wz, "sum", group), 0.0)
@@ -72,13 +75,9 @@ class _VocabParallelLinearCE(torch.autograd.Function):
     def backward(ctx, grad_loss):
         hidden, weight, bias, target, class_weight, lse = ctx.saved_tensors
         group, start, V, opts, reduction, z_loss, accumulator = ctx.args
-        mdt = math_dtype_for(hidden.dtype)
+        mdt, w, b, cw_shard, W, tgt, here = _shard(hidden, weight, bias, target,
+                                                   class_weight, start, V, opts)
         (N, D), Vs = hidden.shape, weight.shape[0]
-        w, b = weight.to(hidden.dtype), None if bias is None else bias.to(hidden.dtype)
-        cw = None if class_weight is None else class_weight.to(mdt)
-        cw_shard = None if cw is None else cw[start:start + Vs]
-        W = float(V) if cw is None else cw.sum()
-        tgt, here = _in_shard(target, start, Vs, opts.ignore_index)
         _, w_y = target_weights(target, class_weight, opts.ignore_index, mdt)
         ce_scale, z_scale = grad_scales(target, class_weight, opts.ignore_index, reduction,
                                         z_loss, mdt, grad_loss=grad_loss)
@@ -109,13 +108,8 @@ def _check_tiling(hidden, weight, target, vocab_start, vocab_size, group):
     if len({r[2:] for r in rows}) != 1:
         raise ValueError(f"hidden/target/vocab_size differ across ranks: (N, D, V) per "
                          f"rank = {[r[2:] for r in rows]}")
-    end = 0
-    for start, size, *_ in rows:
-        if start != end:
-            raise ValueError(f"vocab_start/weight shards do not tile [0, {vocab_size}): "
-                             f"(start, rows) per rank = {[r[:2] for r in rows]}")
-        end = start + size
-    if end != vocab_size:
+    ends = [0] + [start + size for start, size, *_ in rows]
+    if [r[0] for r in rows] != ends[:-1] or ends[-1] != vocab_size:
         raise ValueError(f"vocab_start/weight shards do not tile [0, {vocab_size}): "
                          f"(start, rows) per rank = {[r[:2] for r in rows]}")
 
