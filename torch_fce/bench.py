@@ -126,7 +126,8 @@ def bench_shape(shape, dtype, device, fns, reps, progress):
             t = median_time(lambda: _run(fn, x), device, reps=reps, warmup=1)
             # Gradients are the caller's; what a method holds beyond them is its cost.
             grads = x["hidden"].numel() + x["weight"].numel()
-            mem = peak_extra_bytes(lambda: _run(fn, x), device) - grads * x["hidden"].element_size()
+            mem = peak_extra_bytes(lambda: _run(fn, x), device)
+            mem -= grads * x["hidden"].element_size()
         except Exception as e:  # a peer failing on a shape is a result, not a crash
             print(f"  {name} failed on {shape.name}: {type(e).__name__}: {e}", file=sys.stderr)
             continue

@@ -2,7 +2,6 @@
 
 from . import schema  # noqa: F401  (defines the ops; must come first)
 from . import autograd, cpu, fake, linear_ce  # noqa: F401
-from .reference import linear_ce_reference  # noqa: F401
 
 try:  # the CUDA backend needs Triton; without it CUDA tensors use the PyTorch backend
     import triton  # noqa: F401
