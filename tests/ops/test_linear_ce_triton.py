@@ -8,7 +8,8 @@ import torch
 from hypothesis import given, strategies as st
 
 from torch_fce.ops import chunked
-from torch_fce.ops.triton.rows import triton_rows
+from torch_fce.ops.rows import RowOptions, torch_rows, torch_shard_grad, torch_shard_stats
+from torch_fce.ops.triton.rows import triton_rows, triton_shard_grad, triton_shard_stats
 from torch_fce.testing import (EPS, LOSS_TOL, allowed_error, grad_tol, make_inputs,
                                reference_loss_and_grads, rel_err, torch_loss_and_grads)
 
@@ -131,3 +132,41 @@ def test_triton_scale_cast_rounds_once():
     # One rounding of the float32 product: within one bfloat16 epsilon of the exact value
     # (the interpreter truncates where a GPU rounds to nearest; both pass).
     assert ((out.double() - exact).abs() <= EPS[torch.bfloat16] * exact.abs()).all()
+
+
+@pytest.mark.parametrize("opts", [
+    RowOptions(-100, 0.0, None), RowOptions(-100, 0.1, None), RowOptions(-100, 0.2, 3.0)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("class_weight", [False, True])
+def test_triton_shard_sweeps_match_their_pytorch_twins(opts, dtype, class_weight):
+    # The vocab-parallel loss's Triton kernels against rows.torch_shard_*, which the
+    # distributed tests tie to the single-device op; shards of an uneven split.
+    g = torch.Generator().manual_seed(1)
+    n, V, split = 9, 37, [0, 15, 37]
+    logits = (torch.randn(n, V, generator=g) * 4).to(dtype)
+    target = torch.randint(0, V, (n,), generator=g)
+    target[2] = -100
+    cw = torch.rand(V, generator=g) + 0.5 if class_weight else None
+    lse, a, b, c = (torch.randn(n, generator=g) for _ in range(4))
+    lses = []
+    for s, e in zip(split, split[1:]):
+        col = torch.where((target >= s) & (target < e), target - s, -1).int()
+        shard = logits[:, s:e]
+        cws = None if cw is None else cw[s:e]
+        mine = triton_shard_stats(shard.clone().to(DEVICE), col.to(DEVICE),
+                                  None if cws is None else cws.to(DEVICE), opts,
+                                  torch.float32)
+        twin = torch_shard_stats(shard.clone(), col, cws, opts, torch.float32)
+        for m, t in zip(mine, twin):
+            assert (m is None) == (t is None) and (m is None or rel_err(m.cpu(), t) <= 1e-6)
+        lses.append(twin[0])
+        coeffs = (lse, a, b, c if opts.label_smoothing > 0.0 else None)
+        dz = triton_shard_grad(shard.clone().to(DEVICE), col.to(DEVICE),
+                               None if cws is None else cws.to(DEVICE),
+                               *[None if v is None else v.to(DEVICE) for v in coeffs],
+                               opts, torch.float32)
+        want = torch_shard_grad(shard.clone(), col, cws, *coeffs, opts, torch.float32)
+        assert dz.dtype == dtype and rel_err(dz.cpu(), want) <= 4 * EPS[dtype]
+    # The shards' logsumexps combine to the whole row's.
+    whole = torch_rows(logits.clone(), target, None, None, None, opts, torch.float32)[0]
+    assert rel_err(torch.stack(lses).logsumexp(0), whole) <= 1e-6

@@ -2,12 +2,14 @@
 
 Each rank holds rows [vocab_start, vocab_start + Vs) of the (V, D) head (Megatron's
 column-parallel lm head) and the full hidden states and targets. Per token chunk a rank
-forms its shard's logits and reduces them to four O(N) vectors (max, sum of exp, target
-logit, weighted logit sum); one all-reduce of those gives every rank the global
-logsumexp and loss. The backward recomputes the shard's logits, forms dz with the
-global lse (the same formula as one device: ops/rows.logits_grad_), keeps dW and db
-local and all-reduces the hidden gradient's float32 partial sums. Collectives are
-functional (torch.distributed._functional_collectives) so torch.compile can trace them.
+forms its shard's logits and reduces them to O(N) vectors (the shard's logsumexp, the
+target logit, the weighted logit sum); two all-reduces (a max, then one stacked sum)
+give every rank the global logsumexp and loss. The backward recomputes the shard's
+logits, forms dz with the global lse and the same coefficients as one device
+(ops/rows.grad_coefficients), keeps dW and db local and all-reduces the hidden
+gradient's float32 partial sums. On CUDA the per-chunk row work is the Triton row
+kernel's two sweeps as separate kernels; elsewhere the PyTorch twins. Collectives are
+functional (torch.distributed._functional_collectives) so torch.compile traces them.
 """
 
 import torch
@@ -19,52 +21,62 @@ from ..ops.accumulate import GradAccumulator, _mm_f32
 from ..ops.checks import check_inputs, check_options
 from ..ops.chunked import math_dtype_for
 from ..ops.cpu import _chunk_rows
-from ..ops.rows import RowOptions, logits_grad_, softcapped
+from ..ops.rows import (RowOptions, grad_coefficients, torch_shard_grad,
+                        torch_shard_stats)
 from ..ops.tokens import grad_scales, reduce_loss, target_weights
 
-def _chunks(N, Vs):
-    """Token chunks whose shard logits fit the CPU backend's workspace."""
-    rows = _chunk_rows(Vs)
-    return [(s, min(N, s + rows)) for s in range(0, N, rows)]
+try:  # the same condition as the op's CUDA backend (ops/__init__.py)
+    from ..ops.cuda import chunk_rows as cuda_chunk_rows
+    from ..ops.triton.rows import triton_shard_grad, triton_shard_stats
+except ImportError:
+    cuda_chunk_rows = None
+
+
+def _row_math(hidden, Vs):
+    """(stats, grad, token chunks) for this device: the Triton sweeps and the CUDA
+    workspace on CUDA, the PyTorch twins and the CPU workspace elsewhere."""
+    N = hidden.shape[0]
+    if hidden.is_cuda and hidden.dtype != torch.float64 and cuda_chunk_rows is not None:
+        stats, grad, rows = triton_shard_stats, triton_shard_grad, cuda_chunk_rows(
+            N, Vs, hidden.dtype)
+    else:
+        stats, grad, rows = torch_shard_stats, torch_shard_grad, _chunk_rows(Vs)
+    return stats, grad, [(s, min(N, s + rows)) for s in range(0, N, rows)]
 
 
 def _shard(hidden, weight, bias, target, class_weight, start, V, opts):
-    """What forward and backward both derive: the head in hidden's dtype, the class
-    weights (whole and this shard's), their sum W, and each target's column in the
-    shard with where it lives here."""
-    mdt = math_dtype_for(hidden.dtype)
+    """What forward and backward both derive: the head in hidden's dtype, the shard's
+    class weights, the sum W of all class weights, and each target's column in the
+    shard (-1 where it lives elsewhere or is ignored)."""
     Vs = weight.shape[0]
     w, b = weight.to(hidden.dtype), None if bias is None else bias.to(hidden.dtype)
-    cw = None if class_weight is None else class_weight.to(mdt)
-    cw_shard = None if cw is None else cw[start:start + Vs]
-    W = float(V) if cw is None else cw.sum()
+    cw = None if class_weight is None else class_weight[start:start + Vs]
+    W = float(V) if class_weight is None else class_weight.to(
+        math_dtype_for(hidden.dtype)).sum()
     here = (target >= start) & (target < start + Vs) & (target != opts.ignore_index)
-    tgt = torch.where(here, target - start, 0).long()
-    return mdt, w, b, cw_shard, W, tgt, here
+    return w, b, cw, W, torch.where(here, target - start, -1).int()
 
 
 class _VocabParallelLinearCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, target, class_weight, group, start, V, opts,
                 reduction, z_loss, accumulator):
-        mdt, w, b, cw_shard, W, tgt, here = _shard(hidden, weight, bias, target,
-                                                   class_weight, start, V, opts)
-        N, Vs = hidden.shape[0], weight.shape[0]
-        m, s, z_y, wz = (hidden.new_zeros(N, dtype=mdt) for _ in range(4))
-        for a, e in _chunks(N, Vs):
-            z, _ = softcapped(F.linear(hidden[a:e], w, b), opts.softcap, mdt)
-            z_y[a:e] = torch.where(here[a:e], z.gather(1, tgt[a:e, None]).squeeze(1), 0.0)
-            if opts.label_smoothing > 0.0:
-                wz[a:e] = z.sum(-1) if cw_shard is None else z @ cw_shard
-            m[a:e] = z.amax(-1).clamp_min(torch.finfo(mdt).min)
-            s[a:e] = z.sub_(m[a:e, None]).exp_().sum(-1)
-        M = funcol.all_reduce(m, "max", group)
-        lse = M + funcol.all_reduce(s * torch.exp(m - M), "sum", group).log()
-        z_y = funcol.all_reduce(z_y, "sum", group)
+        w, b, cw, W, col = _shard(hidden, weight, bias, target, class_weight, start, V, opts)
+        mdt = math_dtype_for(hidden.dtype)
+        stats, _, chunks = _row_math(hidden, weight.shape[0])
+        smoothing = opts.label_smoothing > 0.0
+        lse_here, z_y, wz = (hidden.new_zeros(hidden.shape[0], dtype=mdt) for _ in range(3))
+        for a, e in chunks:
+            lse_here[a:e], z_y[a:e], zsum = stats(F.linear(hidden[a:e], w, b), col[a:e], cw,
+                                                  opts, mdt)
+            if smoothing:
+                wz[a:e] = zsum
+        M = funcol.all_reduce(lse_here, "max", group)
+        parts = [torch.exp(lse_here - M), z_y] + ([wz] if smoothing else [])
+        sums = funcol.all_reduce(torch.stack(parts), "sum", group)
+        lse, z_y = M + sums[0].log(), sums[1]
         valid, w_y = target_weights(target, class_weight, opts.ignore_index, mdt)
-        smooth = torch.zeros_like(lse)
-        if opts.label_smoothing > 0.0:
-            smooth = torch.where(valid, W * lse - funcol.all_reduce(wz, "sum", group), 0.0)
+        smooth = torch.where(valid, W * lse - sums[2], 0.0) if smoothing else None
         loss = reduce_loss(w_y * (lse - z_y), smooth, lse, target, class_weight,
                            opts.ignore_index, reduction, opts.label_smoothing, z_loss, V)
         ctx.save_for_backward(hidden, weight, bias, target, class_weight, lse)
@@ -75,21 +87,20 @@ class _VocabParallelLinearCE(torch.autograd.Function):
     def backward(ctx, grad_loss):
         hidden, weight, bias, target, class_weight, lse = ctx.saved_tensors
         group, start, V, opts, reduction, z_loss, accumulator = ctx.args
-        mdt, w, b, cw_shard, W, tgt, here = _shard(hidden, weight, bias, target,
-                                                   class_weight, start, V, opts)
-        (N, D), Vs = hidden.shape, weight.shape[0]
+        w, b, cw, W, col = _shard(hidden, weight, bias, target, class_weight, start, V, opts)
+        mdt = math_dtype_for(hidden.dtype)
+        _, grad, chunks = _row_math(hidden, weight.shape[0])
         _, w_y = target_weights(target, class_weight, opts.ignore_index, mdt)
         ce_scale, z_scale = grad_scales(target, class_weight, opts.ignore_index, reduction,
                                         z_loss, mdt, grad_loss=grad_loss)
-        gh = hidden.new_zeros(N, D, dtype=mdt)  # float32 partial sums, all-reduced
-        gw = GradAccumulator(accumulator, (Vs, D), hidden.dtype, weight.dtype, hidden.device)
-        gb = hidden.new_zeros(Vs, dtype=mdt)
-        for a, e in _chunks(N, Vs):
-            z, tanh = softcapped(F.linear(hidden[a:e], w, b), opts.softcap, mdt)
-            p = z.sub_(lse[a:e, None]).exp_()
-            dz = logits_grad_(p, 1.0, tgt[a:e], here[a:e].to(mdt), w_y[a:e], lse[a:e],
-                              cw_shard, W, V, ce_scale[a:e], z_scale[a:e], opts, tanh)
-            dz = dz.to(hidden.dtype)
+        A, B, C = grad_coefficients(ce_scale, z_scale, w_y, lse, W, V, opts.label_smoothing)
+        gh = hidden.new_empty(hidden.shape, dtype=mdt)  # float32 partial sums, all-reduced
+        gw = GradAccumulator(accumulator, weight.shape, hidden.dtype, weight.dtype,
+                             hidden.device)
+        gb = hidden.new_zeros(weight.shape[0], dtype=mdt)
+        for a, e in chunks:
+            dz = grad(F.linear(hidden[a:e], w, b), col[a:e], cw, lse[a:e], A[a:e], B[a:e],
+                      None if C is None else C[a:e], opts, mdt)
             gh[a:e] = _mm_f32(dz, w) if dz.dtype != mdt else dz @ w
             gw.add(dz, hidden[a:e])
             gb += dz.sum(0, dtype=mdt)

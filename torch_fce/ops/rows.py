@@ -31,24 +31,50 @@ def softcapped(logits, softcap, math_dtype):
     return tanh * softcap, tanh
 
 
-def logits_grad_(e, norm, tgt, onehot_scale, w_y, lse, cw, W, V, ce_scale, z_scale, opts,
-                 tanh):
-    """Turns e (n, Vs) = exp(z - c) with softmax = e * norm into dz, in place.
+def grad_coefficients(ce_scale, z_scale, w_y, lse, W, V, eps):
+    """(A, B, C) of the module docstring, each (n,); C is None without smoothing.
 
-    Vs may be a shard of the V classes (vocab parallel): tgt is then the target's column
-    in the shard and onehot_scale is 0 for rows whose target lives elsewhere; cw is the
-    shard's class weights; w_y, W, lse, scales are those of the whole vocabulary.
+    w_y, W, lse and V are those of the whole vocabulary, also for a vocabulary shard.
     """
-    eps = opts.label_smoothing
     a = ce_scale * ((1.0 - eps) * w_y + (eps / V) * W) + 2.0 * z_scale * lse
+    return a, ce_scale * (1.0 - eps) * w_y, ce_scale * (eps / V) if eps > 0.0 else None
+
+
+def logits_grad_(e, norm, col, a, b, c, cw, tanh):
+    """Turns e (n, Vs) = exp(z - k) with softmax = e * norm into dz, in place.
+
+    Vs may be a shard of the vocabulary (vocab parallel): col is then each target's
+    column in the shard, -1 where it lives elsewhere (or is ignored), and cw the shard's
+    class weights.
+    """
     dz = e.mul_((a * norm)[:, None])  # softmax * A
-    dz.scatter_add_(1, tgt[:, None], (-ce_scale * (1.0 - eps) * w_y * onehot_scale)[:, None])
-    if eps > 0.0:
-        c = (ce_scale * (eps / V))[:, None]
-        dz -= c if cw is None else c * cw[None, :]
+    here = col >= 0
+    dz.scatter_add_(1, col.clamp_min(0).long()[:, None], torch.where(here, -b, 0.0)[:, None])
+    if c is not None:
+        dz -= c[:, None] if cw is None else c[:, None] * cw[None, :]
     if tanh is not None:
         dz.mul_(1.0 - tanh * tanh)
     return dz
+
+
+def torch_shard_stats(logits, col, cw, opts, math_dtype):
+    """(lse, z_y, zsum) (n,) of a vocabulary shard's logits (n, Vs): the shard's
+    logsumexp, the target logit where col >= 0 (else 0), and sum_c w_c z_c (with label
+    smoothing, else None). Overwrites logits."""
+    z, _ = softcapped(logits, opts.softcap, math_dtype)
+    z_y = torch.where(col >= 0, z.gather(1, col.clamp_min(0).long()[:, None]).squeeze(1), 0.0)
+    zsum = (z.sum(-1) if cw is None else z @ cw.to(math_dtype)) \
+        if opts.label_smoothing > 0.0 else None
+    return torch.logsumexp(z, -1), z_y, zsum
+
+
+def torch_shard_grad(logits, col, cw, lse, a, b, c, opts, math_dtype):
+    """dz (n, Vs) in logits' dtype for a vocabulary shard, given the global lse and the
+    coefficients of grad_coefficients. Overwrites logits."""
+    z, tanh = softcapped(logits, opts.softcap, math_dtype)
+    e = z.sub_(lse[:, None]).exp_()
+    cw = None if cw is None else cw.to(math_dtype)
+    return logits_grad_(e, 1.0, col, a, b, c, cw, tanh).to(logits.dtype)
 
 
 def torch_rows(logits, target, class_weight, ce_scale, z_scale, opts, math_dtype):
@@ -76,6 +102,6 @@ def torch_rows(logits, target, class_weight, ce_scale, z_scale, opts, math_dtype
     smooth = torch.where(valid, W * lse - zsum, 0.0) if eps > 0.0 else torch.zeros_like(lse)
     if ce_scale is None:
         return lse, nll, smooth, None
-    dz = logits_grad_(e, 1.0 / total, tgt, 1.0, w_y, lse, cw, W, V, ce_scale, z_scale, opts,
-                      tanh)
+    a, b, c = grad_coefficients(ce_scale, z_scale, w_y, lse, W, V, eps)
+    dz = logits_grad_(e, 1.0 / total, torch.where(valid, tgt, -1), a, b, c, cw, tanh)
     return lse, nll, smooth, dz.to(logits.dtype)

@@ -3,7 +3,10 @@
 One program per token row, two sweeps over the vocabulary: the first forms the
 logsumexp online (and the sums label smoothing needs), the second writes the logits
 gradient over the logits in place, so a chunk is read twice and written once, in its
-own dtype, with no float32 copy. The math is that of rows.torch_rows.
+own dtype, with no float32 copy. The math is that of rows.torch_rows. The
+vocab-parallel loss runs the two sweeps as separate kernels on a shard of the
+vocabulary (the twins of rows.torch_shard_stats / torch_shard_grad), its all-reduce of
+the per-row statistics in between.
 """
 
 import torch
@@ -35,6 +38,50 @@ def _load_z(ptrs, mask, softcap, HAS_SOFTCAP: tl.constexpr):
 
 
 @triton.jit
+def _lse_sweep(row_ptr, class_weight_ptr, V, softcap, HAS_SOFTCAP: tl.constexpr,
+               HAS_CLASS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
+               BLOCK_V: tl.constexpr):
+    """Sweep 1: (lse, sum_c w_c z_c) of one row, the logsumexp formed online."""
+    cols = tl.arange(0, BLOCK_V)
+    m = tl.max(tl.full([BLOCK_V], _NEG_BIG, tl.float32), axis=0)
+    s = tl.sum(tl.zeros([BLOCK_V], tl.float32), axis=0)
+    zsum = tl.zeros([BLOCK_V], tl.float32)
+    for v0 in range(0, V, BLOCK_V):
+        offs = v0 + cols
+        mask = offs < V
+        z = _load_z(row_ptr + offs, mask, softcap, HAS_SOFTCAP)
+        m_new = tl.maximum(m, tl.max(z, axis=0))
+        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
+        m = m_new
+        if HAS_SMOOTHING:
+            w = tl.load(class_weight_ptr + offs, mask=mask, other=0.0).to(tl.float32) \
+                if HAS_CLASS_WEIGHT else 1.0
+            zsum += tl.where(mask, z * w, 0.0)
+    return m + tl.log(s), tl.sum(zsum, axis=0)
+
+
+@triton.jit
+def _grad_sweep(row_ptr, class_weight_ptr, V, t, lse, a, b, c, softcap,
+                HAS_SOFTCAP: tl.constexpr, HAS_CLASS_WEIGHT: tl.constexpr,
+                HAS_SMOOTHING: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Sweep 2: dz = p * A - B * onehot(t) - C * w, times softcap', over the row."""
+    cols = tl.arange(0, BLOCK_V)
+    for v0 in range(0, V, BLOCK_V):
+        offs = v0 + cols
+        mask = offs < V
+        z = _load_z(row_ptr + offs, mask, softcap, HAS_SOFTCAP)
+        dz = tl.exp(z - lse) * a - tl.where(offs == t, b, 0.0)
+        if HAS_SMOOTHING:
+            w = tl.load(class_weight_ptr + offs, mask=mask, other=0.0).to(tl.float32) \
+                if HAS_CLASS_WEIGHT else 1.0
+            dz -= c * w
+        if HAS_SOFTCAP:
+            th = z / softcap
+            dz *= 1.0 - th * th
+        tl.store(row_ptr + offs, dz.to(row_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _linear_ce_rows_kernel(
     # pointers
     logits_ptr, target_ptr, class_weight_ptr, weight_sum_ptr, ce_scale_ptr, z_scale_ptr,
@@ -54,24 +101,8 @@ def _linear_ce_rows_kernel(
     t = tl.load(target_ptr + row).to(tl.int64)
     valid = t != ignore_index
     in_range = (t >= 0) & (t < V)
-    cols = tl.arange(0, BLOCK_V)
-
-    # ---- sweep 1: online logsumexp and the weighted logit sum -------------------
-    m = tl.max(tl.full([BLOCK_V], _NEG_BIG, tl.float32), axis=0)
-    s = tl.sum(tl.zeros([BLOCK_V], tl.float32), axis=0)
-    zsum = tl.zeros([BLOCK_V], tl.float32)
-    for v0 in range(0, V, BLOCK_V):
-        offs = v0 + cols
-        mask = offs < V
-        z = _load_z(row_ptr + offs, mask, softcap, HAS_SOFTCAP)
-        m_new = tl.maximum(m, tl.max(z, axis=0))
-        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
-        m = m_new
-        if HAS_SMOOTHING:
-            w = tl.load(class_weight_ptr + offs, mask=mask, other=0.0).to(tl.float32) \
-                if HAS_CLASS_WEIGHT else 1.0
-            zsum += tl.where(mask, z * w, 0.0)
-    lse = m + tl.log(s)
+    lse, zsum = _lse_sweep(row_ptr, class_weight_ptr, V, softcap, HAS_SOFTCAP,
+                           HAS_CLASS_WEIGHT, HAS_SMOOTHING, BLOCK_V)
 
     # ---- per-token terms ----------------------------------------------------------
     t_safe = tl.where(valid & in_range, t, 0)
@@ -83,30 +114,49 @@ def _linear_ce_rows_kernel(
     w_sum = tl.load(weight_sum_ptr).to(tl.float32) if HAS_CLASS_WEIGHT else V * 1.0
     tl.store(lse_ptr + row, lse)
     tl.store(nll_ptr + row, tl.where(valid, w_y * (lse - z_y), 0.0))
-    smooth = tl.where(valid, w_sum * lse - tl.sum(zsum, axis=0), 0.0) if HAS_SMOOTHING else 0.0
+    smooth = tl.where(valid, w_sum * lse - zsum, 0.0) if HAS_SMOOTHING else 0.0
     tl.store(smooth_ptr + row, smooth)
 
-    # ---- sweep 2: dz = p * A - B * onehot(y) - C * w, times softcap' -------------------
     if HAS_GRAD:
         s_ce = tl.load(ce_scale_ptr + row)
         s_z = tl.load(z_scale_ptr + row)
         a = s_ce * ((1.0 - label_smoothing) * w_y + label_smoothing * w_sum / V) \
             + 2.0 * s_z * lse
-        b = s_ce * (1.0 - label_smoothing) * w_y
-        c = s_ce * label_smoothing / V
-        for v0 in range(0, V, BLOCK_V):
-            offs = v0 + cols
-            mask = offs < V
-            z = _load_z(row_ptr + offs, mask, softcap, HAS_SOFTCAP)
-            dz = tl.exp(z - lse) * a - tl.where(offs == t, b, 0.0)
-            if HAS_SMOOTHING:
-                w = tl.load(class_weight_ptr + offs, mask=mask, other=0.0).to(tl.float32) \
-                    if HAS_CLASS_WEIGHT else 1.0
-                dz -= c * w
-            if HAS_SOFTCAP:
-                th = z / softcap
-                dz *= 1.0 - th * th
-            tl.store(row_ptr + offs, dz.to(logits_ptr.dtype.element_ty), mask=mask)
+        _grad_sweep(row_ptr, class_weight_ptr, V, t, lse, a,
+                    s_ce * (1.0 - label_smoothing) * w_y, s_ce * label_smoothing / V,
+                    softcap, HAS_SOFTCAP, HAS_CLASS_WEIGHT, HAS_SMOOTHING, BLOCK_V)
+
+
+@triton.jit
+def _shard_stats_kernel(logits_ptr, col_ptr, class_weight_ptr, lse_ptr, z_y_ptr, zsum_ptr,
+                        Vs, softcap, stride_ln, HAS_SOFTCAP: tl.constexpr,
+                        HAS_CLASS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
+                        BLOCK_V: tl.constexpr):
+    """A vocabulary shard's rows -> the shard's lse, target logit (0 where col < 0) and
+    weighted logit sum; the vocab-parallel forward all-reduces these."""
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = logits_ptr + row * stride_ln
+    col = tl.load(col_ptr + row).to(tl.int64)
+    lse, zsum = _lse_sweep(row_ptr, class_weight_ptr, Vs, softcap, HAS_SOFTCAP,
+                           HAS_CLASS_WEIGHT, HAS_SMOOTHING, BLOCK_V)
+    z_y = _load_z(row_ptr + tl.maximum(col, 0), True, softcap, HAS_SOFTCAP)
+    tl.store(lse_ptr + row, lse)
+    tl.store(z_y_ptr + row, tl.where(col >= 0, z_y, 0.0))
+    tl.store(zsum_ptr + row, zsum)
+
+
+@triton.jit
+def _shard_grad_kernel(logits_ptr, col_ptr, class_weight_ptr, lse_ptr, a_ptr, b_ptr, c_ptr,
+                       Vs, softcap, stride_ln, HAS_SOFTCAP: tl.constexpr,
+                       HAS_CLASS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
+                       BLOCK_V: tl.constexpr):
+    """A vocabulary shard's rows <- dz, from the global lse and per-row coefficients."""
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.load(c_ptr + row) if HAS_SMOOTHING else 0.0
+    _grad_sweep(logits_ptr + row * stride_ln, class_weight_ptr, Vs,
+                tl.load(col_ptr + row).to(tl.int64), tl.load(lse_ptr + row),
+                tl.load(a_ptr + row), tl.load(b_ptr + row), c, softcap, HAS_SOFTCAP,
+                HAS_CLASS_WEIGHT, HAS_SMOOTHING, BLOCK_V)
 
 
 def _block_v(V):
@@ -136,3 +186,34 @@ def triton_rows(logits, target, class_weight, ce_scale, z_scale, opts, math_dtyp
         BLOCK_V=_block_v(V), num_warps=8,
     )
     return lse, nll, smooth, logits if has_grad else None
+
+
+def _flags(logits, cw, opts):
+    n, Vs = logits.shape
+    assert logits.stride(1) == 1
+    return dict(HAS_SOFTCAP=opts.softcap is not None, HAS_CLASS_WEIGHT=cw is not None,
+                HAS_SMOOTHING=opts.label_smoothing > 0.0, BLOCK_V=_block_v(Vs), num_warps=8)
+
+
+def triton_shard_stats(logits, col, cw, opts, math_dtype):
+    """Triton twin of rows.torch_shard_stats (col int, -1 where the target is elsewhere)."""
+    assert math_dtype == torch.float32
+    n, Vs = logits.shape
+    lse, z_y, zsum = (logits.new_empty(n, dtype=torch.float32) for _ in range(3))
+    cw = None if cw is None else cw.float().contiguous()
+    _shard_stats_kernel[(n,)](
+        logits, col, lse if cw is None else cw, lse, z_y, zsum, Vs,
+        opts.softcap if opts.softcap is not None else 1.0, logits.stride(0),
+        **_flags(logits, cw, opts))
+    return lse, z_y, zsum if opts.label_smoothing > 0.0 else None
+
+
+def triton_shard_grad(logits, col, cw, lse, a, b, c, opts, math_dtype):
+    """Triton twin of rows.torch_shard_grad: dz written over logits (returned)."""
+    assert math_dtype == torch.float32
+    cw = None if cw is None else cw.float().contiguous()
+    _shard_grad_kernel[(logits.shape[0],)](
+        logits, col, lse if cw is None else cw, lse, a, b, lse if c is None else c,
+        logits.shape[1], opts.softcap if opts.softcap is not None else 1.0,
+        logits.stride(0), **_flags(logits, cw, opts))
+    return logits

@@ -1,0 +1,111 @@
+"""python -m torch_fce.bench_distributed: the vocab-parallel loss on 2+ GPUs, timed.
+
+Spawns one process per GPU (NCCL, NVLink multicast off; `--device cpu`: gloo). On
+each shape, every rank holds V / world rows of the head and the whole bf16 batch; per
+rank it times, in one run: one bf16 (N, D) x (D, V / world) matmul, the single-GPU op on that half of the
+vocabulary (what the rank would cost alone), and the vocab-parallel step (fwd + bwd,
+collectives included). Rank 0 also times the single-GPU op on the whole vocabulary.
+Prints a table and writes JSON with --json.
+"""
+
+import argparse
+import json
+import os
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import torch_fce
+from torch_fce.bench import SHAPES, Shape, environment
+from torch_fce.distributed import vocab_parallel_linear_cross_entropy
+from torch_fce.measure import median_time, peak_extra_bytes
+from torch_fce.testing import make_inputs
+
+
+def _step(fn, h, w, t):
+    h, w = h.detach().requires_grad_(), w.detach().requires_grad_()
+    fn(h, w, t).backward()
+
+
+def _shape(rank, world, s, reps, device):
+    x = make_inputs(s.N, s.D, s.V, torch.bfloat16, device=device, seed=0, weight_scale=2.0)
+    start, end = s.V * rank // world, s.V * (rank + 1) // world
+    h, t, w = x["hidden"], x["target"], x["weight"][start:end].contiguous()
+    vp = lambda h, w, t: vocab_parallel_linear_cross_entropy(  # noqa: E731
+        h, w, t, vocab_start=start, vocab_size=s.V)
+    # The op on this shard alone: the same GEMMs and row work, no collectives (targets
+    # outside the shard are ignored so it is a valid problem).
+    local_t = torch.where((t >= start) & (t < end), t - start, -100)
+    row = dict(shape=s.name, N=s.N, D=s.D, V=s.V, world=world)
+    row["mm_ms"] = median_time(lambda: h @ w.T, device, reps=reps) * 1e3
+    row["op_shard_ms"] = median_time(lambda: _step(torch_fce.linear_cross_entropy, h, w,
+                                                   local_t), device, reps=reps) * 1e3
+    row["vp_ms"] = median_time(lambda: _step(vp, h, w, t), device, reps=reps) * 1e3
+    row["vp_extra_mib"] = peak_extra_bytes(lambda: _step(vp, h, w, t), device) / 2**20
+    dist.barrier()
+    if rank == 0:
+        full = x["weight"]
+        row["op_full_ms"] = median_time(lambda: _step(torch_fce.linear_cross_entropy, h,
+                                                      full, t), device, reps=reps) * 1e3
+    dist.barrier()
+    return row
+
+
+def _worker(rank, world, path, shapes, reps, out, device):
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", init_method=f"file://{path}", rank=rank,
+                                world_size=world, device_id=torch.device("cuda", rank))
+    else:
+        dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank,
+                                world_size=world)
+    try:
+        rows = [_shape(rank, world, s, reps, device) for s in shapes]
+        gathered = [None] * world
+        dist.all_gather_object(gathered, rows)
+        if rank == 0:
+            with open(out, "w") as f:
+                json.dump(gathered, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m torch_fce.bench_distributed",
+                                description=__doc__)
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--device", default="cuda", help="cuda (NCCL) or cpu (gloo)")
+    p.add_argument("--shapes", default="A,B,C", help="names (%s) or N:D:V" % ",".join(SHAPES))
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    shapes = [SHAPES[n] if n in SHAPES else Shape(n, *map(int, n.split(":")))
+              for n in args.shapes.split(",")]
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "rows.json")
+        mp.spawn(_worker, args=(args.world, os.path.join(d, "store"), shapes, args.reps, out,
+                                  args.device),
+                 nprocs=args.world, join=True)
+        with open(out) as f:
+            per_rank = json.load(f)
+    print(f"# {environment()}, {args.world} GPUs, NCCL_NVLS_ENABLE="
+          f"{os.environ['NCCL_NVLS_ENABLE']}")
+    print(f"{'shape':6} {'rank':>4} {'mm ms':>8} {'op V/w ms':>10} {'vp ms':>8} "
+          f"{'vp/op':>6} {'vp x mm':>8} {'vp MiB':>8} {'op full V ms':>13}")
+    for rank, rows in enumerate(per_rank):
+        for r in rows:
+            print(f"{r['shape']:6} {rank:4d} {r['mm_ms']:8.2f} {r['op_shard_ms']:10.2f} "
+                  f"{r['vp_ms']:8.2f} {r['vp_ms'] / r['op_shard_ms']:6.2f} "
+                  f"{r['vp_ms'] / r['mm_ms']:8.2f} {r['vp_extra_mib']:8.0f} "
+                  f"{r.get('op_full_ms', float('nan')):13.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(environment=environment(), world=args.world, rows=per_rank), f,
+                      indent=1)
+
+
+if __name__ == "__main__":
+    main()
