@@ -18,6 +18,7 @@ FAMILIES = [
     dict(softcap=5.0), dict(z_loss=1e-3), dict(class_weight=True), dict(bias=True),
     dict(ignore_index=2), dict(dtype=torch.bfloat16, accumulator="kahan"),
     dict(dtype=torch.bfloat16, accumulator="input", bias=True, label_smoothing=0.2),
+    dict(dtype=torch.float16, softcap=5.0),
 ]
 SPLITS = {2: [0, 15, V], 4: [0, 5, 17, 30, V]}  # uneven shards
 
@@ -75,6 +76,25 @@ def _check_compiled(rank, world):
         assert rel_err(a, b) <= 1e-6
 
 
+def _check_frozen_weight_and_no_grad(rank, world):
+    # The forward forms only the gradients asked for, and none without grad mode.
+    x = make_inputs(16, 8, V, seed=11)
+    start, end = SPLITS[world][rank], SPLITS[world][rank + 1]
+    ref_h = x["hidden"].clone().requires_grad_()
+    ref = torch_fce.linear_cross_entropy(ref_h, x["weight"], x["target"], z_loss=1e-3)
+    ref.backward()
+    h = x["hidden"].clone().requires_grad_()
+    w = x["weight"][start:end]
+    loss = vocab_parallel_linear_cross_entropy(h, w, x["target"], vocab_start=start,
+                                               vocab_size=V, z_loss=1e-3)
+    loss.backward()
+    assert rel_err(h.grad, ref_h.grad) <= grad_tol(torch.float32, V)
+    with torch.no_grad():
+        loss = vocab_parallel_linear_cross_entropy(h, w, x["target"], vocab_start=start,
+                                                   vocab_size=V, z_loss=1e-3)
+    assert loss.grad_fn is None and rel_err(loss, ref) <= LOSS_TOL
+
+
 def _check_dtensor(world):
     # torch_fce.linear_cross_entropy with a Shard(0) DTensor weight (torch's even chunks).
     from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
@@ -128,6 +148,7 @@ def _worker(rank, world, path):
         for family in FAMILIES:
             _check_family(rank, world, family)
         _check_compiled(rank, world)
+        _check_frozen_weight_and_no_grad(rank, world)
         _check_dtensor(world)
         _check_fsdp2(rank, world)
         # Shards that do not tile V: every rank raises the same clear error, none hangs.

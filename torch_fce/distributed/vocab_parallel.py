@@ -57,34 +57,90 @@ def _shard(hidden, weight, bias, target, class_weight, start, V, opts):
     return w, b, cw, W, torch.where(here, target - start, -1).int()
 
 
+class _ShardGrads:
+    """The hidden gradient's float32 partial sums (all-reduced once, at the end) and
+    the local shard's weight and bias gradients, those flagged in `needs`."""
+
+    def __init__(self, hidden, weight, accumulator, needs, mdt):
+        self.mdt = mdt
+        self.gh = hidden.new_empty(hidden.shape, dtype=mdt) if needs[0] else None
+        self.gw = GradAccumulator(accumulator, weight.shape, hidden.dtype, weight.dtype,
+                                  hidden.device) if needs[1] else None
+        self.gb = hidden.new_zeros(weight.shape[0], dtype=mdt) if needs[2] else None
+
+    def add(self, a, e, dz, hidden, w):
+        if self.gh is not None:
+            self.gh[a:e] = _mm_f32(dz, w) if dz.dtype != self.mdt else dz @ w
+        if self.gw is not None:
+            self.gw.add(dz, hidden[a:e])
+        if self.gb is not None:
+            self.gb += dz.sum(0, dtype=self.mdt)
+
+    def results(self, group, weight_dtype):
+        gh = None if self.gh is None else funcol.all_reduce(self.gh, "sum", group)
+        return gh, None if self.gw is None else self.gw.result(weight_dtype), self.gb
+
+
 class _VocabParallelLinearCE(torch.autograd.Function):
+    """Scalar losses form the gradients in the forward, chunk by chunk while the logits
+    are at hand (3 GEMMs, like the op; each chunk's statistics are all-reduced before
+    its gradient); the backward only scales them. reduction="none", float16 (see
+    ops/linear_ce.py) and no-grad calls recompute the logits in the backward instead."""
+
     @staticmethod
     def forward(ctx, hidden, weight, bias, target, class_weight, group, start, V, opts,
-                reduction, z_loss, accumulator):
+                reduction, z_loss, accumulator, grad_enabled):
         w, b, cw, W, col = _shard(hidden, weight, bias, target, class_weight, start, V, opts)
         mdt = math_dtype_for(hidden.dtype)
-        stats, _, chunks = _row_math(hidden, weight.shape[0])
-        smoothing = opts.label_smoothing > 0.0
-        lse_here, z_y, wz = (hidden.new_zeros(hidden.shape[0], dtype=mdt) for _ in range(3))
-        for a, e in chunks:
-            lse_here[a:e], z_y[a:e], zsum = stats(F.linear(hidden[a:e], w, b), col[a:e], cw,
-                                                  opts, mdt)
-            if smoothing:
-                wz[a:e] = zsum
-        M = funcol.all_reduce(lse_here, "max", group)
-        parts = [torch.exp(lse_here - M), z_y] + ([wz] if smoothing else [])
-        sums = funcol.all_reduce(torch.stack(parts), "sum", group)
-        lse, z_y = M + sums[0].log(), sums[1]
+        stats, grad, chunks = _row_math(hidden, weight.shape[0])
+        needs = [grad_enabled and n for n in ctx.needs_input_grad[:3]]
+        eager = any(needs) and reduction != "none" and hidden.dtype != torch.float16
         valid, w_y = target_weights(target, class_weight, opts.ignore_index, mdt)
-        smooth = torch.where(valid, W * lse - sums[2], 0.0) if smoothing else None
+        if eager:
+            ce_scale, z_scale = grad_scales(target, class_weight, opts.ignore_index,
+                                            reduction, z_loss, mdt)
+            grads = _ShardGrads(hidden, weight, accumulator, needs, mdt)
+        smoothing = opts.label_smoothing > 0.0
+        lse, z_y, wz = (hidden.new_empty(hidden.shape[0], dtype=mdt) for _ in range(3))
+        for a, e in chunks:
+            logits = F.linear(hidden[a:e], w, b)
+            lse_here, z_y_here, zsum = stats(logits, col[a:e], cw, opts, mdt)
+            M = funcol.all_reduce(lse_here, "max", group)
+            parts = [torch.exp(lse_here - M), z_y_here] + ([zsum] if smoothing else [])
+            sums = funcol.all_reduce(torch.stack(parts), "sum", group)
+            lse[a:e], z_y[a:e] = M + sums[0].log(), sums[1]
+            if smoothing:
+                wz[a:e] = sums[2]
+            if eager:
+                coeffs = grad_coefficients(ce_scale[a:e], z_scale[a:e], w_y[a:e], lse[a:e],
+                                           W, V, opts.label_smoothing)
+                dz = grad(logits, col[a:e], cw, lse[a:e], *coeffs, opts, mdt)
+                grads.add(a, e, dz, hidden, w)
+        smooth = torch.where(valid, W * lse - wz, 0.0) if smoothing else None
         loss = reduce_loss(w_y * (lse - z_y), smooth, lse, target, class_weight,
                            opts.ignore_index, reduction, opts.label_smoothing, z_loss, V)
-        ctx.save_for_backward(hidden, weight, bias, target, class_weight, lse)
-        ctx.args = (group, start, V, opts, reduction, z_loss, accumulator)
+        ctx.eager = eager
+        ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
+        if eager:  # float32 sums kept until the upstream gradient scales them
+            ctx.save_for_backward(*grads.results(group, torch.promote_types(
+                weight.dtype, mdt)))
+        else:
+            ctx.save_for_backward(hidden, weight, bias, target, class_weight, lse)
+            ctx.args = (group, start, V, opts, reduction, z_loss, accumulator)
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
+        if ctx.eager:
+            grads = ctx.saved_tensors
+        else:
+            grads = _VocabParallelLinearCE._recompute(ctx, grad_loss)
+            grad_loss = None
+        return tuple(None if g is None else (g if grad_loss is None else g * grad_loss).to(dt)
+                     for g, dt in zip(grads, ctx.dtypes)) + (None,) * 10
+
+    @staticmethod
+    def _recompute(ctx, grad_loss):
         hidden, weight, bias, target, class_weight, lse = ctx.saved_tensors
         group, start, V, opts, reduction, z_loss, accumulator = ctx.args
         w, b, cw, W, col = _shard(hidden, weight, bias, target, class_weight, start, V, opts)
@@ -94,19 +150,12 @@ class _VocabParallelLinearCE(torch.autograd.Function):
         ce_scale, z_scale = grad_scales(target, class_weight, opts.ignore_index, reduction,
                                         z_loss, mdt, grad_loss=grad_loss)
         A, B, C = grad_coefficients(ce_scale, z_scale, w_y, lse, W, V, opts.label_smoothing)
-        gh = hidden.new_empty(hidden.shape, dtype=mdt)  # float32 partial sums, all-reduced
-        gw = GradAccumulator(accumulator, weight.shape, hidden.dtype, weight.dtype,
-                             hidden.device)
-        gb = hidden.new_zeros(weight.shape[0], dtype=mdt)
+        grads = _ShardGrads(hidden, weight, accumulator, ctx.needs_input_grad[:3], mdt)
         for a, e in chunks:
             dz = grad(F.linear(hidden[a:e], w, b), col[a:e], cw, lse[a:e], A[a:e], B[a:e],
                       None if C is None else C[a:e], opts, mdt)
-            gh[a:e] = _mm_f32(dz, w) if dz.dtype != mdt else dz @ w
-            gw.add(dz, hidden[a:e])
-            gb += dz.sum(0, dtype=mdt)
-        gh = funcol.all_reduce(gh, "sum", group).to(hidden.dtype)
-        grad_b = None if bias is None else gb.to(bias.dtype)
-        return (gh, gw.result(weight.dtype), grad_b) + (None,) * 9
+            grads.add(a, e, dz, hidden, w)
+        return grads.results(group, weight.dtype)
 
 
 def _check_tiling(hidden, weight, target, vocab_start, vocab_size, group):
@@ -151,5 +200,7 @@ def vocab_parallel_linear_cross_entropy(
     loss = _VocabParallelLinearCE.apply(
         hidden.reshape(-1, hidden.shape[-1]), weight, bias, target.reshape(-1), class_weight,
         group, vocab_start, vocab_size, RowOptions(ignore_index, label_smoothing, softcap),
-        reduction, z_loss, accumulator)
+        reduction, z_loss, accumulator,
+        torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                        for t in (hidden, weight, bias)))
     return loss.reshape(target.shape) if reduction == "none" else loss

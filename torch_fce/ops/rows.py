@@ -60,8 +60,10 @@ def logits_grad_(e, norm, col, a, b, c, cw, tanh):
 def torch_shard_stats(logits, col, cw, opts, math_dtype):
     """(lse, z_y, zsum) (n,) of a vocabulary shard's logits (n, Vs): the shard's
     logsumexp, the target logit where col >= 0 (else 0), and sum_c w_c z_c (with label
-    smoothing, else None). Overwrites logits."""
-    z, _ = softcapped(logits, opts.softcap, math_dtype)
+    smoothing, else None). Leaves logits as they are (the gradient sweep follows)."""
+    z = logits.to(math_dtype)
+    if opts.softcap is not None:
+        z = torch.tanh(z / opts.softcap) * opts.softcap
     z_y = torch.where(col >= 0, z.gather(1, col.clamp_min(0).long()[:, None]).squeeze(1), 0.0)
     zsum = (z.sum(-1) if cw is None else z @ cw.to(math_dtype)) \
         if opts.label_smoothing > 0.0 else None
