@@ -135,3 +135,22 @@ def test_cuda_opt_in_target_check_raises(monkeypatch):
     x["target"][3] = 100
     with pytest.raises(IndexError, match="target"):
         torch_fce.linear_cross_entropy(**x)
+
+
+def test_cuda_memory_is_one_chunk_plus_the_sums():
+    # Peak beyond inputs: the float32 weight-gradient sum, one logits chunk (a quarter of
+    # the logits here), the hidden gradient's sum and the bf16 gradients of the backward.
+    from torch_fce.ops.cuda import chunk_rows
+
+    N, D, V = 8192, 256, 32768
+    x = make_inputs(N, D, V, torch.bfloat16, device="cuda")
+    h, w = x["hidden"].requires_grad_(), x["weight"].requires_grad_()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    torch_fce.linear_cross_entropy(h, w, x["target"]).backward()
+    torch.cuda.synchronize()
+    chunk = chunk_rows(N, V, torch.bfloat16) * V * 2
+    assert chunk == N * V * 2 // 4
+    budget = chunk + V * D * (4 + 2) + N * D * 2 * 2
+    assert torch.cuda.max_memory_allocated() - base <= budget + (8 << 20)

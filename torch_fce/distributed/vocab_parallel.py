@@ -114,8 +114,9 @@ class _VocabParallelLinearCE(torch.autograd.Function):
             if eager:
                 coeffs = grad_coefficients(ce_scale[a:e], z_scale[a:e], w_y[a:e], lse[a:e],
                                            W, V, opts.label_smoothing)
-                dz = grad(logits, col[a:e], cw, lse[a:e], *coeffs, opts, mdt)
-                grads.add(a, e, dz, hidden, w)
+                grads.add(a, e, grad(logits, col[a:e], cw, lse[a:e], *coeffs, opts, mdt),
+                          hidden, w)
+            del logits  # freed before the next chunk is allocated
         smooth = torch.where(valid, W * lse - wz, 0.0) if smoothing else None
         loss = reduce_loss(w_y * (lse - z_y), smooth, lse, target, class_weight,
                            opts.ignore_index, reduction, opts.label_smoothing, z_loss, V)
@@ -155,6 +156,7 @@ class _VocabParallelLinearCE(torch.autograd.Function):
             dz = grad(F.linear(hidden[a:e], w, b), col[a:e], cw, lse[a:e], A[a:e], B[a:e],
                       None if C is None else C[a:e], opts, mdt)
             grads.add(a, e, dz, hidden, w)
+            del dz  # freed before the next chunk is allocated
         return grads.results(group, weight.dtype)
 
 

@@ -51,6 +51,7 @@ def run_chunks(hidden, weight, target, bias, class_weight, opts, needs_grad, ce_
             gw.add(dz, h)
         if gb is not None:
             gb += dz.sum(0, dtype=mdt)
+        del logits, dz  # freed before the next chunk is allocated: one chunk at a time
     return (lse, nll, smooth), (gh, gw, gb)
 
 
