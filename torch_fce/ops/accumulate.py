@@ -31,17 +31,19 @@ class GradAccumulator:
         self.sum_dtype = compute_dtype if exact else (
             torch.float32 if mode == "fp32" or weight_dtype == torch.float32 else compute_dtype
         )
-        self.acc = torch.zeros(shape, dtype=self.sum_dtype, device=device)
-        self.comp = (
-            torch.zeros_like(self.acc) if mode == "kahan" and self.sum_dtype == compute_dtype
-            and not exact else None
-        )
+        self.shape, self.device = shape, device
+        kahan = mode == "kahan" and self.sum_dtype == compute_dtype and not exact
+        # Plain sums start from the first product (no zero fill, no read of zeros).
+        self.acc = torch.zeros(shape, dtype=self.sum_dtype, device=device) if kahan else None
+        self.comp = torch.zeros_like(self.acc) if kahan else None
 
     def add(self, a, b):
         """acc += a.T @ b for a (n, V), b (n, D) in the compute dtype."""
         if self.comp is not None:
             return self._kahan_add(a, b)
-        if self.sum_dtype == a.dtype:
+        if self.acc is None:
+            self.acc = a.t() @ b if self.sum_dtype == a.dtype else _mm_f32(a.t(), b)
+        elif self.sum_dtype == a.dtype:
             self.acc.addmm_(a.t(), b)
         elif a.device.type == "cuda":
             torch.addmm(self.acc, a.t(), b, out_dtype=torch.float32, out=self.acc)
@@ -63,6 +65,8 @@ class GradAccumulator:
             acc.copy_(new)
 
     def result(self, dtype):
+        if self.acc is None:  # no tokens
+            return torch.zeros(self.shape, dtype=dtype, device=self.device)
         if self.comp is not None:  # the compensation holds minus the lost low-order part
             return torch.sub(self.acc, self.comp).to(dtype)
         return self.acc.to(dtype)
