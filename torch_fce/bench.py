@@ -8,6 +8,7 @@ the machine, versions and git SHA; --plot writes PNG bar charts (needs matplotli
 """
 
 import argparse
+import os
 import dataclasses
 import json
 import platform
@@ -191,11 +192,13 @@ def print_accuracy(rows):
 
 
 def environment():
+    # TORCH_FCE_GIT_SHA names the commit where the checkout has no usable git metadata.
+    sha = os.environ.get("TORCH_FCE_GIT_SHA", "")
     try:
-        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                             text=True, check=False).stdout.strip()
+        sha = sha or subprocess.run(["git", "rev-parse", "--short", "HEAD"],
+                                    capture_output=True, text=True, check=False).stdout.strip()
     except OSError:
-        sha = ""
+        pass
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else _cpu_name()
     try:
         import triton
