@@ -2,14 +2,16 @@
 
 Each rank holds rows [vocab_start, vocab_start + Vs) of the (V, D) head (Megatron's
 column-parallel lm head) and the full hidden states and targets. Per token chunk a rank
-forms its shard's logits and reduces them to O(N) vectors (the shard's logsumexp, the
+forms its shard's logits and reduces them to O(n) vectors (the shard's logsumexp, the
 target logit, the weighted logit sum); two all-reduces (a max, then one stacked sum)
-give every rank the global logsumexp and loss. The backward recomputes the shard's
-logits, forms dz with the global lse and the same coefficients as one device
-(ops/rows.grad_coefficients), keeps dW and db local and all-reduces the hidden
-gradient's float32 partial sums. On CUDA the per-chunk row work is the Triton row
-kernel's two sweeps as separate kernels; elsewhere the PyTorch twins. Collectives are
-functional (torch.distributed._functional_collectives) so torch.compile traces them.
+give every rank the chunk's global logsumexp and loss terms. For scalar losses the
+chunk's logits gradient follows at once (gradients formed in the forward, 3 GEMMs, as
+the single-device op does); otherwise the backward recomputes the logits. dz uses the
+global lse and the same coefficients as one device (ops/rows.grad_coefficients); dW
+and db stay local and the hidden gradient's float32 partial sums are all-reduced once.
+On CUDA the row work is the Triton row kernel's two sweeps as separate kernels;
+elsewhere their PyTorch twins. Collectives are functional
+(torch.distributed._functional_collectives) so torch.compile traces them.
 """
 
 import torch
