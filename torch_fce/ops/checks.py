@@ -20,7 +20,11 @@ ACCUMULATORS = ("fp32", "kahan", "input")
 
 
 def _value(cond, msg):
-    torch._check_with(ValueError, cond, lambda: msg)
+    if isinstance(cond, bool):  # static shapes: a plain raise, which every Dynamo traces
+        if not cond:
+            raise ValueError(msg)
+    else:
+        torch._check_with(ValueError, cond, lambda: msg)
 
 
 def check_options(reduction, label_smoothing, softcap, z_loss, accumulator, ignore_index=-100):
