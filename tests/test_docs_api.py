@@ -28,6 +28,7 @@ def test_docs_api_python_signatures_match():
         "torch_fce.lowering.enable": torch_fce.lowering.enable,
         "torch_fce.lowering.disable": torch_fce.lowering.disable,
         "torch_fce.lowering.auto_fuse": torch_fce.lowering.auto_fuse,
+        "torch_fce.lowering.fresh_compiles": torch_fce.lowering.fresh_compiles,
         "torch_fce.integrations.transformers.apply": fce_hf.apply,
         "torch_fce.integrations.transformers.revert": fce_hf.revert,
         "torch_fce.distributed.vocab_parallel_linear_cross_entropy":

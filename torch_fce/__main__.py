@@ -64,9 +64,8 @@ def train(args, ids, fused, progress):
         opt.zero_grad(set_to_none=True)
         return loss
 
-    # Compile afresh (no FX-graph cache) so the lowering pass runs and is counted.
-    no_cache = torch._inductor.config.patch(fx_graph_cache=False)
-    with no_cache, lowering.auto_fuse(args.accumulator) if fused else contextlib.nullcontext():
+    with lowering.fresh_compiles(), \
+            lowering.auto_fuse(args.accumulator) if fused else contextlib.nullcontext():
         for i, x in enumerate(batches(ids, args.batch, args.seq, args.steps)):
             x = x.to(args.device)
             t0 = time.perf_counter()

@@ -9,8 +9,6 @@ import argparse
 import contextlib
 
 import torch
-import torch._functorch.config as functorch_config
-import torch._inductor.config as inductor_config
 from torch._dynamo.utils import counters
 
 import torch_fce.lowering as lowering
@@ -34,10 +32,7 @@ def measure(fuse, args):
         return loss
 
     counters.clear()
-    # Compiled fresh, so the pass runs (and is counted) instead of a cached graph loading.
-    with lowering.auto_fuse() if fuse else contextlib.nullcontext(), \
-            inductor_config.patch(fx_graph_cache=False), \
-            functorch_config.patch(enable_autograd_cache=False):
+    with lowering.fresh_compiles(), lowering.auto_fuse() if fuse else contextlib.nullcontext():
         loss = step().item()  # compiles
     if fuse:
         print(f"  fused {counters['inductor'][lowering.FUSED]} cross entropies; skipped: "

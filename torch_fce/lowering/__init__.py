@@ -12,11 +12,12 @@ reason, counters["fce_linear_ce_skipped"]; the logger torch_fce.lowering says mo
 
 import contextlib
 
+import torch._functorch.config as functorch_config
 import torch._inductor.config as inductor_config
 
 from .graph_pass import FUSED, SKIPPED, FuseLinearCrossEntropy
 
-__all__ = ["enable", "disable", "auto_fuse", "FUSED", "SKIPPED"]
+__all__ = ["enable", "disable", "auto_fuse", "fresh_compiles", "FUSED", "SKIPPED"]
 
 _PASS = FuseLinearCrossEntropy()
 
@@ -53,3 +54,12 @@ def auto_fuse(accumulator="fp32"):
         yield
     finally:
         inductor_config.pre_grad_custom_pass = was
+
+
+@contextlib.contextmanager
+def fresh_compiles():
+    """Compiles inside the block skip Inductor's FX-graph and AOTAutograd caches, so the
+    pass runs and the counters count it (a cache hit loads the fused graph uncounted)."""
+    with inductor_config.patch(fx_graph_cache=False), \
+            functorch_config.patch(enable_autograd_cache=False):
+        yield
