@@ -2,10 +2,10 @@
 
 Spawns one process per GPU (NCCL, NVLink multicast off; `--device cpu`: gloo). On
 each shape, every rank holds V / world rows of the head and the whole bf16 batch; per
-rank it times, in one run: one bf16 (N, D) x (D, V / world) matmul, the single-GPU op on that half of the
-vocabulary (what the rank would cost alone), and the vocab-parallel step (fwd + bwd,
-collectives included). Rank 0 also times the single-GPU op on the whole vocabulary.
-Prints a table and writes JSON with --json.
+rank it times, in one run: one bf16 (N, D) x (D, V / world) matmul, the single-GPU op
+on the rank's share of the vocabulary (what the rank would cost alone), and the
+vocab-parallel step (fwd + bwd, collectives included). Rank 0 also times the
+single-GPU op on the whole vocabulary. Prints a table and writes JSON with --json.
 """
 
 import argparse
@@ -33,8 +33,10 @@ def _shape(rank, world, s, reps, device):
     x = make_inputs(s.N, s.D, s.V, torch.bfloat16, device=device, seed=0, weight_scale=2.0)
     start, end = s.V * rank // world, s.V * (rank + 1) // world
     h, t, w = x["hidden"], x["target"], x["weight"][start:end].contiguous()
-    vp = lambda h, w, t: vocab_parallel_linear_cross_entropy(  # noqa: E731
-        h, w, t, vocab_start=start, vocab_size=s.V)
+
+    def vp(h, w, t):
+        return vocab_parallel_linear_cross_entropy(h, w, t, vocab_start=start, vocab_size=s.V)
+
     # The op on this shard alone: the same GEMMs and row work, no collectives (targets
     # outside the shard are ignored so it is a valid problem).
     local_t = torch.where((t >= start) & (t < end), t - start, -100)

@@ -163,13 +163,21 @@ def _block_v(V):
     return min(4096, triton.next_power_of_2(V))
 
 
+def _flags(logits, cw, opts):
+    """Launch parameters every row kernel shares (logits with unit stride along V)."""
+    assert logits.stride(1) == 1
+    return dict(HAS_SOFTCAP=opts.softcap is not None, HAS_CLASS_WEIGHT=cw is not None,
+                HAS_SMOOTHING=opts.label_smoothing > 0.0, BLOCK_V=_block_v(logits.shape[1]),
+                num_warps=8)
+
+
 def triton_rows(logits, target, class_weight, ce_scale, z_scale, opts, math_dtype):
     """Row function for chunked.run_chunks: (lse, nll, smooth, dz), dz written over logits.
 
     logits (n, V) with unit stride along V, target (n,), ce_scale/z_scale (n,) float32.
     """
     n, V = logits.shape
-    assert math_dtype == torch.float32 and logits.stride(1) == 1
+    assert math_dtype == torch.float32
     lse, nll, smooth = (logits.new_empty(n, dtype=torch.float32) for _ in range(3))
     has_grad = ce_scale is not None
     cw = class_weight.float() if class_weight is not None else None
@@ -180,19 +188,8 @@ def triton_rows(logits, target, class_weight, ce_scale, z_scale, opts, math_dtyp
         lse, nll, smooth,
         V, opts.ignore_index, opts.label_smoothing,
         opts.softcap if opts.softcap is not None else 1.0,
-        logits.stride(0),
-        HAS_GRAD=has_grad, HAS_SOFTCAP=opts.softcap is not None,
-        HAS_CLASS_WEIGHT=cw is not None, HAS_SMOOTHING=opts.label_smoothing > 0.0,
-        BLOCK_V=_block_v(V), num_warps=8,
-    )
+        logits.stride(0), HAS_GRAD=has_grad, **_flags(logits, cw, opts))
     return lse, nll, smooth, logits if has_grad else None
-
-
-def _flags(logits, cw, opts):
-    n, Vs = logits.shape
-    assert logits.stride(1) == 1
-    return dict(HAS_SOFTCAP=opts.softcap is not None, HAS_CLASS_WEIGHT=cw is not None,
-                HAS_SMOOTHING=opts.label_smoothing > 0.0, BLOCK_V=_block_v(Vs), num_warps=8)
 
 
 def triton_shard_stats(logits, col, cw, opts, math_dtype):
