@@ -67,6 +67,9 @@ class GradAccumulator:
     def result(self, dtype):
         if self.acc is None:  # no tokens
             return torch.zeros(self.shape, dtype=dtype, device=self.device)
-        if self.comp is not None:  # the compensation holds minus the lost low-order part
-            return torch.sub(self.acc, self.comp).to(dtype)
+        if self.comp is not None:
+            # The compensation holds minus the lost low-order part. Subtracting in place
+            # keeps the peak at the two sums instead of three weight-sized buffers.
+            self.acc.sub_(self.comp)
+            self.comp = None
         return self.acc.to(dtype)
