@@ -16,12 +16,12 @@ import torch.nn.functional as F
 from torch_fce.bench import SHAPES
 from torch_fce.measure import median_time
 from torch_fce.ops.cuda import chunk_rows
-from torch_fce.ops.rows import RowOptions
 from torch_fce.ops.triton.rows import triton_rows
 from torch_fce.testing import make_inputs
 
-STEPS = ("logits", "rows", "dE", "dW")
+from _common import OPTS
 
+STEPS = ("logits", "rows", "dE", "dW")
 
 def _event():
     return torch.cuda.Event(enable_timing=True)
@@ -30,7 +30,6 @@ def _event():
 def loop_ms(h, w, t, rows):
     """Per-step milliseconds of one pass of the chunk loop over all N tokens."""
     N = h.shape[0]
-    opts = RowOptions(-100, 0.0, None)
     ce, zs = torch.full((N,), 1.0 / N, device="cuda"), torch.zeros(N, device="cuda")
     gh = torch.empty_like(h)
     gw = torch.empty(w.shape, device="cuda")
@@ -41,7 +40,7 @@ def loop_ms(h, w, t, rows):
         ev[0].record()
         z = F.linear(h[s:e], w)
         ev[1].record()
-        dz = triton_rows(z, t[s:e], None, ce[s:e], zs[s:e], opts, torch.float32)[3]
+        dz = triton_rows(z, t[s:e], None, ce[s:e], zs[s:e], OPTS, torch.float32)[3]
         ev[2].record()
         torch.mm(dz, w, out=gh[s:e])
         ev[3].record()
@@ -56,23 +55,27 @@ def loop_ms(h, w, t, rows):
     return spent
 
 
+def probe_shape(name):
+    """Probes one issue-3 shape; its tensors are freed on return."""
+    shape = SHAPES[name]
+    x = make_inputs(shape.N, shape.D, shape.V, torch.bfloat16, device="cuda",
+                    weight_scale=2.0)
+    h, w, t = x["hidden"], x["weight"], x["target"]
+    rows = chunk_rows(shape.N, shape.V, torch.bfloat16)
+    mm = median_time(lambda: h @ w.T, "cuda", reps=10, warmup=2) * 1e3
+    runs = [loop_ms(h, w, t, rows) for _ in range(5)]
+    med = {k: statistics.median(r[k] for r in runs) / mm for k in STEPS}
+    gemms = med["logits"] + med["dE"] + med["dW"]
+    print(f"{name}: chunk {rows} rows, mm {mm:.2f} ms | "
+          + " ".join(f"{k} {v:.3f}" for k, v in med.items())
+          + f" | GEMMs {gemms:.2f} + rows {med['rows']:.2f} = {gemms + med['rows']:.2f} x mm",
+          flush=True)
+
+
 def main():
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
     for name in "ABC":
-        shape = SHAPES[name]
-        x = make_inputs(shape.N, shape.D, shape.V, torch.bfloat16, device="cuda",
-                        weight_scale=2.0)
-        h, w, t = x["hidden"], x["weight"], x["target"]
-        rows = chunk_rows(shape.N, shape.V, torch.bfloat16)
-        mm = median_time(lambda: h @ w.T, "cuda", reps=10, warmup=2) * 1e3
-        runs = [loop_ms(h, w, t, rows) for _ in range(5)]
-        med = {k: statistics.median(r[k] for r in runs) / mm for k in STEPS}
-        gemms = med["logits"] + med["dE"] + med["dW"]
-        print(f"{name}: chunk {rows} rows, mm {mm:.2f} ms | "
-              + " ".join(f"{k} {v:.3f}" for k, v in med.items())
-              + f" | GEMMs {gemms:.2f} + rows {med['rows']:.2f} = {gemms + med['rows']:.2f} x mm",
-              flush=True)
-        del x, h, w, t
+        probe_shape(name)
         torch.cuda.empty_cache()
 
 

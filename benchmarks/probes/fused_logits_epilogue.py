@@ -17,22 +17,15 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from torch_fce.bench import SHAPES
-from torch_fce.measure import median_time
 from torch_fce.ops.cuda import chunk_rows
-from torch_fce.ops.rows import RowOptions
 from torch_fce.ops.triton.rows import triton_rows
+
+from _common import ms, OPTS, tile_pid
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps, warp_specialize, epilogue subtile)
 CONFIGS = [(128, 256, 64, 3, 8, False, True), (128, 256, 64, 4, 8, False, True),
            (128, 256, 64, 3, 8, True, True), (128, 256, 64, 4, 8, True, True),
            (128, 256, 64, 3, 8, False, False)]
-
-
-@triton.jit
-def _tile_pid(tile, per_group, num_pid_m, GROUP_M: tl.constexpr):
-    first_m = (tile // per_group) * GROUP_M
-    size_m = min(num_pid_m - first_m, GROUP_M)
-    return first_m + (tile % size_m), (tile % per_group) // size_m
 
 
 @triton.jit
@@ -62,14 +55,14 @@ def _logits_stats_kernel(
     tile_c = start - NUM_SMS  # the epilogue's own counter keeps the pipeliner happy
     for tile in tl.range(start, num_pid_m * num_pid_n, NUM_SMS, flatten=True,
                          warp_specialize=WS):
-        pid_m, pid_n = _tile_pid(tile, per_group, num_pid_m, GROUP_M)
+        pid_m, pid_n = tile_pid(tile, per_group, num_pid_m, GROUP_M)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k in range(0, tl.cdiv(K, BLOCK_K)):
             a = h_desc.load([pid_m * BLOCK_M, k * BLOCK_K])
             b = w_desc.load([pid_n * BLOCK_N, k * BLOCK_K])
             acc = tl.dot(a, b.T, acc)
         tile_c += NUM_SMS
-        pid_m, pid_n = _tile_pid(tile_c, per_group, num_pid_m, GROUP_M)
+        pid_m, pid_n = tile_pid(tile_c, per_group, num_pid_m, GROUP_M)
         row0, col0 = pid_m * BLOCK_M, pid_n * BLOCK_N
         rows = (row0 + tl.arange(0, BLOCK_M)).to(tl.int64)
         if SUBTILE:  # two half tiles: less shared memory and fewer live registers
@@ -143,38 +136,40 @@ def merge_grad(z, m, s, target, scale):
     return lse
 
 
+def probe_shape(name):
+    """Probes one issue-3 shape; its tensors are freed on return."""
+    N, D, V = SHAPES[name].N, SHAPES[name].D, SHAPES[name].V
+    n = chunk_rows(N, V, torch.bfloat16)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    h = (torch.randn(n, D, device="cuda", generator=g) / D ** 0.5).bfloat16()
+    w = (torch.randn(V, D, device="cuda", generator=g) * 2).bfloat16()
+    t = torch.randint(0, V, (n,), device="cuda", generator=g)
+    z = torch.empty(n, V, dtype=torch.bfloat16, device="cuda")
+    ce, zs = torch.full((n,), 1.0 / n, device="cuda"), torch.zeros(n, device="cuda")
+    ref_lse = torch.logsumexp(torch.mm(h, w.T, out_dtype=torch.float32), 1)
+    cublas = ms(lambda: torch.mm(h, w.T, out=z))
+    base = ms(lambda: (torch.mm(h, w.T, out=z),
+                       triton_rows(z, t, None, ce, zs, OPTS, torch.float32)))
+    print(f"{name} (chunk {n} x {V}, K={D}): cuBLAS logits {cublas:.3f} ms, "
+          f"+ row kernel {base:.3f} ms", flush=True)
+    for cfg in CONFIGS:
+        try:
+            lse = merge_grad(z, *logits_stats(h, w, z, cfg), t, 1.0 / n)
+            err = (lse - ref_lse).abs().max().item()
+            plain = ms(lambda: logits_stats(h, w, z, cfg, stats=False))
+            stats = ms(lambda: logits_stats(h, w, z, cfg))
+            fused = ms(lambda: merge_grad(z, *logits_stats(h, w, z, cfg), t, 1.0 / n))
+            print(f"  {cfg}: plain GEMM {plain / cublas:.3f}x cuBLAS, with stats "
+                  f"{stats / cublas:.3f}x; fused pair {fused:.3f} ms = "
+                  f"{fused / base:.3f}x cuBLAS + row kernel (lse err {err:.1e})", flush=True)
+        except triton.runtime.errors.OutOfResources as e:
+            print(f"  {cfg}: {e}")
+
+
 def main():
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
-    ms = lambda fn: median_time(fn, "cuda", reps=10, warmup=2) * 1e3  # noqa: E731
-    opts = RowOptions(-100, 0.0, None)
     for name in "ABC":
-        N, D, V = SHAPES[name].N, SHAPES[name].D, SHAPES[name].V
-        n = chunk_rows(N, V, torch.bfloat16)
-        g = torch.Generator(device="cuda").manual_seed(0)
-        h = (torch.randn(n, D, device="cuda", generator=g) / D ** 0.5).bfloat16()
-        w = (torch.randn(V, D, device="cuda", generator=g) * 2).bfloat16()
-        t = torch.randint(0, V, (n,), device="cuda", generator=g)
-        z = torch.empty(n, V, dtype=torch.bfloat16, device="cuda")
-        ce, zs = torch.full((n,), 1.0 / n, device="cuda"), torch.zeros(n, device="cuda")
-        ref_lse = torch.logsumexp(torch.mm(h, w.T, out_dtype=torch.float32), 1)
-        cublas = ms(lambda: torch.mm(h, w.T, out=z))
-        base = ms(lambda: (torch.mm(h, w.T, out=z),
-                           triton_rows(z, t, None, ce, zs, opts, torch.float32)))
-        print(f"{name} (chunk {n} x {V}, K={D}): cuBLAS logits {cublas:.3f} ms, "
-              f"+ row kernel {base:.3f} ms", flush=True)
-        for cfg in CONFIGS:
-            try:
-                lse = merge_grad(z, *logits_stats(h, w, z, cfg), t, 1.0 / n)
-                err = (lse - ref_lse).abs().max().item()
-                plain = ms(lambda: logits_stats(h, w, z, cfg, stats=False))
-                stats = ms(lambda: logits_stats(h, w, z, cfg))
-                fused = ms(lambda: merge_grad(z, *logits_stats(h, w, z, cfg), t, 1.0 / n))
-                print(f"  {cfg}: plain GEMM {plain / cublas:.3f}x cuBLAS, with stats "
-                      f"{stats / cublas:.3f}x; fused pair {fused:.3f} ms = "
-                      f"{fused / base:.3f}x cuBLAS + row kernel (lse err {err:.1e})", flush=True)
-            except triton.runtime.errors.OutOfResources as e:
-                print(f"  {cfg}: {e}")
-        del h, w, z, ref_lse
+        probe_shape(name)
         torch.cuda.empty_cache()
 
 

@@ -14,21 +14,15 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from torch_fce.bench import SHAPES
-from torch_fce.measure import median_time
 from torch_fce.ops.cuda import chunk_rows
 from torch_fce.ops.triton.kahan import _launch_kahan_addmm
+
+from _common import ms, tile_pid
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps, warp_specialize); 128 x 256 tiles
 # need more shared memory than an H200 SM has for these operand layouts.
 CONFIGS = [(128, 128, 64, 3, 4, False), (128, 128, 64, 4, 8, False),
            (128, 128, 64, 4, 8, True), (128, 128, 64, 5, 8, False)]
-
-
-@triton.jit
-def _tile_pid(tile, per_group, num_pid_m, GROUP_M: tl.constexpr):
-    first_m = (tile // per_group) * GROUP_M
-    size_m = min(num_pid_m - first_m, GROUP_M)
-    return first_m + (tile % size_m), (tile % per_group) // size_m
 
 
 @triton.jit
@@ -49,14 +43,14 @@ def _kahan_tma_kernel(
     tile_c = start - NUM_SMS
     for tile in tl.range(start, num_pid_m * num_pid_n, NUM_SMS, flatten=True,
                          warp_specialize=WS):
-        pid_m, pid_n = _tile_pid(tile, per_group, num_pid_m, GROUP_M)
+        pid_m, pid_n = tile_pid(tile, per_group, num_pid_m, GROUP_M)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k in range(0, tl.cdiv(K, BLOCK_K)):
             a = a_desc.load([k * BLOCK_K, pid_m * BLOCK_M])
             b = b_desc.load([k * BLOCK_K, pid_n * BLOCK_N])
             acc = tl.dot(a.T, b, acc)
         tile_c += NUM_SMS
-        pid_m, pid_n = _tile_pid(tile_c, per_group, num_pid_m, GROUP_M)
+        pid_m, pid_n = tile_pid(tile_c, per_group, num_pid_m, GROUP_M)
         at = [pid_m * BLOCK_M, pid_n * BLOCK_N]
         s = s_desc.load(at).to(tl.float32)
         y = acc - c_desc.load(at).to(tl.float32)
@@ -77,34 +71,37 @@ def kahan_tma(a, b, s, c, cfg):
         num_stages=stages, num_warps=warps)
 
 
+def probe_shape(name):
+    """Probes one issue-3 shape; its tensors are freed on return."""
+    N, D, V = SHAPES[name].N, SHAPES[name].D, SHAPES[name].V
+    n = chunk_rows(N, V, torch.bfloat16)
+    a = torch.randn(n, V, device="cuda", dtype=torch.bfloat16) * 0.01  # dz
+    b = torch.randn(n, D, device="cuda", dtype=torch.bfloat16)  # hidden
+    acc32 = torch.zeros(V, D, device="cuda")
+    s, c = (torch.zeros(V, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    mm = ms(lambda: torch.mm(a.t(), b))
+    f32 = ms(lambda: torch.addmm(acc32, a.t(), b, out_dtype=torch.float32, out=acc32))
+    cur = ms(lambda: _launch_kahan_addmm(a, b, s, c))
+    print(f"{name} (dW chunk {V} x {D}, K={n}): x cuBLAS bf16 mm ({mm:.2f} ms): "
+          f"float32 addmm {f32 / mm:.2f}, current Kahan {cur / mm:.2f}", flush=True)
+    s2, c2 = torch.zeros_like(s), torch.zeros_like(c)
+    _launch_kahan_addmm(a, b, s2, c2)
+    for cfg in CONFIGS:
+        try:
+            s.zero_(), c.zero_()
+            kahan_tma(a, b, s, c, cfg)
+            same = torch.equal(s, s2) and torch.equal(c, c2)
+            t = ms(lambda: kahan_tma(a, b, s, c, cfg))
+            print(f"  TMA {cfg}: {t / mm:.2f}x mm = {t / cur:.2f}x current "
+                  f"(first update bit-equal to current: {same})", flush=True)
+        except triton.runtime.errors.OutOfResources as e:
+            print(f"  TMA {cfg}: {e}")
+
+
 def main():
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
-    ms = lambda fn: median_time(fn, "cuda", reps=10, warmup=2) * 1e3  # noqa: E731
     for name in "ABC":
-        N, D, V = SHAPES[name].N, SHAPES[name].D, SHAPES[name].V
-        n = chunk_rows(N, V, torch.bfloat16)
-        a = torch.randn(n, V, device="cuda", dtype=torch.bfloat16) * 0.01  # dz
-        b = torch.randn(n, D, device="cuda", dtype=torch.bfloat16)  # hidden
-        acc32 = torch.zeros(V, D, device="cuda")
-        s, c = (torch.zeros(V, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-        mm = ms(lambda: torch.mm(a.t(), b))
-        f32 = ms(lambda: torch.addmm(acc32, a.t(), b, out_dtype=torch.float32, out=acc32))
-        cur = ms(lambda: _launch_kahan_addmm(a, b, s, c))
-        print(f"{name} (dW chunk {V} x {D}, K={n}): x cuBLAS bf16 mm ({mm:.2f} ms): "
-              f"float32 addmm {f32 / mm:.2f}, current Kahan {cur / mm:.2f}", flush=True)
-        s2, c2 = torch.zeros_like(s), torch.zeros_like(c)
-        _launch_kahan_addmm(a, b, s2, c2)
-        for cfg in CONFIGS:
-            try:
-                s.zero_(), c.zero_()
-                kahan_tma(a, b, s, c, cfg)
-                same = torch.equal(s, s2) and torch.equal(c, c2)
-                t = ms(lambda: kahan_tma(a, b, s, c, cfg))
-                print(f"  TMA {cfg}: {t / mm:.2f}x mm = {t / cur:.2f}x current "
-                      f"(first update bit-equal to current: {same})", flush=True)
-            except triton.runtime.errors.OutOfResources as e:
-                print(f"  TMA {cfg}: {e}")
-        del a, b, acc32, s, c, s2, c2
+        probe_shape(name)
         torch.cuda.empty_cache()
 
 

@@ -17,10 +17,10 @@ import triton
 import triton.language as tl
 
 from torch_fce.bench import SHAPES
-from torch_fce.measure import median_time
 from torch_fce.ops.cuda import chunk_rows
-from torch_fce.ops.rows import RowOptions
 from torch_fce.ops.triton.rows import triton_rows
+
+from _common import ms, OPTS
 
 
 @triton.jit
@@ -61,33 +61,36 @@ def variants():
                 yield per_sm, warps, block, hints
 
 
+def probe_shape(name):
+    """Probes one issue-3 shape; its tensors are freed on return."""
+    V = SHAPES[name].V
+    n = chunk_rows(SHAPES[name].N, V, torch.bfloat16)
+    z = torch.randn(n, V, device="cuda").bfloat16()
+    t = torch.randint(0, V, (n,), device="cuda")
+    ce, zs = torch.full((n,), 1e-4, device="cuda"), torch.zeros(n, device="cuda")
+    lse = torch.empty(n, device="cuda")
+    base = ms(lambda: triton_rows(z, t, None, ce, zs, OPTS, torch.float32))
+    print(f"{name} ({n} x {V}): row kernel in use {base:.3f} ms "
+          f"({3 * z.numel() * 2 / base / 1e9:.2f} TB/s for 2 reads + 1 write)", flush=True)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    timed = []
+    for per_sm, warps, block, hints in variants():
+        grid = n if per_sm == 0 else min(n, sms * per_sm)
+        timed.append((ms(lambda: _row_sweeps_kernel[(grid,)](
+            z, t, ce, lse, V, n, z.stride(0), PERSISTENT=per_sm > 0, BLOCK_V=block,
+            EVICT_1=hints[0], EVICT_2=hints[1], num_warps=warps)),
+            per_sm, warps, block, hints[0] or "none"))
+    for t_ms, per_sm, warps, block, hints in sorted(timed)[:5]:
+        print(f"  {base / t_ms:.2f}x faster: programs/SM {per_sm or 'all rows'}, "
+              f"warps {warps}, BLOCK_V {block}, hints {hints}", flush=True)
+
+
 def main():
     props = torch.cuda.get_device_properties(0)
     print(f"{props.name}, L2 {props.L2_cache_size >> 20} MiB, torch {torch.__version__}, "
           f"triton {triton.__version__}")
-    opts = RowOptions(-100, 0.0, None)
     for name in "ABC":
-        V = SHAPES[name].V
-        n = chunk_rows(SHAPES[name].N, V, torch.bfloat16)
-        z = torch.randn(n, V, device="cuda").bfloat16()
-        t = torch.randint(0, V, (n,), device="cuda")
-        ce, zs = torch.full((n,), 1e-4, device="cuda"), torch.zeros(n, device="cuda")
-        lse = torch.empty(n, device="cuda")
-        ms = lambda fn: median_time(fn, "cuda", reps=10, warmup=2) * 1e3  # noqa: E731
-        base = ms(lambda: triton_rows(z, t, None, ce, zs, opts, torch.float32))
-        print(f"{name} ({n} x {V}): row kernel in use {base:.3f} ms "
-              f"({3 * z.numel() * 2 / base / 1e9:.2f} TB/s for 2 reads + 1 write)", flush=True)
-        timed = []
-        for per_sm, warps, block, hints in variants():
-            grid = n if per_sm == 0 else min(n, props.multi_processor_count * per_sm)
-            timed.append((ms(lambda: _row_sweeps_kernel[(grid,)](
-                z, t, ce, lse, V, n, z.stride(0), PERSISTENT=per_sm > 0, BLOCK_V=block,
-                EVICT_1=hints[0], EVICT_2=hints[1], num_warps=warps)),
-                per_sm, warps, block, hints[0] or "none"))
-        for ms_, per_sm, warps, block, hints in sorted(timed)[:5]:
-            print(f"  {base / ms_:.2f}x faster: programs/SM {per_sm or 'all rows'}, "
-                  f"warps {warps}, BLOCK_V {block}, hints {hints}", flush=True)
-        del z
+        probe_shape(name)
         torch.cuda.empty_cache()
 
 

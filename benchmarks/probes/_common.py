@@ -1,0 +1,23 @@
+"""What the probes share: timing, plain cross-entropy row options, grouped tile order."""
+
+import triton
+import triton.language as tl
+
+from torch_fce.measure import median_time
+from torch_fce.ops.rows import RowOptions
+
+OPTS = RowOptions(-100, 0.0, None)  # plain cross entropy, ignore_index -100
+
+
+def ms(fn):
+    """Median milliseconds of fn() on CUDA (10 runs after 2 warm-ups)."""
+    return median_time(fn, "cuda", reps=10, warmup=2) * 1e3
+
+
+@triton.jit
+def tile_pid(tile, per_group, num_pid_m, GROUP_M: tl.constexpr):
+    """(pid_m, pid_n) of a persistent GEMM's tile: GROUP_M row tiles share column tiles
+    in L2 (the Triton tutorials' grouped order)."""
+    first_m = (tile // per_group) * GROUP_M
+    size_m = min(num_pid_m - first_m, GROUP_M)
+    return first_m + (tile % size_m), (tile % per_group) // size_m
