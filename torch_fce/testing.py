@@ -48,6 +48,8 @@ def make_inputs(N, D, V, dtype=torch.float32, *, ignore_frac=1 / 17, bias=False,
 
 def rel_err(actual, expected):
     """Relative L2 error ||a - e|| / ||e|| in float64 (0 when both are 0)."""
+    if actual.shape != expected.shape:  # broadcasting would compare the wrong elements
+        raise ValueError(f"shapes differ: {tuple(actual.shape)} vs {tuple(expected.shape)}")
     a, e = actual.detach().double(), expected.detach().double()
     den = e.norm()
     return float((a - e).norm() / den) if den > 0 else float((a - e).norm())

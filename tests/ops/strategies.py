@@ -21,9 +21,10 @@ def problems(draw, dtypes=(torch.float32, torch.bfloat16, torch.float16),
         weight_dtype=torch.float32 if master else None, seed=draw(st.integers(0, 2**16)),
         weight_scale=draw(st.sampled_from([1.0, 4.0])),
     )
-    if draw(st.booleans()) and N % 1 == 0 and N > 0:  # a (B, T) batch shape
-        x["hidden"] = x["hidden"].reshape(1, N, D)
-        x["target"] = x["target"].reshape(1, N)
+    if draw(st.booleans()) and N > 0:  # a (B, T) batch shape, B > 1 where N allows
+        B = next(b for b in (3, 2, 1) if N % b == 0)
+        x["hidden"] = x["hidden"].reshape(B, N // B, D)
+        x["target"] = x["target"].reshape(B, N // B)
     options = dict(
         reduction=draw(st.sampled_from(["mean", "sum", "none"])),
         label_smoothing=draw(st.sampled_from([0.0, 0.1, 1.0])),

@@ -72,6 +72,21 @@ def test_linear_ce_master_weights_and_autocast():
         assert rel_err(v.grad, ref[k]) <= grad_tol(torch.bfloat16, 16), k
 
 
+def test_linear_ce_autocast_accepts_what_f_linear_accepts():
+    # Under autocast F.linear takes a float32 input with a bf16 weight, and a float32 bias
+    # with bf16 weights; all are cast to bf16 for the product. So does the op.
+    x = make_inputs(16, 8, 11, torch.float32, bias=True)
+    cases = [dict(weight=x["weight"].bfloat16()),
+             dict(hidden=x["hidden"].bfloat16(), weight=x["weight"].bfloat16())]
+    for case in cases:
+        args = {**x, **case}
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = torch_fce.linear_cross_entropy(**args)
+        bf16 = {**x, **{k: args[k].bfloat16() for k in ("hidden", "weight", "bias")}}
+        ref_loss, _ = reference_loss_and_grads(**bf16)
+        assert rel_err(loss, ref_loss) <= LOSS_TOL
+
+
 def test_linear_ce_float16_gradients_survive_a_loss_scale():
     # fp16 logits gradients of a mean over many tokens underflow unless the upstream loss
     # scale is applied before they are rounded, as torch's unfused path does.

@@ -118,13 +118,45 @@ def test_cuda_more_than_2_31_logits():
 
 
 def test_cuda_inputs_unchanged_and_bad_target_is_nan():
-    x = make_inputs(512, 64, 5000, torch.bfloat16, bias=True, device="cuda")
+    # The op gets the caller's own tensors (no defensive copies in the test), on both
+    # gradient paths: in the forward (mean) and recomputed in the backward (none).
+    x = make_inputs(512, 64, 5000, torch.bfloat16, bias=True, class_weight=True,
+                    device="cuda")
     x["target"][7] = 5000  # out of range: NaN, never an out-of-bounds read
-    before = {k: v.clone() for k, v in x.items() if v is not None}
-    loss, _ = _op(x, dict(reduction="none"))
+    for k in ("hidden", "weight", "bias"):
+        x[k].requires_grad_()
+    before = {k: v.detach().clone() for k, v in x.items() if v is not None}
+    ptrs = {v.data_ptr() for v in x.values() if v is not None}
+    for reduction in ("mean", "none"):
+        for accumulator in ("fp32", "kahan", "input"):
+            loss = torch_fce.linear_cross_entropy(**x, reduction=reduction,
+                                                  accumulator=accumulator)
+            loss.backward(torch.ones_like(loss))
+            outputs = [loss] + [x[k].grad for k in ("hidden", "weight", "bias")]
+            assert not {t.data_ptr() for t in outputs} & ptrs
+            for k in ("hidden", "weight", "bias"):
+                x[k].grad = None
     assert torch.isnan(loss[7]) and torch.isfinite(loss[:7]).all()
     for k, v in before.items():
         assert torch.equal(x[k], v), k
+
+
+@pytest.mark.parametrize("accumulator", ["fp32", "kahan", "input"])
+def test_cuda_no_host_sync(accumulator):
+    # torch raises on any synchronising CUDA call in this mode (.item(), nonzero, ...).
+    x = make_inputs(256, 64, 3000, torch.bfloat16, bias=True, class_weight=True,
+                    device="cuda")
+    ups = [torch.ones((), device="cuda"), torch.ones(256, device="cuda")]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for options in OPTION_SETS:
+            g = ups[options["reduction"] == "none"]
+            _op(x, options, accumulator, grad_out=g)
+        _op({**x, "weight": x["weight"].float()}, OPTION_SETS[1], accumulator,
+            grad_out=ups[0])  # master weights
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
 
 
 def test_cuda_opt_in_target_check_raises(monkeypatch):

@@ -36,6 +36,7 @@ def _triton_loss_and_grads(x, options, accumulator, chunk_rows, grad_out):
     else:
         loss, *grads = chunked.linear_ce_fwd(*args, options["reduction"], *rest, **kw)
         grads = [g * grad_out for g in grads]
+    grads = [grads[0].reshape(x["hidden"].shape), *grads[1:]]
     return loss, dict(zip(("hidden", "weight", "bias"), grads))
 
 
@@ -72,6 +73,24 @@ def test_triton_rows_match_reference(problem, accumulator, chunk_rows, seed):
         if x[name] is not None:
             allowed = allowed_error(tol, torch_grads[name], ref_grads[name])
             assert rel_err(grad, ref_grads[name]) <= allowed, name
+
+
+def test_triton_rows_read_strided_and_expanded_targets_and_class_weights():
+    # The kernel indexes with unit stride: views (a column of a label tensor, an expanded
+    # target, class weights with a step) must give what their contiguous copies give.
+    x = _to_device(make_inputs(12, 8, 11, torch.float32, class_weight=True))
+    labels = torch.stack([x["target"], torch.zeros_like(x["target"])], 1)
+    wide_cw = torch.stack([x["class_weight"], torch.full_like(x["class_weight"], 9.0)], 1)
+    options = dict(reduction="sum", label_smoothing=0.1, softcap=None, z_loss=0.0)
+    for target, cw in ((labels[:, 0], wide_cw[:, 0]),
+                       (torch.tensor(3, device=DEVICE).expand(12), x["class_weight"])):
+        views = {**x, "target": target, "class_weight": cw}
+        loss, grads = _triton_loss_and_grads(views, options, "fp32", 5, torch.tensor(1.0))
+        copies = {**views, "target": target.contiguous(), "class_weight": cw.contiguous()}
+        ref_loss, ref = reference_loss_and_grads(**copies, **options)
+        assert rel_err(loss, ref_loss) <= LOSS_TOL
+        for name in ("hidden", "weight"):
+            assert rel_err(grads[name], ref[name]) <= grad_tol(torch.float32, 12), name
 
 
 def test_triton_rows_out_of_range_target_gives_nan_not_a_crash():

@@ -7,8 +7,11 @@
 Each chunk's partial product a.T @ b is formed with float32 accumulation in all modes.
 """
 
+import importlib.util
+
 import torch
 
+_HAS_TRITON = importlib.util.find_spec("triton") is not None
 # Tests set this to run the Triton Kahan GEMM on CPU tensors (Triton's interpreter).
 _TRITON_ON_CPU = False
 # Off CUDA, Kahan updates go through float32 partials of at most this many elements, so the
@@ -51,7 +54,7 @@ class GradAccumulator:
             self.acc.addmm_(a.t().float(), b.float())
 
     def _kahan_add(self, a, b):
-        if a.device.type == "cuda" or _TRITON_ON_CPU:
+        if (a.device.type == "cuda" and _HAS_TRITON) or _TRITON_ON_CPU:
             from .triton.kahan import _launch_kahan_addmm
 
             return _launch_kahan_addmm(a, b, self.acc, self.comp)

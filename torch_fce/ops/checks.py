@@ -27,6 +27,13 @@ def _value(cond, msg):
         torch._check_with(ValueError, cond, lambda: msg)
 
 
+def _float(name, x):
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be a float, got {type(x).__name__}") from None
+
+
 def check_options(reduction, label_smoothing, softcap, z_loss, accumulator, ignore_index=-100):
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
@@ -34,11 +41,11 @@ def check_options(reduction, label_smoothing, softcap, z_loss, accumulator, igno
         raise ValueError(f"accumulator must be one of {ACCUMULATORS}, got {accumulator!r}")
     if not isinstance(ignore_index, (int, torch.SymInt)) or isinstance(ignore_index, bool):
         raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
-    if not 0.0 <= float(label_smoothing) <= 1.0:
+    if not 0.0 <= _float("label_smoothing", label_smoothing) <= 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
-    if softcap is not None and not float(softcap) > 0.0:
+    if softcap is not None and not _float("softcap", softcap) > 0.0:
         raise ValueError(f"softcap must be None or > 0, got {softcap}")
-    if not float(z_loss) >= 0.0:
+    if not _float("z_loss", z_loss) >= 0.0:
         raise ValueError(f"z_loss must be >= 0, got {z_loss}")
 
 
@@ -52,7 +59,9 @@ def check_inputs(hidden, weight, target, bias, class_weight):
     for name, t in (("hidden", hidden), ("weight", weight), ("target", target)):
         _check_tensor(name, t)
     if hidden.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"hidden must be bfloat16, float16 or float32, got {hidden.dtype}")
+        raise TypeError(
+            f"hidden must be bfloat16, float16 or float32 (float64 for gradcheck), "
+            f"got {hidden.dtype}")
     if weight.dtype not in (hidden.dtype, torch.float32):
         raise TypeError(
             f"weight must have hidden's dtype ({hidden.dtype}) or float32, got {weight.dtype}"

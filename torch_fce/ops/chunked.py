@@ -4,7 +4,8 @@ Per chunk of n tokens: logits = hidden @ weight.T + bias (one GEMM into an (n, V
 buffer), a row function turns them into per-token terms and, when gradients are
 wanted, the logits gradient dz, then dz @ weight gives the hidden gradient and dz.T @
 hidden is added to the weight gradient. Memory beyond inputs and outputs is the (n, V)
-chunk plus the gradient accumulator; n is chosen per backend from a fixed budget.
+chunk plus the gradient accumulator (and, for float32 master weights, the weight in
+hidden's dtype for the GEMMs); n is chosen per backend from a fixed budget.
 Backends differ only in the row function and the chunk size.
 """
 

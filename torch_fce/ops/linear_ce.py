@@ -10,14 +10,19 @@ def _autocast(hidden, weight, bias):
     """As F.linear under torch.autocast: products in the autocast dtype.
 
     A float32 weight stays float32 (master weights): the kernels run the products in
-    hidden's dtype and sum its gradient straight into float32.
+    hidden's dtype and sum its gradient in float32; a bias stays float32 with it.
     """
+    if not all(isinstance(t, torch.Tensor) for t in (hidden, weight, bias) if t is not None):
+        return hidden, weight, bias  # check_inputs names the argument
     device = hidden.device.type
     if not torch.is_autocast_enabled(device) or hidden.dtype == torch.float64:
         return hidden, weight, bias
     dtype = torch.get_autocast_dtype(device)
-    cast = lambda t: t if t is None or t.dtype == torch.float32 else t.to(dtype)  # noqa: E731
-    return hidden.to(dtype), cast(weight), cast(bias)
+    if weight.dtype != torch.float32:
+        weight = weight.to(dtype)
+    if bias is not None and bias.dtype not in (dtype, weight.dtype):
+        bias = bias.to(dtype)
+    return hidden.to(dtype), weight, bias
 
 
 @torch.library.impl(LIB, "linear_ce", "CompositeImplicitAutograd")
@@ -25,8 +30,8 @@ def linear_ce(hidden, weight, target, bias=None, class_weight=None, *, ignore_in
               reduction="mean", label_smoothing=0.0, softcap=None, z_loss=0.0,
               accumulator="fp32"):
     check_options(reduction, label_smoothing, softcap, z_loss, accumulator, ignore_index)
+    hidden, weight, bias = _autocast(hidden, weight, bias)  # dtypes are checked after it
     check_inputs(hidden, weight, target, bias, class_weight)
-    hidden, weight, bias = _autocast(hidden, weight, bias)
     # Scalar losses get their gradients in the forward (one GEMM fewer). Per-token losses
     # need the upstream gradient first, and so does float16, whose logits gradient would
     # underflow if rounded before a loss scale (GradScaler) is applied: both recompute

@@ -22,7 +22,8 @@ LIB.define(
 # hidden (N, D), target (N,). Returns the loss (() or (N,)) and, for the inputs flagged
 # in needs_grad, the gradients of the loss with unit upstream gradient ((0,) otherwise;
 # requested only for reduction "mean"/"sum"). grad_weight and grad_bias are float32 with the
-# "fp32" accumulator (rounded once, in the backward), else in weight's dtype.
+# "fp32" accumulator (rounded once, in the backward; float64 for float64 weights and bias),
+# else in the weight's and the bias's dtypes.
 LIB.define(
     "linear_ce_fwd(Tensor hidden, Tensor weight, Tensor target, Tensor? bias, "
     "Tensor? class_weight, SymInt ignore_index, str reduction, float label_smoothing, "

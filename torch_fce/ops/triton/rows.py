@@ -180,7 +180,10 @@ def triton_rows(logits, target, class_weight, ce_scale, z_scale, opts, math_dtyp
     assert math_dtype == torch.float32
     lse, nll, smooth = (logits.new_empty(n, dtype=torch.float32) for _ in range(3))
     has_grad = ce_scale is not None
-    cw = class_weight.float() if class_weight is not None else None
+    # The kernel indexes targets and class weights with unit stride; callers may pass
+    # views (labels[:, 0], an expanded target), which are copied here.
+    target = target.contiguous()
+    cw = class_weight.float().contiguous() if class_weight is not None else None
     w_sum = cw.sum() if cw is not None else lse
     _linear_ce_rows_kernel[(n,)](
         logits, target, cw if cw is not None else lse, w_sum,
