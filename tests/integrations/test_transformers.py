@@ -27,6 +27,9 @@ FAMILIES = {
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
     "granite": ("GraniteConfig", "GraniteForCausalLM", dict(logits_scaling=4.0)),
     "cohere": ("CohereConfig", "CohereForCausalLM", dict(logit_scale=0.5)),
+    # MoE: the router load-balancing loss joins the loss when labels are given.
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
+                dict(num_local_experts=4, num_experts_per_tok=2, output_router_logits=True)),
 }
 
 
@@ -75,6 +78,36 @@ def test_transformers_family_matches_unpatched(family, case):
     assert grads.keys() == ref_grads.keys()
     for k in grads:
         assert rel_err(grads[k], ref_grads[k]) <= grad_tol(torch.float32, V), k
+
+
+def test_transformers_outputs_have_no_logits_by_attribute_key_or_tuple():
+    model = make("llama")
+    ids, labels = batch()
+    ref = model(input_ids=ids, labels=labels, return_dict=False)
+    fce_hf.apply(model)
+    out = model(input_ids=ids, labels=labels)
+    assert out.logits is None and "logits" not in out and out[0] is out.loss
+    tup = model(input_ids=ids, labels=labels, return_dict=False)
+    assert isinstance(tup, tuple) and rel_err(tup[0], ref[0]) <= 1e-5
+    assert len(tup) == len(ref) - 1  # (loss, cache): the logits slot is absent, as for None
+
+
+def test_transformers_deepcopy_runs_its_own_parameters():
+    import copy
+
+    model = fce_hf.apply(make("llama"))
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.mul_(0.5)
+    ref = make("llama")  # unpatched, parameters halved the same way
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.mul_(0.5)
+    ids, labels = batch()
+    got = twin(input_ids=ids, labels=labels)
+    assert got.logits is None  # the copy is patched too
+    assert rel_err(got.loss, ref(input_ids=ids, labels=labels).loss) <= 1e-5
 
 
 def test_transformers_eval_and_no_labels_behave_as_unpatched():

@@ -11,17 +11,26 @@ never formed; the loss is then fce::linear_ce of those hidden states and the hea
 weight (and bias), with the family's logit scaling and final softcapping. Without
 labels, or in eval mode, the model runs exactly as unpatched. `apply` checks on a tiny
 input that it reproduces the family's logits and refuses a family it cannot serve.
+Mixture-of-experts families get their router load-balancing loss added, as they add it
+themselves when given labels.
 """
 
 import contextlib
-import functools
+import inspect
+import types
 
 import torch
 from torch import nn
 
 from ..functional import linear_cross_entropy
 
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # torch built without distributed
+    DTensor = ()
+
 _ORIGINAL = "_torch_fce_original_forward"
+_OPTIONS = "_torch_fce_options"
 
 
 def _logit_transform(config):
@@ -56,6 +65,12 @@ class _Capture:
 
 
 def _loss(model, head, hidden, labels, shift_labels, num_items_in_batch, options):
+    if isinstance(head.weight, DTensor):
+        # e.g. fully_shard(lm_head) on its own: resharded as soon as the head returns,
+        # and a sharded weight would route to the vocab-parallel loss, which assumes the
+        # same tokens on every rank. Shard the head with the model instead.
+        raise ValueError("torch_fce: the lm_head's weight is a sharded DTensor when the "
+                         "loss runs; fully_shard the lm_head together with its model")
     scale, softcap = _logit_transform(model.config)
     if scale is not None:  # the bias is scaled with the product, so fold it the same way
         bias = None if head.bias is None else head.bias * scale
@@ -113,27 +128,48 @@ def apply(model, *, accumulator="fp32", z_loss=0.0, label_smoothing=0.0):
     except Exception:
         del head.forward
         raise
-    options = dict(accumulator=accumulator, z_loss=z_loss, label_smoothing=label_smoothing)
-
-    @functools.wraps(original)  # keeps the signature Trainer inspects for its columns
-    def forward(*args, labels=None, shift_labels=None, num_items_in_batch=None, **kwargs):
-        if (labels is None and shift_labels is None) or not model.training:
-            if num_items_in_batch is not None:
-                kwargs["num_items_in_batch"] = num_items_in_batch
-            return original(*args, labels=labels, shift_labels=shift_labels, **kwargs) \
-                if shift_labels is not None else original(*args, labels=labels, **kwargs)
-        return_dict = kwargs.pop("return_dict", True)
-        with capture.capturing():
-            out = original(*args, return_dict=True, **kwargs)
-        hidden, capture.hidden = capture.hidden, None
-        out.loss = _loss(model, head, hidden, labels, shift_labels, num_items_in_batch,
-                         options)
-        out.logits = None
-        return out if return_dict else out.to_tuple()
-
+    setattr(model, _OPTIONS, dict(accumulator=accumulator, z_loss=z_loss,
+                                  label_smoothing=label_smoothing))
     setattr(model, _ORIGINAL, original)
-    model.forward = forward
+
+    # A method reading everything from `self` (no closure), so copy.deepcopy(model) gives
+    # a copy that runs its own parameters; Trainer reads the original signature.
+    def forward(self, *args, labels=None, shift_labels=None, num_items_in_batch=None,
+                **kwargs):
+        return _forward(self, args, labels, shift_labels, num_items_in_batch, kwargs)
+
+    sig = inspect.signature(original)
+    forward.__signature__ = sig.replace(parameters=[
+        inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+        *sig.parameters.values()])
+    forward.__doc__ = original.__doc__
+    model.forward = types.MethodType(forward, model)
     return model
+
+
+def _forward(model, args, labels, shift_labels, num_items_in_batch, kwargs):
+    original = getattr(model, _ORIGINAL)
+    if (labels is None and shift_labels is None) or not model.training:
+        if num_items_in_batch is not None:
+            kwargs["num_items_in_batch"] = num_items_in_batch
+        return original(*args, labels=labels, shift_labels=shift_labels, **kwargs) \
+            if shift_labels is not None else original(*args, labels=labels, **kwargs)
+    return_dict = kwargs.pop("return_dict", None)
+    if return_dict is None:
+        return_dict = getattr(model.config, "use_return_dict", True)
+    head = model.get_output_embeddings()
+    with head.forward.capturing() as capture:
+        out = original(*args, return_dict=True, **kwargs)
+    hidden, capture.hidden = capture.hidden, None
+    loss = _loss(model, head, hidden, labels, shift_labels, num_items_in_batch,
+                 getattr(model, _OPTIONS))
+    aux = out.get("aux_loss")
+    if aux is not None:  # MoE: loss += coef * router load-balancing loss, as with labels
+        loss = loss + model.router_aux_loss_coef * aux.to(loss.device)
+    # Rebuilt without the captured hidden states in the logits slot: attribute, key and
+    # tuple access all see logits as None, as after any ModelOutput(logits=None).
+    out = type(out)(**{**{k: v for k, v in out.items() if k != "logits"}, "loss": loss})
+    return out if return_dict else out.to_tuple()
 
 
 def revert(model):
@@ -143,4 +179,5 @@ def revert(model):
     del model.forward
     del model.get_output_embeddings().forward
     delattr(model, _ORIGINAL)
+    delattr(model, _OPTIONS)
     return model
