@@ -57,6 +57,35 @@ def _check_family(rank, world, family):
         assert rel_err(grad, want) <= tol, (family, name)
 
 
+def _check_uneven_shards_over_many_chunks(rank, world):
+    # Chunk sizes must agree across ranks whatever their shard sizes: 3-row CPU chunks
+    # (the shard sizes differ, 5 to 22 rows), every option family's statistics per chunk.
+    from torch_fce.ops import cpu
+
+    saved, cpu.WORKSPACE_ELEMS = cpu.WORKSPACE_ELEMS, 3 * -(-V // world)
+    try:
+        for family in (dict(), dict(label_smoothing=0.1, class_weight=True, z_loss=1e-3)):
+            _check_family(rank, world, family)
+    finally:
+        cpu.WORKSPACE_ELEMS = saved
+
+
+def _check_out_of_range_target(rank, world):
+    # A target in no shard: the CPU raises as the op does; elsewhere the loss is NaN.
+    x = make_inputs(8, 8, V, seed=2)
+    x["target"][3] = V + 1
+    start, end = SPLITS[world][rank], SPLITS[world][rank + 1]
+    with pytest.raises(IndexError, match="outside"):
+        vocab_parallel_linear_cross_entropy(x["hidden"], x["weight"][start:end],
+                                            x["target"], vocab_start=start, vocab_size=V)
+    from torch_fce.distributed.vocab_parallel import _target_weights
+    from torch_fce.ops.rows import RowOptions
+
+    _, w_y = _target_weights(x["target"], None, RowOptions(-100, 0.0, None), V,
+                             torch.float32)
+    assert torch.isnan(w_y[3]) and not torch.isnan(w_y[torch.arange(8) != 3]).any()
+
+
 def _check_compiled(rank, world):
     # Functional collectives inside the autograd.Function: one graph, same numbers.
     x = make_inputs(16, 8, V, seed=5)
@@ -148,6 +177,8 @@ def _worker(rank, world, path):
     try:
         for family in FAMILIES:
             _check_family(rank, world, family)
+        _check_uneven_shards_over_many_chunks(rank, world)
+        _check_out_of_range_target(rank, world)
         _check_compiled(rank, world)
         _check_frozen_weight_and_no_grad(rank, world)
         _check_dtensor(world)

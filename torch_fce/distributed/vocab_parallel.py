@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
+from ..ops import checks
 from ..ops.accumulate import GradAccumulator, _mm_f32
 from ..ops.checks import check_inputs, check_options
 from ..ops.chunked import math_dtype_for
@@ -34,16 +35,28 @@ except ImportError:
     cuda_chunk_rows = None
 
 
-def _row_math(hidden, Vs):
+def _row_math(hidden, V, group):
     """(stats, grad, token chunks) for this device: the Triton sweeps and the CUDA
-    workspace on CUDA, the PyTorch twins and the CPU workspace elsewhere."""
+    workspace on CUDA, the PyTorch twins and the CPU workspace elsewhere.
+
+    Every rank must cut the same chunks (each chunk's statistics are all-reduced), so the
+    size comes from V / world size, not from this rank's shard: with uneven shards a
+    larger shard's chunk exceeds the workspace by its share over V / world size."""
     N = hidden.shape[0]
+    Vs = -(-V // dist.get_world_size(group))
     if hidden.is_cuda and hidden.dtype != torch.float64 and cuda_chunk_rows is not None:
         stats, grad, rows = triton_shard_stats, triton_shard_grad, cuda_chunk_rows(
             N, Vs, hidden.dtype)
     else:
         stats, grad, rows = torch_shard_stats, torch_shard_grad, _chunk_rows(Vs)
     return stats, grad, [(s, min(N, s + rows)) for s in range(0, N, rows)]
+
+
+def _target_weights(target, class_weight, opts, V, mdt):
+    """tokens.target_weights, NaN for a counted target outside [0, V): it lives on no
+    rank, and the loss is NaN as on one CUDA device (not lse, as a 0 target logit gives)."""
+    valid, w_y = target_weights(target, class_weight, opts.ignore_index, mdt)
+    return valid, torch.where(valid & ((target < 0) | (target >= V)), float("nan"), w_y)
 
 
 def _shard(hidden, weight, bias, target, class_weight, start, V, opts):
@@ -94,10 +107,10 @@ class _VocabParallelLinearCE(torch.autograd.Function):
                 reduction, z_loss, accumulator, grad_enabled):
         w, b, cw, W, col = _shard(hidden, weight, bias, target, class_weight, start, V, opts)
         mdt = math_dtype_for(hidden.dtype)
-        stats, grad, chunks = _row_math(hidden, weight.shape[0])
+        stats, grad, chunks = _row_math(hidden, V, group)
         needs = [grad_enabled and n for n in ctx.needs_input_grad[:3]]
         eager = any(needs) and reduction != "none" and hidden.dtype != torch.float16
-        valid, w_y = target_weights(target, class_weight, opts.ignore_index, mdt)
+        valid, w_y = _target_weights(target, class_weight, opts, V, mdt)
         if eager:
             ce_scale, z_scale = grad_scales(target, class_weight, opts.ignore_index,
                                             reduction, z_loss, mdt)
@@ -148,8 +161,8 @@ class _VocabParallelLinearCE(torch.autograd.Function):
         group, start, V, opts, reduction, z_loss, accumulator = ctx.args
         w, b, cw, W, col = _shard(hidden, weight, bias, target, class_weight, start, V, opts)
         mdt = math_dtype_for(hidden.dtype)
-        _, grad, chunks = _row_math(hidden, weight.shape[0])
-        _, w_y = target_weights(target, class_weight, opts.ignore_index, mdt)
+        _, grad, chunks = _row_math(hidden, V, group)
+        _, w_y = _target_weights(target, class_weight, opts, V, mdt)
         ce_scale, z_scale = grad_scales(target, class_weight, opts.ignore_index, reduction,
                                         z_loss, mdt, grad_loss=grad_loss)
         A, B, C = grad_coefficients(ce_scale, z_scale, w_y, lse, W, V, opts.label_smoothing)
@@ -201,6 +214,8 @@ def vocab_parallel_linear_cross_entropy(
     group = group or dist.group.WORLD
     if not torch.compiler.is_compiling():
         _check_tiling(hidden, weight, target, vocab_start, vocab_size, group)
+        if target.device.type == "cpu" or checks.CHECK_TARGETS:  # as the op (API.md)
+            checks.check_target_range(target, vocab_size, ignore_index)
     loss = _VocabParallelLinearCE.apply(
         hidden.reshape(-1, hidden.shape[-1]), weight, bias, target.reshape(-1), class_weight,
         group, vocab_start, vocab_size, RowOptions(ignore_index, label_smoothing, softcap),
