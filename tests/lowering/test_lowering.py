@@ -67,6 +67,9 @@ PATTERNS = {
         (torch.tanh(m.head(h) / 5.0) * 5.0).float().view(-1, V), y.view(-1))),
     "aten_cross_entropy_loss(sum)": (lambda m, h, y, n: torch._C._nn.cross_entropy_loss(
         m.head(h).view(-1, V), y.view(-1), None, 2, -100, 0.0)),
+    "F.linear(keywords)+negative_softcap": (lambda m, h, y, n: F.cross_entropy(
+        (torch.tanh(F.linear(input=h, weight=m.head.weight) / -5.0) * -5.0).view(-1, V),
+        y.view(-1))),
 }
 
 
@@ -116,6 +119,15 @@ NEGATIVE = {
     "logits reused": _logits_reused,
     "z-loss reuses the logits": _z_loss,
     "class dim not last": (lambda m, h, y, n: F.cross_entropy(m.head(h).transpose(1, 2), y)),
+    # The slice indexes the flattened tokens, not hidden's (B, T): fusing would pair the
+    # wrong rows.
+    "slice of reshaped logits": (lambda m, h, y, n: F.cross_entropy(
+        m.head(h).view(-1, V)[::2], y.view(-1)[::2])),
+    "floor division is no softcap": (lambda m, h, y, n: F.cross_entropy(
+        (torch.tanh(torch.div(m.head(h), 5.0, rounding_mode="floor")) * 5.0).view(-1, V),
+        y.view(-1))),
+    "probability targets": (lambda m, h, y, n: F.cross_entropy(
+        m.head(h).view(-1, V), F.one_hot(y.clamp_min(0).view(-1), V).float())),
 }
 
 
@@ -124,6 +136,56 @@ def test_lowering_leaves_other_uses_unfused(name):
     _assert_compiled_with_pass_matches_eager(NEGATIVE[name])
     assert counters["inductor"][lowering.FUSED] == 0
     assert sum(counters[lowering.SKIPPED].values()) >= 1
+
+
+def test_lowering_skips_grad_mode_and_autocast_switches():
+    # The fused op would run where the cross entropy ran: in a different grad mode or
+    # autocast state than the linear.
+    w, y = torch.randn(V, D, requires_grad=True), torch.randint(0, V, (12,))
+
+    def no_grad_linear(h):
+        with torch.no_grad():
+            logits = F.linear(h, w)
+        return F.cross_entropy(logits, y)
+
+    def autocast_linear(h):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = F.linear(h, w)
+        return F.cross_entropy(logits.float(), y)
+
+    h = torch.randn(12, D)
+    for fn in (no_grad_linear, autocast_linear):
+        with lowering.auto_fuse():
+            torch.compile(fn, fullgraph=True)(h)
+    assert counters["inductor"][lowering.FUSED] == 0
+    assert counters[lowering.SKIPPED][
+        "grad mode or autocast changes between linear and cross_entropy"] == 2
+
+
+def test_lowering_keeps_a_bf16_loss_bf16():
+    h, w = torch.randn(12, D).bfloat16(), torch.randn(V, D).bfloat16()
+    y = torch.randint(0, V, (12,))
+
+    def fn(h, w):
+        return F.cross_entropy(F.linear(h, w), y)
+
+    with lowering.auto_fuse():
+        loss = torch.compile(fn, fullgraph=True)(h, w)
+    assert counters["inductor"][lowering.FUSED] == 1
+    assert loss.dtype == torch.bfloat16 and rel_err(loss, fn(h, w)) <= 2 ** -7
+
+
+def test_lowering_auto_fuse_restores_the_accumulator():
+    lowering.enable("kahan")
+    try:
+        with lowering.auto_fuse():
+            pass
+        assert lowering._PASS.accumulator == "kahan"
+        with pytest.raises(ValueError, match="accumulator"):
+            lowering.enable("bf16")
+    finally:
+        lowering.disable()
+        lowering._PASS.accumulator = "fp32"
 
 
 def test_lowering_inference_and_dynamic_shapes():

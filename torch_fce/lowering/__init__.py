@@ -15,6 +15,7 @@ import contextlib
 import torch._functorch.config as functorch_config
 import torch._inductor.config as inductor_config
 
+from ..ops.checks import check_options
 from .graph_pass import FUSED, SKIPPED, FuseLinearCrossEntropy
 
 __all__ = ["enable", "disable", "auto_fuse", "fresh_compiles", "FUSED", "SKIPPED"]
@@ -32,6 +33,7 @@ def _installed():
 def enable(accumulator="fp32"):
     """Adds the pass after any pre-grad pass already installed (idempotent); the fused
     ops it inserts use `accumulator` (see API.md)."""
+    check_options("mean", 0.0, None, 0.0, accumulator)
     _PASS.accumulator = accumulator
     passes = _installed()
     if _PASS not in passes:
@@ -48,12 +50,13 @@ def disable():
 @contextlib.contextmanager
 def auto_fuse(accumulator="fp32"):
     """Enables the pass inside the block (compiles that happen there), restores after."""
-    was = inductor_config.pre_grad_custom_pass
+    was, was_accumulator = inductor_config.pre_grad_custom_pass, _PASS.accumulator
     enable(accumulator)
     try:
         yield
     finally:
         inductor_config.pre_grad_custom_pass = was
+        _PASS.accumulator = was_accumulator
 
 
 @contextlib.contextmanager

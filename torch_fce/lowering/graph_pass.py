@@ -26,9 +26,11 @@ class FuseLinearCrossEntropy(CustomGraphPass):
             if node.op == "call_function" and node.target in CROSS_ENTROPY:
                 try:
                     m = match(node)
-                except NoMatch as reason:
-                    counters[SKIPPED][str(reason)] += 1
-                    log.info("fce lowering: left %s unfused: %s", node.name, reason)
+                except Exception as reason:  # NoMatch, or a graph the matcher cannot read
+                    why = str(reason) if isinstance(reason, NoMatch) else \
+                        f"unreadable graph ({type(reason).__name__}: {reason})"
+                    counters[SKIPPED][why] += 1
+                    log.info("fce lowering: left %s unfused: %s", node.name, why)
                     continue
                 _rewrite(graph, m, self.accumulator)
                 counters["inductor"][FUSED] += 1
@@ -51,6 +53,8 @@ def _rewrite(graph, m, accumulator):
             torch.ops.fce.linear_ce.default,
             (hidden, m.weight, target, m.bias, m.class_weight),
             dict(m.options, accumulator=accumulator))
+        if m.loss_dtype != torch.float32:  # e.g. bf16 logits without an upcast
+            fused = graph.call_method("to", (fused, m.loss_dtype))
     m.cross_entropy.replace_all_uses_with(fused)
     graph.erase_node(m.cross_entropy)
     for node in m.chain:  # consumer first, so each is unused when erased

@@ -1,10 +1,12 @@
 """Recognising cross_entropy(linear(x, W)) in Dynamo's pre-grad FX graphs.
 
 A match walks back from an F.cross_entropy node through the logits' producers, each of
-which must have no other user: views that only merge leading dimensions, slices of
-leading dimensions (the causal-LM shift), an upcast, the Gemma softcap
-`tanh(z / c) * c`, down to F.linear / nn.Linear / `x @ W.T`. Anything else ends the
-walk with a reason, and the graph is left as it was.
+which must have no other user: views that keep the vocabulary dimension last, slices of
+leading dimensions (the causal-LM shift) taken before any such view, an upcast, the
+Gemma softcap `tanh(z / c) * c`, down to F.linear / nn.Linear / `x @ W.T`.
+Anything else ends the walk with a reason, and the graph is left as it was; so do
+inputs the op would reject, and a grad-mode or autocast switch between the linear and
+the cross entropy (the fused op runs where the cross entropy ran).
 """
 
 import dataclasses
@@ -23,6 +25,9 @@ _REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}
 LINEAR = (torch._C._nn.linear,)
 MATMUL = (operator.matmul, torch.matmul)
 TANH = (torch.tanh,)
+# Dynamo records `with torch.no_grad()` / `torch.autocast` blocks as these calls.
+_GLOBAL_STATE = ("_set_grad_enabled", "_enter_autocast", "_exit_autocast",
+                 "_enter_inference_mode", "_exit_inference_mode")
 _CE_SIGNATURE = inspect.signature(F.cross_entropy)
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -30,6 +35,7 @@ _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 @dataclasses.dataclass
 class Match:
     cross_entropy: Node
+    loss_dtype: torch.dtype  # cross_entropy's output dtype, kept by the rewrite
     hidden: Node
     weight: Node
     bias: Optional[Node]
@@ -55,6 +61,11 @@ def _meta(node):
 
 def _is_method(node, *names):
     return node.op == "call_method" and node.target in names
+
+
+def _arg(node, i, name):
+    """The i-th positional argument of a call, or its keyword `name` (None if absent)."""
+    return node.args[i] if len(node.args) > i else node.kwargs.get(name)
 
 
 def _only_user(node, user):
@@ -85,18 +96,23 @@ def _softcap(mul_node):
     """c if mul_node is tanh(z / c) * c (either operand order), else None."""
     if mul_node.op != "call_function" or mul_node.target not in (operator.mul, torch.mul):
         return None
-    a, b = mul_node.args[:2]
+    if len(mul_node.args) != 2 or mul_node.kwargs:
+        return None
+    a, b = mul_node.args
     tanh, c = (a, b) if isinstance(a, Node) else (b, a)
-    if not isinstance(c, (int, float)) or not isinstance(tanh, Node):
+    if not isinstance(c, (int, float)) or isinstance(c, bool) or not isinstance(tanh, Node):
         return None
     if not (tanh.op == "call_function" and tanh.target in TANH or _is_method(tanh, "tanh")):
         return None
-    div = tanh.args[0]
-    if not (isinstance(div, Node) and div.op == "call_function"
-            and div.target in (operator.truediv, torch.div) and div.args[1] == c
+    div = tanh.args[0] if tanh.args else None
+    if not (isinstance(div, Node) and div.op == "call_function" and not div.kwargs
+            and div.target in (operator.truediv, torch.div) and len(div.args) == 2
+            and div.args[1] == c
             and len(tanh.users) == 1 and len(div.users) == 1):
         return None
-    return float(c), div
+    if c == 0:
+        raise NoMatch("softcap constant is 0")
+    return abs(float(c)), div  # tanh(z / c) * c is even in c; the op takes c > 0
 
 
 def _keeps_last_dim(index, ndim):
@@ -134,11 +150,11 @@ def match(ce):
         _only_user(node, user)
         chain.append(node)
         if node.op == "call_function" and node.target in LINEAR:
-            hidden, weight = node.args[:2]
-            bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+            hidden, weight = _arg(node, 0, "input"), _arg(node, 1, "weight")
+            bias = _arg(node, 2, "bias")
             break
         if node.op == "call_function" and node.target in MATMUL:
-            hidden, wt = node.args[:2]
+            hidden, wt = _arg(node, 0, "input"), _arg(node, 1, "other")
             weight = _transposed_weight(wt) if isinstance(wt, Node) else None
             if weight is None:
                 raise NoMatch("matmul with something other than a transposed 2-D weight")
@@ -155,9 +171,13 @@ def match(ce):
         if _is_method(node, "float") or _is_method(node, "to") and (
                 torch.float32 in node.args[1:] or node.kwargs.get("dtype") == torch.float32):
             pass
-        elif _is_method(node, "view", "reshape", "flatten", "contiguous"):
+        elif _is_method(node, "contiguous"):
+            pass
+        elif _is_method(node, "view", "reshape", "flatten"):
             if _meta(node).shape[-1] != V or _meta(node.args[0]).shape[-1] != V:
                 raise NoMatch("a reshape changes the vocabulary dimension")
+            if slices:  # the slice indexes the reshaped dims, not hidden's
+                raise NoMatch("a slice of reshaped logits")
         elif node.op == "call_function" and node.target is operator.getitem:
             if not _keeps_last_dim(node.args[1], _meta(node.args[0]).dim()):
                 raise NoMatch("an index touches the vocabulary dimension")
@@ -168,15 +188,36 @@ def match(ce):
         user, node = node, node.args[0]
         if not isinstance(node, Node):
             raise NoMatch("logits do not come from a tensor")
-    _check_dtypes(hidden, weight, bias)
+    _check_inputs(hidden, weight, bias, a["target"], a["weight"], V)
+    _check_same_state(node, ce)
     options = dict(ignore_index=a["ignore_index"], reduction=a["reduction"],
                    label_smoothing=float(a["label_smoothing"]), softcap=softcap)
-    return Match(ce, hidden, weight, bias, a["target"], a["weight"], options, slices, chain)
+    return Match(ce, _meta(ce).dtype, hidden, weight, bias, a["target"], a["weight"],
+                 options, slices, chain)
 
 
-def _check_dtypes(hidden, weight, bias):
-    h, w = _meta(hidden), _meta(weight)
+def _check_same_state(linear, ce):
+    """The fused op replaces the cross entropy: refuse if grad mode or autocast changes
+    between the two (e.g. the linear under autocast, the loss after it)."""
+    node = linear.next
+    while node is not ce:
+        if node.op == "call_function" and getattr(node.target, "__name__", "") \
+                in _GLOBAL_STATE:
+            raise NoMatch("grad mode or autocast changes between linear and cross_entropy")
+        node = node.next
+
+
+def _check_inputs(hidden, weight, bias, target, class_weight, V):
+    """What the op would reject (it would fail the compile), as NoMatch instead."""
+    h, w, t = _meta(hidden), _meta(weight), _meta(target)
     if h.dtype not in _SUPPORTED_DTYPES or w.dtype not in (h.dtype, torch.float32):
         raise NoMatch(f"unsupported dtypes hidden={h.dtype} weight={w.dtype}")
+    if h.dim() < 2:
+        raise NoMatch("hidden has no token dimension")
+    if t.dtype not in (torch.int64, torch.int32) or t.dim() != 1:
+        raise NoMatch("targets are not class indices (N,)")
+    for name, x in (("bias", bias), ("class_weight", class_weight)):
+        if x is not None and (_meta(x).dim() != 1 or _meta(x).shape[0] != V):
+            raise NoMatch(f"{name} is not a (V,) vector")
     if bias is not None and _meta(bias).dtype not in (h.dtype, w.dtype):
         raise NoMatch("bias dtype differs from hidden and weight")
