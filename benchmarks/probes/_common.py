@@ -1,5 +1,6 @@
 """What the probes share: timing, plain cross-entropy row options, grouped tile order."""
 
+import torch
 import triton
 import triton.language as tl
 
@@ -7,6 +8,15 @@ from torch_fce.measure import median_time
 from torch_fce.ops.rows import RowOptions
 
 OPTS = RowOptions(-100, 0.0, None)  # plain cross entropy, ignore_index -100
+
+
+def run_shapes(probe_shape):
+    """Prints the machine and versions, then runs probe_shape on issue 3's A, B, C."""
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, "
+          f"triton {triton.__version__}")
+    for name in "ABC":
+        probe_shape(name)
+        torch.cuda.empty_cache()  # the shape's tensors died with the call
 
 
 def ms(fn):

@@ -19,7 +19,7 @@ from torch_fce.ops.cuda import chunk_rows
 from torch_fce.ops.triton.rows import triton_rows
 from torch_fce.testing import make_inputs
 
-from _common import OPTS
+from _common import OPTS, run_shapes
 
 STEPS = ("logits", "rows", "dE", "dW")
 
@@ -72,12 +72,5 @@ def probe_shape(name):
           flush=True)
 
 
-def main():
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
-    for name in "ABC":
-        probe_shape(name)
-        torch.cuda.empty_cache()
-
-
 if __name__ == "__main__":
-    main()
+    run_shapes(probe_shape)

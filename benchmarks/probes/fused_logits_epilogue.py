@@ -20,7 +20,7 @@ from torch_fce.bench import SHAPES
 from torch_fce.ops.cuda import chunk_rows
 from torch_fce.ops.triton.rows import triton_rows
 
-from _common import ms, OPTS, tile_pid
+from _common import ms, OPTS, run_shapes, tile_pid
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps, warp_specialize, epilogue subtile)
 CONFIGS = [(128, 256, 64, 3, 8, False, True), (128, 256, 64, 4, 8, False, True),
@@ -166,12 +166,5 @@ def probe_shape(name):
             print(f"  {cfg}: {e}")
 
 
-def main():
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
-    for name in "ABC":
-        probe_shape(name)
-        torch.cuda.empty_cache()
-
-
 if __name__ == "__main__":
-    main()
+    run_shapes(probe_shape)

@@ -17,7 +17,7 @@ from torch_fce.bench import SHAPES
 from torch_fce.ops.cuda import chunk_rows
 from torch_fce.ops.triton.kahan import _launch_kahan_addmm
 
-from _common import ms, tile_pid
+from _common import ms, run_shapes, tile_pid
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps, warp_specialize); 128 x 256 tiles
 # need more shared memory than an H200 SM has for these operand layouts.
@@ -98,12 +98,5 @@ def probe_shape(name):
             print(f"  TMA {cfg}: {e}")
 
 
-def main():
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
-    for name in "ABC":
-        probe_shape(name)
-        torch.cuda.empty_cache()
-
-
 if __name__ == "__main__":
-    main()
+    run_shapes(probe_shape)

@@ -20,7 +20,7 @@ from torch_fce.bench import SHAPES
 from torch_fce.ops.cuda import chunk_rows
 from torch_fce.ops.triton.rows import triton_rows
 
-from _common import ms, OPTS
+from _common import ms, OPTS, run_shapes
 
 
 @triton.jit
@@ -85,14 +85,6 @@ def probe_shape(name):
               f"warps {warps}, BLOCK_V {block}, hints {hints}", flush=True)
 
 
-def main():
-    props = torch.cuda.get_device_properties(0)
-    print(f"{props.name}, L2 {props.L2_cache_size >> 20} MiB, torch {torch.__version__}, "
-          f"triton {triton.__version__}")
-    for name in "ABC":
-        probe_shape(name)
-        torch.cuda.empty_cache()
-
-
 if __name__ == "__main__":
-    main()
+    print(f"L2 {torch.cuda.get_device_properties(0).L2_cache_size >> 20} MiB")
+    run_shapes(probe_shape)
