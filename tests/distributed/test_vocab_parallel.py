@@ -206,3 +206,16 @@ def _worker(rank, world, path):
 def test_vocab_parallel_matches_single_process(world):
     with tempfile.TemporaryDirectory() as d:
         mp.spawn(_worker, args=(world, os.path.join(d, "store")), nprocs=world, join=True)
+
+
+def test_vocab_parallel_rejects_bad_class_weight_before_any_collective():
+    # Raised on every rank alike (class_weight is replicated), before the tiling
+    # all-gather: so no process group is needed here.
+    x = make_inputs(4, 8, V)
+    args = (x["hidden"], x["weight"][:10], x["target"])
+    for cw, error, message in ((torch.ones(V, dtype=torch.int64), TypeError, "floating"),
+                               (torch.ones(V - 1), ValueError, "vocab_size"),
+                               (torch.ones(V, device="meta"), ValueError, "is on meta")):
+        with pytest.raises(error, match=message):
+            vocab_parallel_linear_cross_entropy(*args, class_weight=cw, vocab_start=0,
+                                                vocab_size=V)

@@ -207,10 +207,17 @@ def vocab_parallel_linear_cross_entropy(
         The loss (float32), identical on every rank: () or target.shape.
     """
     check_options(reduction, label_smoothing, softcap, z_loss, accumulator, ignore_index)
-    check_inputs(hidden, weight, target, bias, None)
-    if class_weight is not None and tuple(class_weight.shape) != (vocab_size,):
-        raise ValueError(f"class_weight must have shape (vocab_size,) = ({vocab_size},), got "
-                         f"{tuple(class_weight.shape)}")
+    check_inputs(hidden, weight, target, bias, None)  # class_weight spans all of V:
+    if class_weight is not None:
+        if not isinstance(class_weight, torch.Tensor) or \
+                class_weight.dtype not in checks.FLOAT_DTYPES:
+            raise TypeError("class_weight must be a floating-point Tensor")
+        if tuple(class_weight.shape) != (vocab_size,):
+            raise ValueError(f"class_weight must have shape (vocab_size,) = ({vocab_size},), "
+                             f"got {tuple(class_weight.shape)}")
+        if class_weight.device != hidden.device:
+            raise ValueError(f"class_weight is on {class_weight.device} but hidden is on "
+                             f"{hidden.device}")
     group = group or dist.group.WORLD
     if not torch.compiler.is_compiling():
         _check_tiling(hidden, weight, target, vocab_start, vocab_size, group)
