@@ -26,7 +26,7 @@ from ..ops.chunked import math_dtype_for
 from ..ops.cpu import _chunk_rows
 from ..ops.rows import (RowOptions, grad_coefficients, torch_shard_grad,
                         torch_shard_stats)
-from ..ops.tokens import grad_scales, reduce_loss, target_weights
+from ..ops.tokens import counted_target_weights, grad_scales, reduce_loss
 
 try:  # the same condition as the op's CUDA backend (ops/__init__.py)
     from ..ops.cuda import chunk_rows as cuda_chunk_rows
@@ -50,13 +50,6 @@ def _row_math(hidden, V, group):
     else:
         stats, grad, rows = torch_shard_stats, torch_shard_grad, _chunk_rows(Vs)
     return stats, grad, [(s, min(N, s + rows)) for s in range(0, N, rows)]
-
-
-def _target_weights(target, class_weight, opts, V, mdt):
-    """tokens.target_weights, NaN for a counted target outside [0, V): it lives on no
-    rank, and the loss is NaN as on one CUDA device (not lse, as a 0 target logit gives)."""
-    valid, w_y = target_weights(target, class_weight, opts.ignore_index, mdt)
-    return valid, torch.where(valid & ((target < 0) | (target >= V)), float("nan"), w_y)
 
 
 def _shard(hidden, weight, bias, target, class_weight, start, V, opts):
@@ -110,7 +103,8 @@ class _VocabParallelLinearCE(torch.autograd.Function):
         stats, grad, chunks = _row_math(hidden, V, group)
         needs = [grad_enabled and n for n in ctx.needs_input_grad[:3]]
         eager = any(needs) and reduction != "none" and hidden.dtype != torch.float16
-        valid, w_y = _target_weights(target, class_weight, opts, V, mdt)
+        # A target outside [0, V) lives on no rank: NaN, as on one device (not lse).
+        valid, w_y = counted_target_weights(target, class_weight, opts.ignore_index, V, mdt)
         if eager:
             ce_scale, z_scale = grad_scales(target, class_weight, opts.ignore_index,
                                             reduction, z_loss, mdt)
@@ -162,7 +156,7 @@ class _VocabParallelLinearCE(torch.autograd.Function):
         w, b, cw, W, col = _shard(hidden, weight, bias, target, class_weight, start, V, opts)
         mdt = math_dtype_for(hidden.dtype)
         _, grad, chunks = _row_math(hidden, V, group)
-        _, w_y = _target_weights(target, class_weight, opts, V, mdt)
+        _, w_y = counted_target_weights(target, class_weight, opts.ignore_index, V, mdt)
         ce_scale, z_scale = grad_scales(target, class_weight, opts.ignore_index, reduction,
                                         z_loss, mdt, grad_loss=grad_loss)
         A, B, C = grad_coefficients(ce_scale, z_scale, w_y, lse, W, V, opts.label_smoothing)

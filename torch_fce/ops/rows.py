@@ -14,6 +14,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from .tokens import counted_target_weights
+
 
 class RowOptions(NamedTuple):
     ignore_index: int
@@ -89,14 +91,10 @@ def torch_rows(logits, target, class_weight, ce_scale, z_scale, opts, math_dtype
     n, V = logits.shape
     eps = opts.label_smoothing
     z, tanh = softcapped(logits, opts.softcap, math_dtype)
-    valid = target != opts.ignore_index
-    in_range = (target >= 0) & (target < V)
-    tgt = torch.where(valid & in_range, target, 0).long()
+    valid, w_y = counted_target_weights(target, class_weight, opts.ignore_index, V,
+                                        math_dtype)
+    tgt = torch.where(valid & (target >= 0) & (target < V), target, 0).long()
     cw = None if class_weight is None else class_weight.to(math_dtype)
-    w_y = valid.to(math_dtype) if cw is None else torch.where(valid, cw[tgt], 0.0)
-    # Off the CPU targets are not range-checked by default (a host sync): as in the
-    # Triton kernel, an out-of-range target reads nothing out of bounds and gives NaN.
-    w_y = torch.where(valid & ~in_range, float("nan"), w_y)
     z_y = z.gather(1, tgt[:, None]).squeeze(1)
     W = float(V) if cw is None else cw.sum()
     zsum = (z.sum(-1) if cw is None else z @ cw) if eps > 0.0 else None

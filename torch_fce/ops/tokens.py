@@ -17,6 +17,16 @@ def target_weights(target, class_weight, ignore_index, dtype):
     return valid, torch.where(valid, class_weight.to(dtype)[safe], 0.0)
 
 
+def counted_target_weights(target, class_weight, ignore_index, V, dtype):
+    """target_weights for the row math: NaN where a counted target is outside [0, V).
+
+    Off the CPU targets are not range-checked by default (a host sync): as in the Triton
+    kernel, such a token's loss is NaN and nothing is read out of bounds.
+    """
+    valid, w_y = target_weights(target, class_weight, ignore_index, dtype)
+    return valid, torch.where(valid & ((target < 0) | (target >= V)), float("nan"), w_y)
+
+
 def grad_scales(target, class_weight, ignore_index, reduction, z_loss, dtype, grad_loss=None):
     """d loss / d (per-token CE term) and d loss / d (per-token lse**2), each (N,) dtype.
 
