@@ -73,25 +73,63 @@ def _liger():
     return lambda h, w, t: loss(w, h, t)
 
 
-def _cce():
+def _cce(impl=None):
     from cut_cross_entropy import linear_cross_entropy
 
-    return lambda h, w, t: linear_cross_entropy(h, w, t, ignore_index=-100)
+    kw = {} if impl is None else dict(impl=impl)
+    return lambda h, w, t: linear_cross_entropy(h, w, t, ignore_index=-100, **kw)
 
 
-def methods(device, with_compile):
-    """Name -> loss function (hidden, weight, target) for every method available here."""
+def _quack(chunk, fused):
+    from quack.linear_cross_entropy import chunked_linear_cross_entropy
+
+    # use_scaled_exp: True is quack's fused SM90 pipeline, False its base one (None would
+    # pick per shape, so both are named explicitly).
+    return lambda h, w, t: chunked_linear_cross_entropy(h, w, t, chunk, ignore_index=-100,
+                                                        use_scaled_exp=fused)
+
+
+def _with_workspace(fn, mib):
+    def run(h, w, t):
+        with torch_fce.workspace(mib << 20):
+            return fn(h, w, t)
+    return run
+
+
+# The time-memory sweep (--sweep): torch_fce's workspace and the peers' chunk sizes.
+SWEEP_WORKSPACE_MIB = (256, 512, 1024, 2048, 4096)
+QUACK_CHUNKS = (2048, 4096, 8192)
+
+
+def _peers(sweep):
+    """Peer name -> factory; factories raise ImportError where the peer is missing."""
+    out = {"liger": _liger, "cce": _cce, "cce-exact": lambda: _cce("cce_exact")}
+    for chunk in QUACK_CHUNKS if sweep else (4096, 8192):
+        for fused, label in ((False, "base"), (True, "fused")):
+            out[f"quack-{label}-{chunk}"] = lambda c=chunk, f=fused: _quack(c, f)
+    return out
+
+
+def methods(device, with_compile, sweep=False):
+    """Name -> loss function (hidden, weight, target) for every method available here.
+
+    sweep adds torch_fce fp32 at each workspace of SWEEP_WORKSPACE_MIB ("fce-fp32@MiB")
+    and the quack chunk sizes of QUACK_CHUNKS.
+    """
     out = {"torch": _torch_unfused}
     if with_compile:
         out["torch.compile"] = torch.compile(_torch_unfused, fullgraph=True)
     if device == "cuda":
-        for name, make in (("liger", _liger), ("cce", _cce)):
+        for name, make in _peers(sweep).items():
             try:
                 out[name] = make()
             except ImportError:
                 pass
     for acc in ("fp32", "kahan", "input"):
         out[f"fce-{acc}"] = _fce(acc)
+    if sweep:
+        for mib in SWEEP_WORKSPACE_MIB:
+            out[f"fce-fp32@{mib}"] = _with_workspace(_fce("fp32"), mib)
     return out
 
 
@@ -112,6 +150,18 @@ def _run(fn, x):
     return loss.detach(), h.grad, w.grad
 
 
+def _skip(name, shape):
+    """Why a method cannot run on a shape (None if it can): quack's measured limits."""
+    if not name.startswith("quack-"):
+        return None
+    chunk = int(name.rsplit("-", 1)[1])
+    if chunk == shape.D:
+        return "quack fails when chunk_size equals D"
+    if chunk >= shape.N:
+        return "quack with one chunk of N ran for minutes on shape A"
+    return None
+
+
 def bench_shape(shape, dtype, device, fns, reps, progress):
     x = make_inputs(shape.N, shape.D, shape.V, dtype, device=device, weight_scale=2.0)
     old_tf32 = torch.backends.cuda.matmul.allow_tf32
@@ -122,6 +172,9 @@ def bench_shape(shape, dtype, device, fns, reps, progress):
     rows = []
     for name, fn in fns.items():
         progress(f"{shape.name} {name}")
+        if _skip(name, shape):
+            print(f"  {name} skipped on {shape.name}: {_skip(name, shape)}", file=sys.stderr)
+            continue
         try:
             out = _run(fn, x)  # warm-up (compiles) and the error sample
             t = median_time(lambda: _run(fn, x), device, reps=reps, warmup=1)
@@ -255,6 +308,65 @@ def plot(rows, acc_rows, path):
     fig.savefig(path, dpi=120)
 
 
+def _family(method):
+    """The curve a method's point belongs to in the time-memory plot."""
+    if method.startswith("fce-fp32@"):
+        return "fce-fp32 (workspace MiB)"
+    if method.startswith("quack-"):
+        return method.rsplit("-", 1)[0] + " (chunk)"
+    return method
+
+
+def plot_tradeoff(rows, path):
+    """Time vs peak extra memory, one panel per shape, each sweep a labelled curve."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shapes = sorted({r.shape for r in rows}, key=[r.shape for r in rows].index)
+    fig, axes = plt.subplots(1, len(shapes), figsize=(6 * len(shapes), 4.5), squeeze=False)
+    for ax, shape in zip(axes[0], shapes):
+        here = [r for r in rows if r.shape == shape and r.method != "torch"]
+        for fam in sorted({_family(r.method) for r in here}):
+            pts = sorted((r.extra_mib, r.x_mm, r.method) for r in here
+                         if _family(r.method) == fam)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
+                    label=fam, linestyle="-" if len(pts) > 1 else "none")
+            for x, y, m in pts:
+                if "@" in m or m.startswith("quack-"):
+                    ax.annotate(m.rsplit("@", 1)[-1].rsplit("-", 1)[-1], (x, y), fontsize=6,
+                                textcoords="offset points", xytext=(3, 3))
+        r0 = here[0]
+        ax.set(xscale="log", xlabel="peak extra memory (MiB)", ylabel="time / one matmul",
+               title=f"{shape} {r0.N}x{r0.D}x{r0.V}")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def _isolated(args, shapes, names):
+    """Runs each method in a process of its own (fresh allocator, JIT caches, peak
+    memory) and gathers the rows."""
+    import tempfile
+
+    rows = []
+    for name in names:
+        with tempfile.NamedTemporaryFile(suffix=".json") as f:
+            cmd = [sys.executable, "-m", "torch_fce.bench", "--device", args.device,
+                   "--shapes", ",".join(shapes), "--methods", name, "--reps",
+                   str(args.reps), "--json", f.name]
+            cmd += ["--dtype", args.dtype] if args.dtype else []
+            cmd += ["--compile"] if name == "torch.compile" else []
+            cmd += ["--sweep"] if args.sweep else []
+            if subprocess.run(cmd, stdout=subprocess.DEVNULL).returncode != 0:
+                print(f"  {name}: its process failed", file=sys.stderr)
+                continue
+            rows += [Result(**r) for r in json.load(f)["rows"]]
+    return rows
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m torch_fce.bench", description=__doc__)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -268,6 +380,12 @@ def main(argv=None):
     p.add_argument("--accuracy", default=None,
                    help="comma-separated N for the error-vs-N study (D=256, V=2048, bf16), "
                         "e.g. 4096,65536,262144")
+    p.add_argument("--sweep", action="store_true",
+                   help="time-memory sweep: torch_fce fp32 at workspaces %s MiB and quack "
+                        "at chunks %s; with --plot also writes *_tradeoff.png"
+                        % (SWEEP_WORKSPACE_MIB, QUACK_CHUNKS))
+    p.add_argument("--isolate", action="store_true",
+                   help="one process per method (peak memory and JIT caches of its own)")
     p.add_argument("--json", default=None, help="write rows + environment here")
     p.add_argument("--plot", default=None, help="write a PNG here (needs matplotlib)")
     args = p.parse_args(argv)
@@ -275,7 +393,7 @@ def main(argv=None):
     dtype = getattr(torch, args.dtype or ("bfloat16" if cuda else "float32"))
     names = [n for n in (args.shapes or ("A,B,C" if cuda else "cpu")).split(",") if n]
     shapes = [SHAPES[n] if n in SHAPES else Shape(n, *map(int, n.split(":"))) for n in names]
-    fns = methods(args.device, args.compile)
+    fns = methods(args.device, args.compile, args.sweep)
     if args.methods:
         fns = {k: v for k, v in fns.items() if k in args.methods.split(",")}
     total, done = len(shapes) * len(fns), [0]
@@ -285,8 +403,11 @@ def main(argv=None):
         print(f"[{done[0]:3d}/{total}] {what}", file=sys.stderr, flush=True)
 
     rows = []
-    for shape in shapes:
-        rows += bench_shape(shape, dtype, args.device, fns, args.reps, progress)
+    if args.isolate:
+        rows = _isolated(args, names, list(fns))
+    else:
+        for shape in shapes:
+            rows += bench_shape(shape, dtype, args.device, fns, args.reps, progress)
     acc_rows = []
     if args.accuracy:
         Ns = [int(n) for n in args.accuracy.split(",")]
@@ -304,6 +425,8 @@ def main(argv=None):
                            accuracy=[dataclasses.asdict(r) for r in acc_rows]), f, indent=1)
     if args.plot:
         plot(rows, acc_rows, args.plot)
+        if args.sweep and rows:
+            plot_tradeoff(rows, args.plot.replace(".png", "_tradeoff.png"))
     return rows, acc_rows
 
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from torch_fce.bench import SHAPES
 from torch_fce.measure import median_time
-from torch_fce.ops.cuda import chunk_rows
+from torch_fce.ops.workspace import chunk_rows
 from torch_fce.ops.triton.rows import triton_rows
 from torch_fce.testing import make_inputs
 
@@ -61,7 +61,7 @@ def probe_shape(name):
     x = make_inputs(shape.N, shape.D, shape.V, torch.bfloat16, device="cuda",
                     weight_scale=2.0)
     h, w, t = x["hidden"], x["weight"], x["target"]
-    rows = chunk_rows(shape.N, shape.V, torch.bfloat16)
+    rows = chunk_rows(shape.N, shape.V, shape.D, torch.bfloat16, "cuda")
     mm = median_time(lambda: h @ w.T, "cuda", reps=10, warmup=2) * 1e3
     runs = [loop_ms(h, w, t, rows) for _ in range(5)]
     med = {k: statistics.median(r[k] for r in runs) / mm for k in STEPS}

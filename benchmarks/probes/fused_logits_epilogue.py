@@ -17,7 +17,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from torch_fce.bench import SHAPES
-from torch_fce.ops.cuda import chunk_rows
+from torch_fce.ops.workspace import chunk_rows
 from torch_fce.ops.triton.rows import triton_rows
 
 from _common import ms, OPTS, run_shapes, tile_pid
@@ -139,7 +139,7 @@ def merge_grad(z, m, s, target, scale):
 def probe_shape(name):
     """Probes one issue-3 shape; its tensors are freed on return."""
     N, D, V = SHAPES[name].N, SHAPES[name].D, SHAPES[name].V
-    n = chunk_rows(N, V, torch.bfloat16)
+    n = chunk_rows(N, V, D, torch.bfloat16, "cuda")
     g = torch.Generator(device="cuda").manual_seed(0)
     h = (torch.randn(n, D, device="cuda", generator=g) / D ** 0.5).bfloat16()
     w = (torch.randn(V, D, device="cuda", generator=g) * 2).bfloat16()

@@ -14,7 +14,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from torch_fce.bench import SHAPES
-from torch_fce.ops.cuda import chunk_rows
+from torch_fce.ops.workspace import chunk_rows
 from torch_fce.ops.triton.kahan import _launch_kahan_addmm
 
 from _common import ms, run_shapes, tile_pid
@@ -74,7 +74,7 @@ def kahan_tma(a, b, s, c, cfg):
 def probe_shape(name):
     """Probes one issue-3 shape; its tensors are freed on return."""
     N, D, V = SHAPES[name].N, SHAPES[name].D, SHAPES[name].V
-    n = chunk_rows(N, V, torch.bfloat16)
+    n = chunk_rows(N, V, D, torch.bfloat16, "cuda")
     a = torch.randn(n, V, device="cuda", dtype=torch.bfloat16) * 0.01  # dz
     b = torch.randn(n, D, device="cuda", dtype=torch.bfloat16)  # hidden
     acc32 = torch.zeros(V, D, device="cuda")

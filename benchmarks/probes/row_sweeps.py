@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from torch_fce.bench import SHAPES
-from torch_fce.ops.cuda import chunk_rows
+from torch_fce.ops.workspace import chunk_rows
 from torch_fce.ops.triton.rows import triton_rows
 
 from _common import ms, OPTS, run_shapes
@@ -64,7 +64,7 @@ def variants():
 def probe_shape(name):
     """Probes one issue-3 shape; its tensors are freed on return."""
     V = SHAPES[name].V
-    n = chunk_rows(SHAPES[name].N, V, torch.bfloat16)
+    n = chunk_rows(SHAPES[name].N, V, SHAPES[name].D, torch.bfloat16, "cuda")
     z = torch.randn(n, V, device="cuda").bfloat16()
     t = torch.randint(0, V, (n,), device="cuda")
     ce, zs = torch.full((n,), 1e-4, device="cuda"), torch.zeros(n, device="cuda")

@@ -60,14 +60,9 @@ def _check_family(rank, world, family):
 def _check_uneven_shards_over_many_chunks(rank, world):
     # Chunk sizes must agree across ranks whatever their shard sizes: 3-row CPU chunks
     # (the shard sizes differ, 5 to 22 rows), every option family's statistics per chunk.
-    from torch_fce.ops import cpu
-
-    saved, cpu.WORKSPACE_ELEMS = cpu.WORKSPACE_ELEMS, 3 * -(-V // world)
-    try:
+    with torch_fce.workspace(3 * -(-V // world) * 4):  # float32 logits
         for family in (dict(), dict(label_smoothing=0.1, class_weight=True, z_loss=1e-3)):
             _check_family(rank, world, family)
-    finally:
-        cpu.WORKSPACE_ELEMS = saved
 
 
 def _check_out_of_range_target(rank, world):

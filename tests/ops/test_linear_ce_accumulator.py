@@ -4,7 +4,7 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from torch_fce.ops import cpu
+from torch_fce.ops import workspace
 from torch_fce.testing import EPS, grad_tol, make_inputs
 
 from .strategies import problems
@@ -14,7 +14,7 @@ from .test_linear_ce_reference import assert_matches_reference, run_op
 @pytest.fixture(scope="module")
 def tiny_workspace():
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(cpu, "WORKSPACE_ELEMS", 64)
+        mp.setattr(workspace, "_nbytes", 256)  # 64 float32 logits
         yield
 
 

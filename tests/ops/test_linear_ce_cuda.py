@@ -172,7 +172,7 @@ def test_cuda_opt_in_target_check_raises(monkeypatch):
 def _peak_beyond_inputs(N, D, V, **options):
     """Peak bytes allocated by a bf16 forward + backward beyond its inputs, and the
     backend's logits chunk in bytes."""
-    from torch_fce.ops.cuda import chunk_rows
+    from torch_fce.ops.workspace import chunk_rows
 
     x = make_inputs(N, D, V, torch.bfloat16, device="cuda")
     h, w = x["hidden"].requires_grad_(), x["weight"].requires_grad_()
@@ -185,13 +185,14 @@ def _peak_beyond_inputs(N, D, V, **options):
     torch.cuda.reset_peak_memory_stats()
     torch_fce.linear_cross_entropy(h, w, x["target"], **options).backward()
     torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - base, chunk_rows(N, V, torch.bfloat16) * V * 2
+    return torch.cuda.max_memory_allocated() - base, chunk_rows(N, V, D, torch.bfloat16, "cuda") * V * 2
 
 
 def test_cuda_memory_is_one_chunk_plus_the_sums():
-    # Peak beyond inputs: the float32 weight-gradient sum, one logits chunk (a quarter of
-    # the logits here), the hidden gradient's sum and the bf16 gradients of the backward.
-    N, D, V = 8192, 256, 32768
+    # Peak beyond inputs: the float32 weight-gradient sum, one logits chunk (1 GiB, a
+    # quarter of the logits here), the hidden gradient's sum and the bf16 gradients of
+    # the backward.
+    N, D, V = 32768, 256, 65536
     peak, chunk = _peak_beyond_inputs(N, D, V)
     assert chunk == N * V * 2 // 4
     budget = chunk + V * D * (4 + 2) + N * D * 2 * 2

@@ -130,12 +130,12 @@ def test_triton_kahan_gemm_rounds_once(dtype):
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="CUDA runs it through the CUDA backend tests")
 def test_triton_kahan_accumulator_through_the_op(monkeypatch):
-    from torch_fce.ops import accumulate, cpu
+    from torch_fce.ops import accumulate, workspace
 
     from .test_linear_ce_reference import assert_matches_reference
 
     monkeypatch.setattr(accumulate, "_TRITON_ON_CPU", True)
-    monkeypatch.setattr(cpu, "WORKSPACE_ELEMS", 64)
+    monkeypatch.setattr(workspace, "_nbytes", 256)
     x = make_inputs(64, 8, 31, torch.bfloat16, bias=True, weight_scale=4.0)
     opts = dict(reduction="sum", label_smoothing=0.1, softcap=None, z_loss=0.0)
     assert_matches_reference(x, opts, accumulator="kahan")

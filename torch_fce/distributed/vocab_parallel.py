@@ -23,16 +23,15 @@ from ..ops import checks
 from ..ops.accumulate import GradAccumulator, _mm_f32
 from ..ops.checks import check_inputs, check_options
 from ..ops.chunked import math_dtype_for
-from ..ops.cpu import _chunk_rows
 from ..ops.rows import (RowOptions, grad_coefficients, torch_shard_grad,
                         torch_shard_stats)
 from ..ops.tokens import counted_target_weights, grad_scales, reduce_loss
+from ..ops.workspace import chunk_rows
 
 try:  # the same condition as the op's CUDA backend (ops/__init__.py)
-    from ..ops.cuda import chunk_rows as cuda_chunk_rows
     from ..ops.triton.rows import triton_shard_grad, triton_shard_stats
 except ImportError:
-    cuda_chunk_rows = None
+    triton_shard_grad = triton_shard_stats = None
 
 
 def _row_math(hidden, V, group):
@@ -42,13 +41,13 @@ def _row_math(hidden, V, group):
     Every rank must cut the same chunks (each chunk's statistics are all-reduced), so the
     size comes from V / world size, not from this rank's shard: with uneven shards a
     larger shard's chunk exceeds the workspace by its share over V / world size."""
-    N = hidden.shape[0]
+    N, D = hidden.shape
     Vs = -(-V // dist.get_world_size(group))
-    if hidden.is_cuda and hidden.dtype != torch.float64 and cuda_chunk_rows is not None:
-        stats, grad, rows = triton_shard_stats, triton_shard_grad, cuda_chunk_rows(
-            N, Vs, hidden.dtype)
+    rows = chunk_rows(N, max(1, Vs), D, hidden.dtype, hidden.device)
+    if hidden.is_cuda and hidden.dtype != torch.float64 and triton_shard_stats is not None:
+        stats, grad = triton_shard_stats, triton_shard_grad
     else:
-        stats, grad, rows = torch_shard_stats, torch_shard_grad, _chunk_rows(Vs)
+        stats, grad = torch_shard_stats, torch_shard_grad
     return stats, grad, [(s, min(N, s + rows)) for s in range(0, N, rows)]
 
 

@@ -4,13 +4,12 @@ import torch
 
 from . import checks, chunked
 from .rows import torch_rows
-
-# Elements of one logits chunk: a fixed workspace whatever N is (at least one row).
-WORKSPACE_ELEMS = 1 << 22
+from .workspace import chunk_rows
 
 
-def _chunk_rows(V):
-    return max(1, WORKSPACE_ELEMS // max(1, V))
+def _chunk_rows_for(hidden, weight):
+    return chunk_rows(hidden.shape[0], max(1, weight.shape[0]), hidden.shape[1], hidden.dtype,
+                      hidden.device)
 
 
 def _check_targets(target, V, ignore_index):
@@ -27,7 +26,7 @@ def linear_ce_fwd(hidden, weight, target, bias, class_weight, ignore_index, redu
     return chunked.linear_ce_fwd(
         hidden, weight, target, bias, class_weight, ignore_index, reduction, label_smoothing,
         softcap, z_loss, accumulator, needs_grad, rows=torch_rows,
-        chunk_rows=_chunk_rows(weight.shape[0]))
+        chunk_rows=_chunk_rows_for(hidden, weight))
 
 
 @torch.library.impl("fce::linear_ce_bwd", "CompositeExplicitAutograd")
@@ -37,7 +36,7 @@ def linear_ce_bwd(grad_loss, hidden, weight, target, bias, class_weight, ignore_
     return chunked.linear_ce_bwd(
         grad_loss, hidden, weight, target, bias, class_weight, ignore_index, reduction,
         label_smoothing, softcap, z_loss, accumulator, needs_grad, rows=torch_rows,
-        chunk_rows=_chunk_rows(weight.shape[0]))
+        chunk_rows=_chunk_rows_for(hidden, weight))
 
 
 @torch.library.impl("fce::scale_grad", "CompositeExplicitAutograd")

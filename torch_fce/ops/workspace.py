@@ -1,0 +1,73 @@
+"""The logits workspace: how many token rows one chunk of the loop holds.
+
+Memory and time trade here. One chunk of n rows holds n x V logits (their gradient is
+written over them); every chunk after the first re-reads and re-writes the float32
+weight-gradient sum (8VD bytes) and launches its GEMMs again, so fewer, larger chunks
+are faster (docs/benchmarks.md has the measured curve).
+
+Default: on CUDA, twice the head's size in the input dtype (the float32 gradient sum is
+that size already), at least 1 GiB, at most 4 GiB or 1/16 of the GPU's memory, and at
+most half the logits (so the op saves memory also when all of them would fit); on
+other devices 2^22 elements. `set_workspace(nbytes)` or the TORCH_FCE_WORKSPACE_MB
+environment variable replace the default on every device, with no half-the-logits cap.
+"""
+
+import contextlib
+import os
+
+import torch
+
+_GIB = 1 << 30
+_OTHER_DEVICE_ELEMS = 1 << 22
+_MIN_CHUNKS = 2
+
+_env = os.environ.get("TORCH_FCE_WORKSPACE_MB")
+_nbytes = None if _env is None else int(_env) << 20
+
+
+def set_workspace(nbytes):
+    """Sets the bytes of one logits chunk for every later call (None: the default).
+
+    Returns the previous setting. Read when a kernel runs, so a captured CUDA graph
+    keeps the chunking it was captured with.
+    """
+    global _nbytes
+    if nbytes is not None and (isinstance(nbytes, bool) or not isinstance(nbytes, int)
+                               or nbytes < 1):
+        raise ValueError(f"nbytes must be None or a positive int, got {nbytes!r}")
+    previous, _nbytes = _nbytes, nbytes
+    return previous
+
+
+@contextlib.contextmanager
+def workspace(nbytes):
+    """`with torch_fce.workspace(2 << 30):` sets the workspace for the block only."""
+    previous = set_workspace(nbytes)
+    try:
+        yield
+    finally:
+        set_workspace(previous)
+
+
+def _default_cuda_bytes(V, D, itemsize, device):
+    cap = min(4 * _GIB, torch.cuda.get_device_properties(device).total_memory // 16)
+    return min(cap, max(_GIB, 2 * V * D * itemsize))
+
+
+def chunk_rows(N, V, D, dtype, device):
+    """Rows per chunk for N tokens, V classes (this rank's, for a vocabulary shard) and
+    hidden size D; at least one row. CUDA chunks are a multiple of 128 rows (GEMM
+    tiles) unless that is below one tile."""
+    device = torch.device(device)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    cuda = device.type == "cuda"
+    if _nbytes is not None:
+        rows = _nbytes // (V * itemsize)
+    elif cuda:
+        rows = min(_default_cuda_bytes(V, D, itemsize, device) // (V * itemsize),
+                   -(-N // _MIN_CHUNKS))
+    else:
+        rows = _OTHER_DEVICE_ELEMS // V
+    if cuda and rows >= 128:
+        rows = rows // 128 * 128
+    return max(1, rows)
