@@ -3,6 +3,7 @@
 import torch
 
 from .ops.checks import check_inputs, check_options
+from .ops.linear_ce import int64_if_needed
 
 
 def shift_targets(target, ignore_index):
@@ -32,11 +33,13 @@ def linear_cross_entropy(hidden, weight, target, bias=None, class_weight=None, *
     """
     # Checked here too: the dispatcher's own type errors would not name the option.
     check_options(reduction, label_smoothing, softcap, z_loss, accumulator, ignore_index)
+    if not isinstance(shift, bool):
+        raise TypeError(f"shift must be a bool, got {type(shift).__name__}")
     if shift:
         check_inputs(hidden, weight, target, bias, class_weight)
         if target.dim() == 0:
             raise ValueError("shift=True needs target with a sequence dimension, got a 0-d tensor")
-        target = shift_targets(target, ignore_index)
+        target = shift_targets(int64_if_needed(target, ignore_index), ignore_index)
     options = dict(ignore_index=ignore_index, reduction=reduction,
                    label_smoothing=label_smoothing, softcap=softcap, z_loss=z_loss,
                    accumulator=accumulator)

@@ -1,5 +1,7 @@
 """transformers integration: patched causal LMs give the unpatched loss and gradients."""
 
+import inspect
+
 import pytest
 import torch
 
@@ -145,6 +147,116 @@ def test_transformers_unknown_logit_transform_is_refused():
     config = transformers.LlamaConfig(**COMMON)
     with pytest.raises(ValueError, match="cannot serve"):
         fce_hf.apply(Scaled(config))
+
+
+def _refit(model, logits, labels, loss_of):
+    """A family's output with its own (non-standard) logits and loss."""
+    return transformers.modeling_outputs.CausalLMOutputWithPast(
+        loss=None if labels is None else loss_of(logits, labels), logits=logits)
+
+
+def _shifted_ce(z, labels):
+    return torch.nn.functional.cross_entropy(z[:, :-1].flatten(0, 1).float(),
+                                             labels[:, 1:].flatten())
+
+
+class _Custom(transformers.LlamaForCausalLM):
+    """logits = post(lm_head(hidden)); loss = loss_of(logits, labels)."""
+    post = staticmethod(lambda self, z: z)
+    loss_of = staticmethod(_shifted_ce)
+
+    def forward(self, input_ids=None, labels=None, **kwargs):
+        hidden = self.model(input_ids=input_ids, **kwargs).last_hidden_state
+        return _refit(self, self.post(self, self.lm_head(hidden)), labels,
+                      type(self).loss_of)
+
+
+def _custom(post=None, loss_of=None, init=None):
+    attrs = {k: staticmethod(v) for k, v in (("post", post), ("loss_of", loss_of)) if v}
+    cls = type("Custom", (_Custom,), attrs)
+    torch.manual_seed(0)
+    model = cls(transformers.LlamaConfig(**COMMON))
+    if init:
+        init(model)
+    return model
+
+
+REFUSED = {
+    "learnable logit scale": dict(
+        init=lambda m: m.register_parameter("scale", torch.nn.Parameter(torch.ones(()))),
+        post=lambda self, z: z * self.scale),
+    "unshifted loss": dict(loss_of=lambda z, y: torch.nn.functional.cross_entropy(
+        z.flatten(0, 1).float(), y.flatten())),
+    "own z-loss": dict(loss_of=lambda z, y: _shifted_ce(z, y) + 1e-4 * (
+        torch.logsumexp(z.float(), -1) ** 2).mean()),
+    "softcap 1000 not in config": dict(post=lambda self, z: 1000.0 * torch.tanh(z / 1000.0)),
+    "multiplier 0.999": dict(post=lambda self, z: z * 0.999),
+}
+
+
+@pytest.mark.parametrize("case", REFUSED)
+def test_transformers_family_it_cannot_reproduce_is_refused(case):
+    model = _custom(**REFUSED[case])
+    with pytest.raises(ValueError, match="cannot serve"):
+        fce_hf.apply(model)
+    assert "forward" not in vars(model.lm_head)  # left as it was
+
+
+def test_transformers_standard_custom_family_is_served():
+    model = _custom()
+    ids, labels = batch()
+    ref, _ = loss_and_grads(model, input_ids=ids, labels=labels)
+    fce_hf.apply(model)
+    assert rel_err(model(input_ids=ids, labels=labels).loss, ref.loss) <= 1e-5
+
+
+def test_transformers_apply_leaves_modes_and_config_as_they_were():
+    model = make("llama")
+    model.model.layers[0].eval()  # mixed modes: only this layer in eval
+    config = dict(vars(model.config))
+    modes = [m.training for m in model.modules()]
+    fce_hf.apply(model)
+    assert [m.training for m in model.modules()] == modes
+    assert vars(model.config) == config
+
+
+def test_transformers_labels_passed_positionally():
+    model = make("llama")
+    ids, labels = batch()
+    position = list(inspect.signature(model.forward).parameters).index("labels")
+    args = [ids] + [None] * (position - 1) + [labels]
+    ref = model(*args).loss
+    fce_hf.apply(model)
+    assert rel_err(model(*args).loss, ref) <= 1e-5
+
+
+class _RenamedCoefficient(transformers.MixtralForCausalLM):
+    """An MoE family whose router-loss coefficient has another attribute name."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.aux_loss_alpha = self.router_aux_loss_coef
+        del self.router_aux_loss_coef
+
+    def forward(self, *args, **kwargs):
+        self.router_aux_loss_coef = self.aux_loss_alpha
+        try:
+            return super().forward(*args, **kwargs)
+        finally:
+            del self.router_aux_loss_coef
+
+
+def test_transformers_moe_coefficient_under_another_name():
+    torch.manual_seed(0)
+    _, _, extra = FAMILIES["mixtral"]
+    model = _RenamedCoefficient(transformers.MixtralConfig(**COMMON, **extra)).train()
+    ids, labels = batch()
+    ref, ref_grads = loss_and_grads(model, input_ids=ids, labels=labels)
+    fce_hf.apply(model)
+    out, grads = loss_and_grads(model, input_ids=ids, labels=labels)
+    assert rel_err(out.loss, ref.loss) <= 1e-5
+    for k in grads:
+        assert rel_err(grads[k], ref_grads[k]) <= grad_tol(torch.float32, V), k
 
 
 def test_transformers_user_tensors_unchanged():

@@ -30,6 +30,8 @@ CASES = [
     ("label_smoothing", lambda x, o: o.update(label_smoothing=1.5), ValueError,
      "label_smoothing"),
     ("softcap", lambda x, o: o.update(softcap=0.0), ValueError, "softcap"),
+    ("softcap inf", lambda x, o: o.update(softcap=float("inf")), ValueError, "softcap"),
+    ("shift not bool", lambda x, o: o.update(shift="no"), TypeError, "shift"),
     ("z_loss", lambda x, o: o.update(z_loss=-1.0), ValueError, "z_loss"),
     ("accumulator", lambda x, o: o.update(accumulator="bf16"), ValueError, "accumulator"),
     ("ignore_index", lambda x, o: o.update(ignore_index=1.5), TypeError, "ignore_index"),

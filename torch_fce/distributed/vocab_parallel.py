@@ -126,7 +126,7 @@ class _VocabParallelLinearCE(torch.autograd.Function):
                           hidden, w)
             del logits  # freed before the next chunk is allocated
         smooth = torch.where(valid, W * lse - wz, 0.0) if smoothing else None
-        loss = reduce_loss(w_y * (lse - z_y), smooth, lse, target, class_weight,
+        loss = reduce_loss(torch.where(valid, w_y * (lse - z_y), 0.0), smooth, lse, target, class_weight,
                            opts.ignore_index, reduction, opts.label_smoothing, z_loss, V)
         ctx.eager = eager
         ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)

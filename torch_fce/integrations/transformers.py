@@ -10,7 +10,9 @@ head replaced, for that call only, by a capture of the head's input, so the logi
 never formed; the loss is then fce::linear_ce of those hidden states and the head's
 weight (and bias), with the family's logit scaling and final softcapping. Without
 labels, or in eval mode, the model runs exactly as unpatched. `apply` checks on a tiny
-input that it reproduces the family's logits and refuses a family it cannot serve.
+input, with designed logits injected at the head, that it reproduces the family's loss
+and that no parameter acts after the head, and refuses a family it cannot serve; the
+check leaves the model's modes and config as they were.
 Mixture-of-experts families get their router load-balancing loss added, as they add it
 themselves when given labels.
 """
@@ -42,27 +44,41 @@ def _logit_transform(config):
 
 
 class _Capture:
-    """Installed as the head's forward: while active it returns and keeps its input (the
-    hidden states) instead of computing the logits; otherwise it is the head itself.
-    A flag rather than swapping forwards per call, so torch.compile can trace it."""
+    """Installed as the head's forward: while active it keeps its input (the hidden
+    states) and returns `replace(hidden)` (default: the hidden states themselves)
+    instead of computing the logits; otherwise it is the head itself. A flag rather
+    than swapping forwards per call, so torch.compile can trace it."""
 
     def __init__(self, head):
-        self.head, self.active, self.hidden = head, False, None
+        self.head, self.active, self.hidden, self.replace = head, False, None, None
 
     def __call__(self, hidden):
         if not self.active:
             return type(self.head).forward(self.head, hidden)
         self.hidden = hidden
-        return hidden
+        return hidden if self.replace is None else self.replace(hidden)
 
     @contextlib.contextmanager
-    def capturing(self):
-        self.active = True
+    def capturing(self, replace=None):
+        self.active, self.replace = True, replace
         try:
             yield self
         finally:
-            self.active = False
+            self.active, self.replace = False, None
 
+
+# Attribute names families give the router load-balancing loss's coefficient.
+_AUX_COEF_NAMES = ("router_aux_loss_coef", "aux_loss_coef", "aux_loss_alpha",
+                   "moe_aux_loss_coeff", "router_aux_loss_coeff")
+
+
+def _aux_coefficient(model):
+    for owner in (model, model.config):
+        for name in _AUX_COEF_NAMES:
+            if getattr(owner, name, None) is not None:
+                return getattr(owner, name)
+    raise ValueError(f"torch_fce cannot serve {type(model).__name__}: it returns a router "
+                     f"auxiliary loss, but none of {_AUX_COEF_NAMES} names its coefficient")
 
 def _loss(model, head, hidden, labels, shift_labels, num_items_in_batch, options):
     if isinstance(head.weight, DTensor):
@@ -86,30 +102,94 @@ def _loss(model, head, hidden, labels, shift_labels, num_items_in_batch, options
     return loss
 
 
-def _check_family(model, head, capture, original):
-    """Raises if fce's reconstruction of the logits differs from the model's own."""
-    was_training = model.training
-    model.eval()
-    ids = torch.arange(3, device=head.weight.device)[None] % head.weight.shape[0]
-    try:
-        with torch.no_grad():
-            logits = original(input_ids=ids).logits
-            with capture.capturing():
-                original(input_ids=ids)
-            hidden, capture.hidden = capture.hidden, None
-            z = head(hidden).float()
-    finally:
-        model.train(was_training)
+def _designed_logits(hidden, labels, V):
+    """float64 logits whose loss tells every definition apart: each position's logits
+    peak by 8 at the next position's label (a shifted loss is small, an unshifted one
+    large), with magnitudes up to 40 (a softcap or a scale shows) and noise."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+    B, T = hidden.shape[:2]
+    z = torch.randn(B, T, V, generator=g, dtype=torch.float64) * 4.0 \
+        + torch.linspace(-40.0, 40.0, V, dtype=torch.float64)
+    nxt = labels[:, 1:].clamp_min(0)
+    z[:, :-1].scatter_add_(-1, nxt[..., None], torch.full((B, T - 1, 1), 8.0,
+                                                         dtype=torch.float64))
+    return z.to(hidden.device)
+
+
+def _transformed(model, z):
+    """softcap(scale * z): the family's logits as apply() reconstructs them."""
     scale, softcap = _logit_transform(model.config)
-    if scale is not None:
-        z = z * scale
-    if softcap:
-        z = softcap * torch.tanh(z / softcap)
-    # Loose enough for bf16 models' own rounding, tight enough to catch any scaling.
-    if z.shape != logits.shape or not torch.allclose(z, logits.float(), rtol=2e-2, atol=2e-2):
-        raise ValueError(
-            f"torch_fce cannot serve {type(model).__name__}: its logits are not "
-            "softcap(scale * lm_head(hidden)) of a known scale/softcap")
+    z = z if scale is None else z * scale
+    return z if not softcap else softcap * torch.tanh(z / softcap)
+
+
+def _check_family(model, head, capture, original):
+    """Raises unless apply() reproduces the family's logits, loss and gradients.
+
+    The head is made to return designed float64 logits, so whatever the family does
+    after it (scaling, softcapping, shifting, extra loss terms, learnable parameters)
+    acts on known values at float64/float32 precision rather than on a tiny model's
+    near-uniform logits."""
+    V = head.weight.shape[0]
+    ids = torch.arange(8, device=head.weight.device)[None] % V
+    labels = ids.roll(-3, 1)
+    labels[0, 2] = -100
+    made, name = {}, type(model).__name__
+
+    def design(hidden):
+        made["z"] = _designed_logits(hidden, labels, V)
+        return made["z"]
+
+    with torch.enable_grad():
+        with capture.capturing(design):
+            out = original(input_ids=ids, labels=labels)
+        capture.hidden = None
+        z = made["z"].detach()
+        logits = _transformed(model, z)
+        if out.logits is None or out.logits.shape != z.shape or not torch.allclose(
+                out.logits.double(), logits, rtol=1e-5, atol=1e-5):
+            raise ValueError(f"torch_fce cannot serve {name}: its logits are not "
+                             "softcap(scale * lm_head(hidden)) of a known scale/softcap")
+        aux = out.get("aux_loss")
+        want = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1),
+                                                 labels[:, 1:].flatten())
+        if aux is not None:
+            want = want + _aux_coefficient(model) * aux.detach().double()
+        if out.loss is None or not torch.allclose(out.loss.double(), want, rtol=1e-5):
+            raise ValueError(
+                f"torch_fce cannot serve {name}: its loss is not the shifted cross entropy "
+                "of its logits (+ its router loss): it gives "
+                f"{None if out.loss is None else out.loss.item()}, apply() {want.item()}")
+        params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        if not params or not out.logits.requires_grad:
+            return
+        grads = torch.autograd.grad(out.logits.double().sum(), [p for _, p in params],
+                                    allow_unused=True)
+    after = [n for (n, _), g in zip(params, grads) if g is not None]
+    if after:
+        raise ValueError(f"torch_fce cannot serve {name}: parameters act on the logits "
+                         f"after the lm_head ({', '.join(after[:4])}), which apply() would "
+                         "leave without a gradient")
+
+
+@contextlib.contextmanager
+def _state_kept(model):
+    """Every module's train/eval flag and every config attribute (the attention
+    implementation, say) as they were, whatever the check's forward changes."""
+    from transformers.configuration_utils import PretrainedConfig
+
+    flags = [(m, m.training) for m in model.modules()]
+    configs = [model.config] + [v for v in vars(model.config).values()
+                                if isinstance(v, PretrainedConfig)]
+    saved = [(c, dict(vars(c))) for c in configs]
+    try:
+        yield
+    finally:
+        for m, flag in flags:
+            m.training = flag
+        for c, attrs in saved:
+            vars(c).clear()
+            vars(c).update(attrs)
 
 
 def apply(model, *, accumulator="fp32", z_loss=0.0, label_smoothing=0.0):
@@ -124,7 +204,9 @@ def apply(model, *, accumulator="fp32", z_loss=0.0, label_smoothing=0.0):
     capture = _Capture(head)
     head.forward = capture
     try:
-        _check_family(model, head, capture, original)
+        with _state_kept(model):
+            model.eval()  # no dropout in the check
+            _check_family(model, head, capture, original)
     except Exception:
         del head.forward
         raise
@@ -149,6 +231,11 @@ def apply(model, *, accumulator="fp32", z_loss=0.0, label_smoothing=0.0):
 
 def _forward(model, args, labels, shift_labels, num_items_in_batch, kwargs):
     original = getattr(model, _ORIGINAL)
+    if args:  # positional arguments (labels among them, maybe) by their names
+        bound = inspect.signature(original).bind_partial(*args)
+        kwargs = {**bound.arguments, **kwargs}
+        labels = kwargs.pop("labels", labels)
+        args = ()
     if (labels is None and shift_labels is None) or not model.training:
         if num_items_in_batch is not None:
             kwargs["num_items_in_batch"] = num_items_in_batch
@@ -165,7 +252,7 @@ def _forward(model, args, labels, shift_labels, num_items_in_batch, kwargs):
                  getattr(model, _OPTIONS))
     aux = out.get("aux_loss")
     if aux is not None:  # MoE: loss += coef * router load-balancing loss, as with labels
-        loss = loss + model.router_aux_loss_coef * aux.to(loss.device)
+        loss = loss + _aux_coefficient(model) * aux.to(loss.device)
     # Rebuilt without the captured hidden states in the logits slot: attribute, key and
     # tuple access all see logits as None, as after any ModelOutput(logits=None).
     out = type(out)(**{**{k: v for k, v in out.items() if k != "logits"}, "loss": loss})

@@ -4,7 +4,9 @@ When the forward computed the gradients (scalar losses, see linear_ce.py), the b
 only scales them by the scalar upstream gradient. Saved tensors are never modified, so
 retain_graph and repeated backwards stay correct. Otherwise (reduction "none", float16
 inputs) the backward recomputes the logits chunk by chunk with the upstream gradient
-applied before anything is rounded (fce::linear_ce_bwd).
+applied before anything is rounded (fce::linear_ce_bwd). The inputs are saved in both
+cases, so editing one in place before the backward raises torch's version-counter error
+instead of returning stale gradients.
 """
 
 import torch
@@ -23,39 +25,47 @@ def _setup_fwd(ctx, inputs, output):
     ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
     ctx.precomputed = any(needs_grad)
     ctx.options = (ignore_index, reduction, label_smoothing, softcap, z_loss, accumulator)
-    if ctx.precomputed:
-        ctx.save_for_backward(gh, gw, gb)
-    else:
-        ctx.save_for_backward(hidden, weight, target, bias, class_weight)
+    ctx.save_for_backward(hidden, weight, target, bias, class_weight,
+                          *((gh, gw, gb) if ctx.precomputed else ()))
 
 
 def _backward_fwd(ctx, grad_loss, *_):
     if grad_loss is None:  # the loss got no gradient (grads are not materialised)
         return (None,) * 12
+    saved = ctx.saved_tensors  # raises if an input was modified in place since
     create_graph = torch.is_grad_enabled()
     with torch.no_grad():
-        grads = _grads(ctx, grad_loss)
+        grads = _grads(ctx, grad_loss, saved)
     if create_graph:
-        # As torch.autograd.function.once_differentiable: the gradients are usable,
-        # differentiating them once more raises.
-        grads = [None if g is None else _delayed_error(g) for g in grads]
+        # The gradients are usable; differentiating them once more (backward, grad,
+        # hvp, w.r.t. any input or the upstream gradient) raises.
+        graph_inputs = [t for t in (grad_loss, *saved[:5]) if t is not None]
+        grads = [None if g is None else _OnceDifferentiable.apply(g, *graph_inputs)
+                 for g in grads]
     return grads[0], grads[1], None, grads[2], None, None, None, None, None, None, None, None
 
 
-def _delayed_error(t):
-    t = t.detach().requires_grad_()  # the error node needs an input that requires grad
-    return torch._C._functions.DelayedError(_NO_DOUBLE, 1)(t)
+class _OnceDifferentiable(torch.autograd.Function):
+    """grad itself, as a function of the op's inputs whose derivative raises."""
+
+    @staticmethod
+    def forward(ctx, grad, *inputs):
+        return grad.view_as(grad)
+
+    @staticmethod
+    def backward(ctx, *_):
+        raise RuntimeError(_NO_DOUBLE)
 
 
-def _grads(ctx, grad_loss):
+def _grads(ctx, grad_loss, saved):
     needs = list(ctx.needs_input_grad[:2]) + [ctx.needs_input_grad[3]]
     if not ctx.precomputed:
-        grads = torch.ops.fce.linear_ce_bwd(grad_loss, *ctx.saved_tensors, *ctx.options, needs)
+        grads = torch.ops.fce.linear_ce_bwd(grad_loss, *saved, *ctx.options, needs)
     else:
         # Scaled and rounded in one pass: no float32 temporary of the weight's size.
         grads = [
             torch.ops.fce.scale_grad(g, grad_loss, dtype) if need else None
-            for g, dtype, need in zip(ctx.saved_tensors, ctx.dtypes, needs)
+            for g, dtype, need in zip(saved[5:], ctx.dtypes, needs)
         ]
     return [g if need else None for g, need in zip(grads, needs)]
 

@@ -34,6 +34,12 @@ def _float(name, x):
         raise TypeError(f"{name} must be a float, got {type(x).__name__}") from None
 
 
+def _got(x):
+    # Under torch.compile(dynamic=True) options are symbolic floats, which Dynamo cannot
+    # format into a message: there the message names the option without its value.
+    return "" if torch.compiler.is_compiling() else f", got {x}"
+
+
 def check_options(reduction, label_smoothing, softcap, z_loss, accumulator, ignore_index=-100):
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
@@ -42,11 +48,11 @@ def check_options(reduction, label_smoothing, softcap, z_loss, accumulator, igno
     if not isinstance(ignore_index, (int, torch.SymInt)) or isinstance(ignore_index, bool):
         raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
     if not 0.0 <= _float("label_smoothing", label_smoothing) <= 1.0:
-        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
-    if softcap is not None and not _float("softcap", softcap) > 0.0:
-        raise ValueError(f"softcap must be None or > 0, got {softcap}")
+        raise ValueError(f"label_smoothing must be in [0, 1]{_got(label_smoothing)}")
+    if softcap is not None and not 0.0 < _float("softcap", softcap) < float("inf"):
+        raise ValueError(f"softcap must be None or a finite float > 0{_got(softcap)}")
     if not _float("z_loss", z_loss) >= 0.0:
-        raise ValueError(f"z_loss must be >= 0, got {z_loss}")
+        raise ValueError(f"z_loss must be >= 0{_got(z_loss)}")
 
 
 def _check_tensor(name, t):

@@ -1,9 +1,45 @@
 """fce::linear_ce: validates, applies autocast, flattens and picks the gradient strategy."""
 
 import torch
+import torch.autograd.forward_ad as fwAD
 
 from .checks import check_inputs, check_options
 from .schema import LIB
+
+
+_NO_TRANSFORMS = (
+    "fce::linear_ce has no forward-mode derivative and no torch.func derivative "
+    "(grad, jvp, jacrev, hessian, dual tensors; vmap of the forward alone runs): use "
+    "torch.autograd (loss.backward() or torch.autograd.grad) for its gradients"
+)
+
+
+def _refuse_transforms(tensors):
+    """Forward AD and functorch's derivatives would otherwise see a tangent of 0 or an
+    internal error; vmap alone is served by torch's per-sample fallback."""
+    if any(isinstance(t, torch.Tensor) and torch._C._functorch.is_gradtrackingtensor(t)
+           for t in tensors):
+        raise NotImplementedError(_NO_TRANSFORMS)
+    if fwAD._current_level >= 0 and any(
+            isinstance(t, torch.Tensor) and fwAD.unpack_dual(t).tangent is not None
+            for t in tensors):
+        raise NotImplementedError(_NO_TRANSFORMS)
+
+
+def _autocast_enabled(device):
+    try:
+        return torch.is_autocast_enabled(device)
+    except RuntimeError:  # a device type without autocast (meta): nothing to cast
+        return False
+
+
+def int64_if_needed(target, ignore_index):
+    """int32 targets compared with an ignore_index outside int32's range would wrap it
+    around onto a real class: such an index matches no target, as with int64 ones."""
+    if isinstance(target, torch.Tensor) and target.dtype == torch.int32 \
+            and not -2**31 <= ignore_index < 2**31:
+        return target.long()
+    return target
 
 
 def _autocast(hidden, weight, bias):
@@ -15,7 +51,7 @@ def _autocast(hidden, weight, bias):
     if not all(isinstance(t, torch.Tensor) for t in (hidden, weight, bias) if t is not None):
         return hidden, weight, bias  # check_inputs names the argument
     device = hidden.device.type
-    if not torch.is_autocast_enabled(device) or hidden.dtype == torch.float64:
+    if not _autocast_enabled(device) or hidden.dtype == torch.float64:
         return hidden, weight, bias
     dtype = torch.get_autocast_dtype(device)
     if weight.dtype != torch.float32:
@@ -30,8 +66,13 @@ def linear_ce(hidden, weight, target, bias=None, class_weight=None, *, ignore_in
               reduction="mean", label_smoothing=0.0, softcap=None, z_loss=0.0,
               accumulator="fp32"):
     check_options(reduction, label_smoothing, softcap, z_loss, accumulator, ignore_index)
+    _refuse_transforms((hidden, weight, bias, class_weight))
     hidden, weight, bias = _autocast(hidden, weight, bias)  # dtypes are checked after it
     check_inputs(hidden, weight, target, bias, class_weight)
+    if class_weight is not None and class_weight.requires_grad and torch.is_grad_enabled():
+        raise ValueError("class_weight must not require grad: its gradient is not computed "
+                         "(as F.cross_entropy's weight); pass class_weight.detach()")
+    target = int64_if_needed(target, ignore_index)
     # Scalar losses get their gradients in the forward (one GEMM fewer). Per-token losses
     # need the upstream gradient first, and so does float16, whose logits gradient would
     # underflow if rounded before a loss scale (GradScaler) is applied: both recompute

@@ -2,7 +2,7 @@
 
 For a chunk of logits rows z (n, V) (after bias), with p = softmax(softcap(z)):
   lse    = logsumexp(softcap(z))
-  nll    = w_y * (lse - z_y)                 (0 where ignored)
+  nll    = w_y * (lse - z_y)                 (0 where ignored, whatever the logits)
   smooth = sum_c w_c * (lse - z_c)           (0 where ignored; only with label smoothing)
   dz_c   = [p_c * A - B * [c == y] - C * w_c] * softcap'(z_c)
 with A = s * ((1 - eps) * w_y + eps * W / V) + 2 * t * lse, B = s * (1 - eps) * w_y,
@@ -39,6 +39,8 @@ def grad_coefficients(ce_scale, z_scale, w_y, lse, W, V, eps):
     w_y, W, lse and V are those of the whole vocabulary, also for a vocabulary shard.
     """
     a = ce_scale * ((1.0 - eps) * w_y + (eps / V) * W) + 2.0 * z_scale * lse
+    # Exactly 0 where both scales are (ignored tokens), also when lse is not finite.
+    a = torch.where((ce_scale == 0.0) & (z_scale == 0.0), 0.0, a)
     return a, ce_scale * (1.0 - eps) * w_y, ce_scale * (eps / V) if eps > 0.0 else None
 
 
@@ -56,7 +58,10 @@ def logits_grad_(e, norm, col, a, b, c, cw, tanh):
         dz -= c[:, None] if cw is None else c[:, None] * cw[None, :]
     if tanh is not None:
         dz.mul_(1.0 - tanh * tanh)
-    return dz
+    # Rows with no coefficient (ignored tokens) get exactly 0, also when their logits
+    # are not finite (a NaN hidden state): as torch, which never reads such rows.
+    zero = (a == 0.0) & (b == 0.0) & (True if c is None else c == 0.0)
+    return dz.masked_fill_(zero[:, None], 0.0)
 
 
 def torch_shard_stats(logits, col, cw, opts, math_dtype):
@@ -102,7 +107,7 @@ def torch_rows(logits, target, class_weight, ce_scale, z_scale, opts, math_dtype
     e = z.sub_(m).exp_()  # z is consumed from here on
     total = e.sum(-1)
     lse = m.squeeze(1) + total.log()
-    nll = w_y * (lse - z_y)
+    nll = torch.where(valid, w_y * (lse - z_y), 0.0)  # ignored rows may be NaN
     smooth = torch.where(valid, W * lse - zsum, 0.0) if eps > 0.0 else torch.zeros_like(lse)
     if ce_scale is None:
         return lse, nll, smooth, None

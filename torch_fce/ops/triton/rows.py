@@ -64,8 +64,12 @@ def _lse_sweep(row_ptr, class_weight_ptr, V, softcap, HAS_SOFTCAP: tl.constexpr,
 def _grad_sweep(row_ptr, class_weight_ptr, V, t, lse, a, b, c, softcap,
                 HAS_SOFTCAP: tl.constexpr, HAS_CLASS_WEIGHT: tl.constexpr,
                 HAS_SMOOTHING: tl.constexpr, BLOCK_V: tl.constexpr):
-    """Sweep 2: dz = p * A - B * onehot(t) - C * w, times softcap', over the row."""
+    """Sweep 2: dz = p * A - B * onehot(t) - C * w, times softcap', over the row.
+
+    A row with A = B = C = 0 (an ignored token) gets exactly 0, also when its logits are
+    not finite."""
     cols = tl.arange(0, BLOCK_V)
+    zero = (a == 0.0) & (b == 0.0) & (c == 0.0)
     for v0 in range(0, V, BLOCK_V):
         offs = v0 + cols
         mask = offs < V
@@ -78,6 +82,7 @@ def _grad_sweep(row_ptr, class_weight_ptr, V, t, lse, a, b, c, softcap,
         if HAS_SOFTCAP:
             th = z / softcap
             dz *= 1.0 - th * th
+        dz = tl.where(zero, 0.0, dz)
         tl.store(row_ptr + offs, dz.to(row_ptr.dtype.element_ty), mask=mask)
 
 
@@ -122,6 +127,7 @@ def _linear_ce_rows_kernel(
         s_z = tl.load(z_scale_ptr + row)
         a = s_ce * ((1.0 - label_smoothing) * w_y + label_smoothing * w_sum / V) \
             + 2.0 * s_z * lse
+        a = tl.where((s_ce == 0.0) & (s_z == 0.0), 0.0, a)  # as rows.grad_coefficients
         _grad_sweep(row_ptr, class_weight_ptr, V, t, lse, a,
                     s_ce * (1.0 - label_smoothing) * w_y, s_ce * label_smoothing / V,
                     softcap, HAS_SOFTCAP, HAS_CLASS_WEIGHT, HAS_SMOOTHING, BLOCK_V)
