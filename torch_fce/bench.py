@@ -98,13 +98,13 @@ def _with_workspace(fn, mib):
 
 # The time-memory sweep (--sweep): torch_fce's workspace and the peers' chunk sizes.
 SWEEP_WORKSPACE_MIB = (256, 512, 1024, 2048, 4096)
-QUACK_CHUNKS = (2048, 4096, 8192)
+QUACK_CHUNKS = (4096, 8192)
 
 
-def _peers(sweep):
+def _peers():
     """Peer name -> factory; factories raise ImportError where the peer is missing."""
     out = {"liger": _liger, "cce": _cce, "cce-exact": lambda: _cce("cce_exact")}
-    for chunk in QUACK_CHUNKS if sweep else (4096, 8192):
+    for chunk in QUACK_CHUNKS:
         for fused, label in ((False, "base"), (True, "fused")):
             out[f"quack-{label}-{chunk}"] = lambda c=chunk, f=fused: _quack(c, f)
     return out
@@ -120,7 +120,7 @@ def methods(device, with_compile, sweep=False):
     if with_compile:
         out["torch.compile"] = torch.compile(_torch_unfused, fullgraph=True)
     if device == "cuda":
-        for name, make in _peers(sweep).items():
+        for name, make in _peers().items():
             try:
                 out[name] = make()
             except ImportError:

@@ -30,6 +30,17 @@ def _eager(h, w, t, b, cw, options):
 _compiled = torch.compile(_eager, fullgraph=True, dynamic=True)
 
 
+@pytest.mark.parametrize("option,value", [("label_smoothing", 1.5), ("softcap", -1.0),
+                                          ("z_loss", -1.0)])
+def test_linear_ce_compiled_dynamic_bad_option_names_it(option, value):
+    # dynamic=True makes the options symbolic floats: still the ValueError naming them
+    # (fullgraph=True reports any raise as Dynamo's Unsupported, so it is off here).
+    x = make_inputs(6, 4, 5)
+    step = torch.compile(torch_fce.linear_cross_entropy, dynamic=True)
+    with pytest.raises(ValueError, match=option):
+        step(x["hidden"], x["weight"], x["target"], **{option: value})
+
+
 @pytest.mark.parametrize("name", OPTIONS)
 def test_linear_ce_compiled_matches_eager(name):
     x = make_inputs(24, 8, 37, bias=True, class_weight=True)

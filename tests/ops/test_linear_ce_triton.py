@@ -128,6 +128,21 @@ def test_triton_kahan_gemm_rounds_once(dtype):
     assert rel_err(torch.sub(s, c), exact) <= 1.1 * rel_err(exact.to(dtype), exact)
 
 
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_triton_rows_zero_non_finite_ignored_rows(reduction):
+    x = _to_device(make_inputs(8, 4, 13, bias=True))
+    ignored = 2
+    x["target"][ignored] = -100
+    x["hidden"][ignored] = float("nan")
+    options = dict(reduction=reduction, label_smoothing=0.1, softcap=None, z_loss=1e-3)
+    g = torch.ones(8, device=DEVICE) if reduction == "none" else torch.tensor(1.0)
+    loss, grads = _triton_loss_and_grads(x, options, "fp32", 3, g.to(DEVICE))
+    x["hidden"][ignored] = 0.0  # what an ignored row contributes: nothing
+    ref, ref_grads = _triton_loss_and_grads(x, options, "fp32", 3, g.to(DEVICE))
+    assert torch.isfinite(loss).all() and torch.equal(loss, ref)
+    assert torch.equal(grads["hidden"], ref_grads["hidden"])
+
+
 @pytest.mark.skipif(DEVICE == "cuda", reason="CUDA runs it through the CUDA backend tests")
 def test_triton_kahan_accumulator_through_the_op(monkeypatch):
     from torch_fce.ops import accumulate, workspace
