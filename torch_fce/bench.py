@@ -113,8 +113,9 @@ def _peers():
 def methods(device, with_compile, sweep=False):
     """Name -> loss function (hidden, weight, target) for every method available here.
 
-    sweep adds torch_fce fp32 at each workspace of SWEEP_WORKSPACE_MIB ("fce-fp32@MiB")
-    and the quack chunk sizes of QUACK_CHUNKS.
+    Peers (CUDA, where installed): Liger, CCE (default and cce_exact) and quack (base and
+    fused pipelines at each chunk of QUACK_CHUNKS). sweep adds torch_fce fp32 at each
+    workspace of SWEEP_WORKSPACE_MIB ("fce-fp32@MiB").
     """
     out = {"torch": _torch_unfused}
     if with_compile:
@@ -381,8 +382,8 @@ def main(argv=None):
                    help="comma-separated N for the error-vs-N study (D=256, V=2048, bf16), "
                         "e.g. 4096,65536,262144")
     p.add_argument("--sweep", action="store_true",
-                   help="time-memory sweep: torch_fce fp32 at workspaces %s MiB and quack "
-                        "at chunks %s; with --plot also writes *_tradeoff.png"
+                   help="time-memory sweep: torch_fce fp32 at workspaces %s MiB besides "
+                        "quack's chunks %s; with --plot also writes *_tradeoff.png"
                         % (SWEEP_WORKSPACE_MIB, QUACK_CHUNKS))
     p.add_argument("--isolate", action="store_true",
                    help="one process per method (peak memory and JIT caches of its own)")
