@@ -329,6 +329,14 @@ def plot_tradeoff(rows, path):
     fig, axes = plt.subplots(1, len(shapes), figsize=(6 * len(shapes), 4.5), squeeze=False)
     for ax, shape in zip(axes[0], shapes):
         here = [r for r in rows if r.shape == shape and r.method != "torch"]
+        # Points far above the best would squash the curves: listed instead of drawn.
+        best = min(r.x_mm for r in here)
+        off = [r for r in here if r.x_mm > 1.6 * best]
+        here = [r for r in here if r.x_mm <= 1.6 * best]
+        if off:
+            ax.text(0.02, 0.98, "off the chart: " + ", ".join(
+                f"{r.method} {r.x_mm:.1f}x" for r in off), transform=ax.transAxes,
+                fontsize=7, va="top")
         for fam in sorted({_family(r.method) for r in here}):
             pts = sorted((r.extra_mib, r.x_mm, r.method) for r in here
                          if _family(r.method) == fam)
