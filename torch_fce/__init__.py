@@ -4,9 +4,10 @@ Importing the package registers torch.ops.fce.linear_ce and its kernels.
 """
 
 from . import ops  # noqa: F401  (registers the ops)
-from .functional import linear_cross_entropy
+from .functional import LogProbs, linear_cross_entropy, linear_logprobs
 from .modules import LinearCrossEntropyLoss
 from .ops.workspace import set_workspace, workspace
 
-__all__ = ["linear_cross_entropy", "LinearCrossEntropyLoss", "set_workspace", "workspace"]
+__all__ = ["linear_cross_entropy", "linear_logprobs", "LogProbs", "LinearCrossEntropyLoss",
+           "set_workspace", "workspace"]
 __version__ = "0.1.0"

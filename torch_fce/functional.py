@@ -1,4 +1,7 @@
-"""torch_fce.linear_cross_entropy: the Python entry to fce::linear_ce."""
+"""torch_fce.linear_cross_entropy and linear_logprobs: the Python entries to the ops."""
+
+import math
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -49,6 +52,73 @@ def linear_cross_entropy(hidden, weight, target, bias=None, class_weight=None, *
         return dtensor_linear_cross_entropy(hidden, weight, target, bias, class_weight,
                                             **options)
     return torch.ops.fce.linear_ce(hidden, weight, target, bias, class_weight, **options)
+
+
+class LogProbs(NamedTuple):
+    """linear_logprobs' outputs, each of target's shape (float32; float64 for float64
+    inputs; argmax int64). entropy is None unless asked for; lse and argmax carry no
+    gradient."""
+    logprob: torch.Tensor
+    entropy: Optional[torch.Tensor]
+    lse: torch.Tensor
+    argmax: torch.Tensor
+
+
+def linear_logprobs(hidden, weight, target, bias=None, *, temperature=1.0, softcap=None,
+                    ignore_index=-100, entropy=False, accumulator="fp32", shift=False):
+    """Per-token log-probs (and entropy) of softcap(F.linear(hidden, weight, bias)) /
+    temperature at target, without the logits.
+
+    Args:
+        hidden: (*, D) bfloat16, float16 or float32. weight: (V, D), hidden's dtype or
+            float32. target: (*) int64/int32 sampled tokens; ignore_index marks tokens
+            to skip (their outputs are 0). bias: optional (V,).
+        temperature: a float > 0, or a float tensor broadcastable to target's shape
+            (per sequence, per token), not differentiated.
+        softcap: Gemma-style c * tanh(z / c) before the temperature. entropy: also
+            return -sum_c p_c log p_c. accumulator: as for linear_cross_entropy.
+        shift: pair hidden[..., t, :] with target[..., t + 1] (causal LM, as for
+            linear_cross_entropy); the temperature stays with the hidden position.
+
+    Returns:
+        LogProbs(logprob, entropy, lse, argmax). logprob and entropy are differentiable
+        w.r.t. hidden, weight and bias for any upstream gradients (docs/rl.md).
+    """
+    if not isinstance(shift, bool):
+        raise TypeError(f"shift must be a bool, got {type(shift).__name__}")
+    if _is_dtensor(weight):
+        raise NotImplementedError("linear_logprobs does not take a DTensor (vocab-sharded) "
+                                  "weight yet: gather the head or use linear_cross_entropy")
+    temperature = _temperature_tensor(temperature, target)
+    if shift:
+        check_inputs(hidden, weight, target, bias, None)
+        if target.dim() == 0:
+            raise ValueError("shift=True needs target with a sequence dimension, got a 0-d tensor")
+        target = shift_targets(int64_if_needed(target, ignore_index), ignore_index)
+    out = torch.ops.fce.linear_logprobs(hidden, weight, target, bias, temperature,
+                                        softcap=softcap, ignore_index=ignore_index,
+                                        entropy=entropy, accumulator=accumulator)
+    return LogProbs(out[0], out[1] if entropy else None, out[2], out[3])
+
+
+def _temperature_tensor(temperature, target):
+    """None for 1.0; a float > 0 as is checked here; a tensor broadcast to target."""
+    if isinstance(temperature, torch.Tensor):
+        if not isinstance(target, torch.Tensor):
+            return temperature  # the op names the bad target
+        try:
+            return temperature.expand(target.shape)
+        except RuntimeError:
+            raise ValueError(f"temperature of shape {tuple(temperature.shape)} does not "
+                             f"broadcast to target's shape {tuple(target.shape)}") from None
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+        raise TypeError(f"temperature must be a float or a tensor, got "
+                        f"{type(temperature).__name__}")
+    if not (temperature > 0 and math.isfinite(temperature)):
+        raise ValueError(f"temperature must be a finite float > 0, got {temperature}")
+    if temperature == 1.0:
+        return None
+    return torch.full(target.shape, float(temperature), device=target.device)
 
 
 def _is_dtensor(t):

@@ -1,4 +1,4 @@
-"""Autograd formulas of the internal ops (the public op decomposes into them).
+"""Autograd formulas of the internal ops (the public ops decompose into them).
 
 When the forward computed the gradients (scalar losses, see linear_ce.py), the backward
 only scales them by the scalar upstream gradient. Saved tensors are never modified, so
@@ -46,7 +46,9 @@ def _backward_fwd(ctx, grad_loss, *_):
 
 
 class _OnceDifferentiable(torch.autograd.Function):
-    """grad itself, as a function of the op's inputs whose derivative raises."""
+    """grad itself, as a function of the op's inputs whose derivative raises.
+
+    Inputs that do not require grad (an integer target) are passed but ignored."""
 
     @staticmethod
     def forward(ctx, grad, *inputs):
@@ -71,3 +73,42 @@ def _grads(ctx, grad_loss, saved):
 
 
 torch.library.register_autograd("fce::linear_ce_fwd", _backward_fwd, setup_context=_setup_fwd)
+
+
+def _setup_logprobs(ctx, inputs, output):
+    hidden, weight, target, bias, temperature, softcap, ignore_index, entropy, \
+        accumulator = inputs
+    ctx.mark_non_differentiable(output[2], output[3])  # lse, argmax
+    ctx.set_materialize_grads(False)
+    ctx.options = (softcap, ignore_index, accumulator)
+    ctx.entropy = entropy
+    ctx.save_for_backward(hidden, weight, target, bias, temperature)
+
+
+def _backward_logprobs(ctx, grad_logprob, grad_entropy, *_):
+    """The logits are recomputed with both upstream gradients (log-probs and entropy
+    are per token, so nothing is formed in the forward)."""
+    if not ctx.entropy:
+        grad_entropy = None
+    if grad_logprob is None and grad_entropy is None:
+        return (None,) * 9
+    saved = ctx.saved_tensors  # raises if an input was modified in place since
+    hidden, weight, target, bias, temperature = saved
+    needs = list(ctx.needs_input_grad[:2]) + [ctx.needs_input_grad[3]]
+    create_graph = torch.is_grad_enabled()
+    with torch.no_grad():
+        if grad_logprob is None:
+            grad_logprob = torch.zeros_like(target, dtype=grad_entropy.dtype)
+        grads = torch.ops.fce.linear_logprobs_bwd(
+            grad_logprob, grad_entropy, hidden, weight, target, bias, temperature,
+            *ctx.options, needs)
+    grads = [g if need else None for g, need in zip(grads, needs)]
+    if create_graph:
+        graph_inputs = [t for t in (grad_logprob, grad_entropy, *saved) if t is not None]
+        grads = [None if g is None else _OnceDifferentiable.apply(g, *graph_inputs)
+                 for g in grads]
+    return grads[0], grads[1], None, grads[2], None, None, None, None, None
+
+
+torch.library.register_autograd("fce::linear_logprobs_fwd", _backward_logprobs,
+                                setup_context=_setup_logprobs)

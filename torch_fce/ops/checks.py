@@ -55,6 +55,41 @@ def check_options(reduction, label_smoothing, softcap, z_loss, accumulator, igno
         raise ValueError(f"z_loss must be >= 0{_got(z_loss)}")
 
 
+def check_logprob_options(softcap, ignore_index, entropy, accumulator):
+    check_options("none", 0.0, softcap, 0.0, accumulator, ignore_index)
+    if not isinstance(entropy, bool):
+        raise TypeError(f"entropy must be a bool, got {type(entropy).__name__}")
+
+
+def check_temperature(temperature, target):
+    """A float tensor of target's shape on its device, not requiring grad. The kernels
+    check its values (check_temperature_values)."""
+    if temperature is None:
+        return
+    _check_tensor("temperature", temperature)
+    if temperature.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"temperature must be a float tensor, got {temperature.dtype}")
+    if temperature.dim() != target.dim():
+        raise ValueError(f"temperature must have target's shape {tuple(target.shape)}, "
+                         f"got {tuple(temperature.shape)}")
+    for a, b in zip(temperature.shape, target.shape):
+        _value(a == b, f"temperature must have target's shape {tuple(target.shape)}, "
+                       f"got {tuple(temperature.shape)}")
+    if temperature.device != target.device:
+        raise ValueError(f"temperature is on {temperature.device} but target is on "
+                         f"{target.device}")
+    if temperature.requires_grad and torch.is_grad_enabled():
+        raise ValueError("temperature must not require grad: it is not differentiated; "
+                         "pass temperature.detach()")
+
+
+def check_temperature_values(temperature):
+    """Raises unless every temperature is > 0 (syncs: always on the CPU, opt-in on CUDA
+    with the target check; otherwise such a token's outputs are NaN)."""
+    if temperature is not None and not bool((temperature > 0).all()):
+        raise ValueError("temperature must be > 0 (and not NaN) everywhere")
+
+
 def _check_tensor(name, t):
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a Tensor, got {type(t).__name__}")

@@ -6,7 +6,9 @@ wanted, the logits gradient dz, then dz @ weight gives the hidden gradient and d
 hidden is added to the weight gradient. Memory beyond inputs and outputs is the (n, V)
 chunk plus the gradient accumulator (and, for float32 master weights, the weight in
 hidden's dtype for the GEMMs); n is chosen per backend from a fixed budget.
-Backends differ only in the row function and the chunk size.
+Backends differ only in the row function and the chunk size. Cross entropy
+(rows.py, triton/rows.py) and the log-probs (logprob_rows.py, triton/logprob_rows.py)
+are two row functions on the same loop.
 """
 
 import torch
@@ -21,20 +23,18 @@ def math_dtype_for(dtype):
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def run_chunks(hidden, weight, target, bias, class_weight, opts, needs_grad, ce_scale,
-               z_scale, rows, chunk_rows, accumulator):
-    """Returns (lse, nll, smooth) each (N,), and (grad_hidden, grad_weight, grad_bias).
-
-    ce_scale/z_scale are None when no gradient is wanted. Gradients not flagged in
-    needs_grad are None. grad_weight/grad_bias come back in the accumulator's dtype.
-    """
+def run_chunks(hidden, weight, bias, row_fn, outputs, needs_grad, accumulator, chunk_rows):
+    """The loop. row_fn(logits, s, e) -> (terms, dz) for the chunk of tokens [s, e):
+    per-token terms written into the (N,) buffers of `outputs`, and the logits gradient
+    dz (None when no gradient is wanted). Returns (grad_hidden, grad_weight, grad_bias),
+    each None unless flagged in needs_grad; grad_weight/grad_bias in the accumulator's
+    dtype."""
     N, D = hidden.shape
     V = weight.shape[0]
     dtype = hidden.dtype
     mdt = math_dtype_for(dtype)
     w = weight.to(dtype)  # products run in hidden's dtype (master weights: as autocast)
     b = None if bias is None else bias.to(dtype)
-    lse, nll, smooth = (hidden.new_empty(N, dtype=mdt) for _ in range(3))
     gh = hidden.new_empty(hidden.shape) if needs_grad[0] else None
     gw = GradAccumulator(accumulator, (V, D), dtype, weight.dtype, hidden.device) \
         if needs_grad[1] else None
@@ -42,18 +42,33 @@ def run_chunks(hidden, weight, target, bias, class_weight, opts, needs_grad, ce_
     for s in range(0, N, chunk_rows):
         e = min(N, s + chunk_rows)
         h = hidden[s:e]
-        logits = F.linear(h, w, b)
-        scales = (None, None) if ce_scale is None else (ce_scale[s:e], z_scale[s:e])
-        lse[s:e], nll[s:e], smooth[s:e], dz = rows(
-            logits, target[s:e], class_weight, *scales, opts, mdt)
+        terms, dz = row_fn(F.linear(h, w, b), s, e)
+        for out, term in zip(outputs, terms):
+            out[s:e] = term
         if gh is not None:
             torch.mm(dz, w, out=gh[s:e])
         if gw is not None:
             gw.add(dz, h)
         if gb is not None:
             gb += dz.sum(0, dtype=mdt)
-        del logits, dz  # freed before the next chunk is allocated: one chunk at a time
-    return (lse, nll, smooth), (gh, gw, gb)
+        del terms, dz  # freed before the next chunk is allocated: one chunk at a time
+    return gh, gw, gb
+
+
+def _ce_chunks(hidden, weight, target, bias, class_weight, opts, needs_grad, ce_scale,
+               z_scale, rows, chunk_rows, accumulator):
+    """Cross entropy on the loop: (lse, nll, smooth) each (N,), and the gradients."""
+    mdt = math_dtype_for(hidden.dtype)
+    terms = tuple(hidden.new_empty(hidden.shape[0], dtype=mdt) for _ in range(3))
+
+    def row_fn(logits, s, e):
+        scales = (None, None) if ce_scale is None else (ce_scale[s:e], z_scale[s:e])
+        *out, dz = rows(logits, target[s:e], class_weight, *scales, opts, mdt)
+        return out, dz
+
+    grads = run_chunks(hidden, weight, bias, row_fn, terms, needs_grad, accumulator,
+                       chunk_rows)
+    return terms, grads
 
 
 def linear_ce_fwd(hidden, weight, target, bias, class_weight, ignore_index, reduction,
@@ -65,7 +80,7 @@ def linear_ce_fwd(hidden, weight, target, bias, class_weight, ignore_index, redu
     ce_scale, z_scale = grad_scales(target, class_weight, ignore_index, reduction, z_loss,
                                     math_dtype_for(hidden.dtype)) if want else (None, None)
     with torch.autocast(hidden.device.type, enabled=False):
-        (lse, nll, smooth), grads = run_chunks(
+        (lse, nll, smooth), grads = _ce_chunks(
             hidden, weight, target, bias, class_weight, opts, needs_grad, ce_scale, z_scale,
             rows, chunk_rows, accumulator)
         loss = reduce_loss(nll, smooth, lse, target, class_weight, ignore_index, reduction,
@@ -82,9 +97,58 @@ def linear_ce_bwd(grad_loss, hidden, weight, target, bias, class_weight, ignore_
     ce_scale, z_scale = grad_scales(
         target, class_weight, ignore_index, reduction, z_loss, mdt, grad_loss=grad_loss)
     with torch.autocast(hidden.device.type, enabled=False):
-        _, grads = run_chunks(hidden, weight, target, bias, class_weight, opts, needs_grad,
+        _, grads = _ce_chunks(hidden, weight, target, bias, class_weight, opts, needs_grad,
                               ce_scale, z_scale, rows, chunk_rows, accumulator)
     return _grad_outputs(hidden, weight, bias, grads, keep_f32=False)
+
+
+def linear_logprobs_fwd(hidden, weight, target, bias, temperature, softcap, ignore_index,
+                        entropy, *, rows, chunk_rows):
+    """fce::linear_logprobs_fwd on one device: (logprob, entropy, lse, argmax), each (N,);
+    entropy is (0,) unless asked for."""
+    N, mdt = hidden.shape[0], math_dtype_for(hidden.dtype)
+    inv_t = _inverse_temperature(temperature, N, hidden.device, mdt)
+    opts = RowOptions(ignore_index, 0.0, softcap)
+    out = [hidden.new_empty(N, dtype=mdt) for _ in range(3)] + [
+        hidden.new_empty(N, dtype=torch.int64)]
+
+    def row_fn(logits, s, e):
+        *terms, _ = rows(logits, target[s:e], inv_t[s:e], opts, entropy, None, None, mdt)
+        return terms, None
+
+    with torch.autocast(hidden.device.type, enabled=False):
+        run_chunks(hidden, weight, bias, row_fn, out, (False,) * 3, "fp32", chunk_rows)
+    logprob, ent, lse, argmax = out
+    return logprob, ent if entropy else hidden.new_empty(0, dtype=mdt), lse, argmax
+
+
+def linear_logprobs_bwd(grad_logprob, grad_entropy, hidden, weight, target, bias,
+                        temperature, softcap, ignore_index, accumulator, needs_grad, *,
+                        rows, chunk_rows):
+    """fce::linear_logprobs_bwd on one device: recomputes the logits chunk by chunk."""
+    N, mdt = hidden.shape[0], math_dtype_for(hidden.dtype)
+    inv_t = _inverse_temperature(temperature, N, hidden.device, mdt)
+    opts = RowOptions(ignore_index, 0.0, softcap)
+    g_lp = grad_logprob.to(mdt)
+    g_h = None if grad_entropy is None else grad_entropy.to(mdt)
+
+    def row_fn(logits, s, e):
+        *_, dz = rows(logits, target[s:e], inv_t[s:e], opts, g_h is not None, g_lp[s:e],
+                      None if g_h is None else g_h[s:e], mdt)
+        return (), dz
+
+    with torch.autocast(hidden.device.type, enabled=False):
+        grads = run_chunks(hidden, weight, bias, row_fn, (), needs_grad, accumulator,
+                           chunk_rows)
+    return _grad_outputs(hidden, weight, bias, grads, keep_f32=False)
+
+
+def _inverse_temperature(temperature, N, device, dtype):
+    """1 / temperature per token, NaN where it is not > 0 (no host check off the CPU)."""
+    if temperature is None:
+        return torch.ones(N, device=device, dtype=dtype)
+    t = temperature.to(dtype)
+    return torch.where(t > 0, 1.0 / t, float("nan"))
 
 
 def grad_dtype(dtype, keep_f32):

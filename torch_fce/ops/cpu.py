@@ -3,6 +3,7 @@
 import torch
 
 from . import checks, chunked
+from .logprob_rows import torch_logprob_rows
 from .rows import torch_rows
 from .workspace import chunk_rows
 
@@ -37,6 +38,24 @@ def linear_ce_bwd(grad_loss, hidden, weight, target, bias, class_weight, ignore_
         grad_loss, hidden, weight, target, bias, class_weight, ignore_index, reduction,
         label_smoothing, softcap, z_loss, accumulator, needs_grad, rows=torch_rows,
         chunk_rows=_chunk_rows_for(hidden, weight))
+
+
+@torch.library.impl("fce::linear_logprobs_fwd", "CompositeExplicitAutograd")
+def linear_logprobs_fwd(hidden, weight, target, bias, temperature, softcap, ignore_index,
+                        entropy, accumulator):
+    _check_targets(target, weight.shape[0], ignore_index)
+    if target.device.type == "cpu" or checks.CHECK_TARGETS:
+        checks.check_temperature_values(temperature)
+    return chunked.linear_logprobs_fwd(
+        hidden, weight, target, bias, temperature, softcap, ignore_index, entropy,
+        rows=torch_logprob_rows, chunk_rows=_chunk_rows_for(hidden, weight))
+
+
+@torch.library.impl("fce::linear_logprobs_bwd", "CompositeExplicitAutograd")
+def linear_logprobs_bwd(grad_logprob, grad_entropy, hidden, weight, target, *options):
+    return chunked.linear_logprobs_bwd(
+        grad_logprob, grad_entropy, hidden, weight, target, *options,
+        rows=torch_logprob_rows, chunk_rows=_chunk_rows_for(hidden, weight))
 
 
 @torch.library.impl("fce::scale_grad", "CompositeExplicitAutograd")

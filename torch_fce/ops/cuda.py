@@ -4,7 +4,9 @@ import torch
 
 from . import checks, chunked
 from .cpu import _chunk_rows_for
+from .logprob_rows import torch_logprob_rows
 from .rows import torch_rows
+from .triton.logprob_rows import triton_logprob_rows
 from .triton.rows import triton_rows
 from .triton.scale import _launch_scale_cast
 
@@ -27,6 +29,28 @@ def linear_ce_bwd(grad_loss, hidden, weight, target, bias, class_weight, *option
     return chunked.linear_ce_bwd(
         grad_loss, hidden, weight, target, bias, class_weight, *options,
         rows=_rows(hidden.dtype), chunk_rows=_chunk_rows_for(hidden, weight))
+
+
+def _logprob_rows(dtype):
+    return torch_logprob_rows if dtype == torch.float64 else triton_logprob_rows
+
+
+@torch.library.impl("fce::linear_logprobs_fwd", "CUDA")
+def linear_logprobs_fwd(hidden, weight, target, bias, temperature, softcap, ignore_index,
+                        entropy, accumulator):
+    if checks.CHECK_TARGETS:
+        checks.check_target_range(target, weight.shape[0], ignore_index)
+        checks.check_temperature_values(temperature)
+    return chunked.linear_logprobs_fwd(
+        hidden, weight, target, bias, temperature, softcap, ignore_index, entropy,
+        rows=_logprob_rows(hidden.dtype), chunk_rows=_chunk_rows_for(hidden, weight))
+
+
+@torch.library.impl("fce::linear_logprobs_bwd", "CUDA")
+def linear_logprobs_bwd(grad_logprob, grad_entropy, hidden, weight, target, *options):
+    return chunked.linear_logprobs_bwd(
+        grad_logprob, grad_entropy, hidden, weight, target, *options,
+        rows=_logprob_rows(hidden.dtype), chunk_rows=_chunk_rows_for(hidden, weight))
 
 
 @torch.library.impl("fce::scale_grad", "CUDA")

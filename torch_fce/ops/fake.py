@@ -38,3 +38,17 @@ def _linear_ce_bwd_fake(grad_loss, hidden, weight, target, bias, class_weight, i
 @torch.library.register_fake("fce::scale_grad")
 def _scale_grad_fake(grad, scale, dtype):
     return grad.new_empty(grad.shape, dtype=dtype)
+
+
+@torch.library.register_fake("fce::linear_logprobs_fwd")
+def _linear_logprobs_fwd_fake(hidden, weight, target, bias, temperature, softcap,
+                              ignore_index, entropy, accumulator):
+    N, mdt = target.shape[0], torch.promote_types(hidden.dtype, torch.float32)
+    return (hidden.new_empty(N, dtype=mdt), hidden.new_empty(N if entropy else 0, dtype=mdt),
+            hidden.new_empty(N, dtype=mdt), hidden.new_empty(N, dtype=torch.int64))
+
+
+@torch.library.register_fake("fce::linear_logprobs_bwd")
+def _linear_logprobs_bwd_fake(grad_logprob, grad_entropy, hidden, weight, target, bias,
+                              temperature, softcap, ignore_index, accumulator, needs_grad):
+    return _grads(hidden, weight, bias, needs_grad, keep_f32=False)

@@ -1,6 +1,7 @@
 """Every fce:: schema in one place.
 
-`linear_ce` is the public op (../../API.md). It is CompositeImplicitAutograd: under
+`linear_ce` and `linear_logprobs` are the public ops (docs/api.md). Each is
+CompositeImplicitAutograd: under
 autograd and tracing it decomposes into the two internal ops below, which carry the
 fake kernels, the per-device kernels and the autograd formula. That split is what lets
 the forward compute the gradients (3 matmuls instead of 4) when the loss is a scalar,
@@ -44,3 +45,30 @@ LIB.define(
 # grad * scale rounded once to dtype (the backward of a loss whose gradients the forward
 # computed); scale is the 0-d upstream gradient.
 LIB.define("scale_grad(Tensor grad, Tensor scale, ScalarType dtype) -> Tensor")
+
+
+# Per-token log-probs (docs/rl.md): the log-softmax of softcap(logits) / temperature at
+# target, its entropy, logsumexp and argmax, each target.shape (entropy (0,) unless
+# entropy=True). temperature: None (1) or target.shape.
+LIB.define(
+    "linear_logprobs(Tensor hidden, Tensor weight, Tensor target, Tensor? bias=None, "
+    "Tensor? temperature=None, *, float? softcap=None, SymInt ignore_index=-100, "
+    "bool entropy=False, str accumulator=\"fp32\") "
+    "-> (Tensor logprob, Tensor entropy, Tensor lse, Tensor argmax)"
+)
+
+# hidden (N, D), target and temperature (N,). The forward forms no gradient: every output
+# is per token, so the backward recomputes the logits with the upstream gradients
+# (accumulator is for the backward's weight-gradient sum).
+LIB.define(
+    "linear_logprobs_fwd(Tensor hidden, Tensor weight, Tensor target, Tensor? bias, "
+    "Tensor? temperature, float? softcap, SymInt ignore_index, bool entropy, "
+    "str accumulator) -> (Tensor logprob, Tensor entropy, Tensor lse, Tensor argmax)"
+)
+
+LIB.define(
+    "linear_logprobs_bwd(Tensor grad_logprob, Tensor? grad_entropy, Tensor hidden, "
+    "Tensor weight, Tensor target, Tensor? bias, Tensor? temperature, float? softcap, "
+    "SymInt ignore_index, str accumulator, bool[3] needs_grad) "
+    "-> (Tensor grad_hidden, Tensor grad_weight, Tensor grad_bias)"
+)

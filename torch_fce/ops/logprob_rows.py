@@ -1,0 +1,59 @@
+"""Per-row log-prob math in plain PyTorch: the CPU backend's counterpart of the Triton
+log-prob row kernel (triton/logprob_rows.py).
+
+For a chunk of logits rows l (n, V) (after bias), with z = softcap(l) / T (T the row's
+temperature) and p = softmax(z):
+  lse     = logsumexp(z)
+  logprob = z_y - lse                                  (0 where ignored)
+  entropy = -sum_c p_c log p_c = lse - mu, mu = sum_c p_c z_c   (0 where ignored)
+  argmax  = argmax_c z_c (the first one), as an index
+and for upstream gradients g (of logprob) and h (of entropy), zero where ignored:
+  dl_c = (g * ([c == y] - p_c) - h * p_c * (z_c - mu)) * softcap'(l_c) / T
+"""
+
+import torch
+
+from .rows import softcapped
+
+
+def torch_logprob_rows(logits, target, inv_t, opts, entropy, g_lp, g_h, math_dtype):
+    """Returns (logprob, entropy, lse, argmax, dz) for logits (n, V).
+
+    logits is the backend's chunk buffer and is overwritten. inv_t (n,) is 1/T (NaN for
+    a temperature that is not > 0). entropy: whether to form it (else its slot is not
+    meant to be read). g_lp / g_h: (n,) upstream gradients, or None: dz is None unless
+    g_lp is given; g_h None means no entropy gradient. dz has logits' dtype.
+    """
+    n, V = logits.shape
+    z, tanh = softcapped(logits, opts.softcap, math_dtype)
+    argmax = z.argmax(-1)
+    z.mul_(inv_t[:, None])
+    valid = target != opts.ignore_index
+    in_range = (target >= 0) & (target < V)
+    tgt = torch.where(valid & in_range, target, 0).long()
+    z_y = z.gather(1, tgt[:, None]).squeeze(1)
+    m = z.amax(-1, keepdim=True).clamp_min(torch.finfo(math_dtype).min)
+    e = (z - m).exp_()
+    total = e.sum(-1)
+    lse = m.squeeze(1) + total.log()
+    # A counted target outside [0, V) poisons its row with NaN (as the loss does).
+    logprob = torch.where(valid, torch.where(in_range, z_y - lse, float("nan")), 0.0)
+    want_mu = entropy or g_h is not None
+    mu = (e * z).sum(-1) / total if want_mu else None
+    ent = torch.where(valid, lse - mu, 0.0) if entropy else torch.zeros_like(lse)
+    if g_lp is None:
+        return logprob, ent, lse, argmax, None
+    g = torch.where(valid, g_lp, 0.0)
+    p = e.div_(total[:, None])
+    if g_h is None:
+        dz = p.mul_(-g[:, None])
+    else:
+        h = torch.where(valid, g_h, 0.0)
+        dz = p.mul_(-(g[:, None] + h[:, None] * (z - mu[:, None])))
+    dz.scatter_add_(1, tgt[:, None], g[:, None])
+    dz.mul_(inv_t[:, None])
+    if tanh is not None:
+        dz.mul_(1.0 - tanh * tanh)
+    # Ignored rows get exactly 0, whatever their logits (a NaN hidden state).
+    dz.masked_fill_((~valid)[:, None], 0.0)
+    return logprob, ent, lse, argmax, dz.to(logits.dtype)

@@ -1,0 +1,120 @@
+"""Triton row kernel for the log-probs: logsumexp, log-prob, entropy, argmax and the
+logits gradient of a logits chunk (the math of logprob_rows.torch_logprob_rows).
+
+One program per token row. Sweep 1 forms the logsumexp, sum_c p_c z_c and the argmax
+online; with an upstream gradient, sweep 2 writes the logits gradient over the logits
+in place. The forward (no gradient) reads a chunk once; the backward reads it twice
+and writes it once, in its own dtype.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from .rows import _NEG_BIG, _block_v, _load_z
+
+
+@triton.jit
+def _stats_sweep(row_ptr, V, inv_t, softcap, HAS_SOFTCAP: tl.constexpr,
+                 WANT_MU: tl.constexpr, BLOCK_V: tl.constexpr):
+    """(lse, mu = sum_c p_c z_c, argmax) of one row of z = softcap(l) * inv_t."""
+    cols = tl.arange(0, BLOCK_V)
+    m = tl.max(tl.full([BLOCK_V], _NEG_BIG, tl.float32), axis=0)
+    s = tl.sum(tl.zeros([BLOCK_V], tl.float32), axis=0)
+    ez = tl.sum(tl.zeros([BLOCK_V], tl.float32), axis=0)
+    best = tl.max(tl.full([BLOCK_V], float("-inf"), tl.float32), axis=0)
+    best_i = tl.sum(tl.zeros([BLOCK_V], tl.int64), axis=0)
+    for v0 in range(0, V, BLOCK_V):
+        offs = v0 + cols
+        mask = offs < V
+        c = _load_z(row_ptr + offs, mask, softcap, HAS_SOFTCAP)
+        # argmax of softcap(l) (the same class as of z for inv_t > 0), first one on ties
+        bv, bi = tl.max(c, axis=0, return_indices=True, return_indices_tie_break_left=True)
+        better = bv > best
+        best_i = tl.where(better, v0 + bi.to(tl.int64), best_i)
+        best = tl.where(better, bv, best)
+        z = c * inv_t
+        m_new = tl.maximum(m, tl.max(z, axis=0))
+        scale = tl.exp(m - m_new)
+        ex = tl.where(mask, tl.exp(z - m_new), 0.0)
+        s = s * scale + tl.sum(ex, axis=0)
+        if WANT_MU:
+            ez = ez * scale + tl.sum(tl.where(mask, ex * z, 0.0), axis=0)
+        m = m_new
+    return m + tl.log(s), ez / s, best_i
+
+
+@triton.jit
+def _linear_logprobs_rows_kernel(
+    # pointers
+    logits_ptr, target_ptr, inv_t_ptr, g_lp_ptr, g_h_ptr,
+    logprob_ptr, entropy_ptr, lse_ptr, argmax_ptr,
+    # sizes and options
+    V, ignore_index, softcap,
+    # strides
+    stride_ln,
+    # meta-parameters
+    HAS_GRAD: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr, WANT_ENTROPY: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """logits (n, V) -> logprob, entropy, lse (n,) float32, argmax (n,) int64; with
+    HAS_GRAD, logits <- dl (the gradient for upstream g_lp and, with HAS_ENTROPY_GRAD,
+    g_h)."""
+    # int64: row * stride_ln passes 2^31 for chunks of large vocabularies.
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = logits_ptr + row * stride_ln
+    t = tl.load(target_ptr + row).to(tl.int64)
+    inv_t = tl.load(inv_t_ptr + row)
+    valid = t != ignore_index
+    in_range = (t >= 0) & (t < V)
+    lse, mu, best = _stats_sweep(row_ptr, V, inv_t, softcap, HAS_SOFTCAP,
+                                 WANT_ENTROPY or HAS_ENTROPY_GRAD, BLOCK_V)
+    z_y = _load_z(row_ptr + tl.where(valid & in_range, t, 0), True, softcap,
+                  HAS_SOFTCAP) * inv_t
+    # Out-of-range targets never read out of bounds: they poison the row with NaN.
+    lp = tl.where(in_range, z_y - lse, float("nan"))
+    tl.store(logprob_ptr + row, tl.where(valid, lp, 0.0))
+    tl.store(lse_ptr + row, lse)
+    tl.store(argmax_ptr + row, best)
+    if WANT_ENTROPY:
+        tl.store(entropy_ptr + row, tl.where(valid, lse - mu, 0.0))
+
+    if HAS_GRAD:
+        g = tl.where(valid, tl.load(g_lp_ptr + row), 0.0)
+        h = tl.where(valid, tl.load(g_h_ptr + row), 0.0) if HAS_ENTROPY_GRAD else 0.0
+        cols = tl.arange(0, BLOCK_V)
+        for v0 in range(0, V, BLOCK_V):
+            offs = v0 + cols
+            mask = offs < V
+            c = _load_z(row_ptr + offs, mask, softcap, HAS_SOFTCAP)
+            z = c * inv_t
+            p = tl.exp(z - lse)
+            dz = -p * (g + h * (z - mu)) + tl.where(offs == t, g, 0.0)
+            dz *= inv_t
+            if HAS_SOFTCAP:
+                th = c / softcap
+                dz *= 1.0 - th * th
+            dz = tl.where(valid, dz, 0.0)  # ignored rows: 0 even if their logits are not finite
+            tl.store(row_ptr + offs, dz.to(row_ptr.dtype.element_ty), mask=mask)
+
+
+def triton_logprob_rows(logits, target, inv_t, opts, entropy, g_lp, g_h, math_dtype):
+    """Row function for chunked.linear_logprobs_*: (logprob, entropy, lse, argmax, dz),
+    dz written over logits (entropy is undefined unless asked for). logits (n, V) with unit stride along V; target, inv_t, g_lp,
+    g_h (n,)."""
+    n, V = logits.shape
+    assert math_dtype == torch.float32 and logits.stride(1) == 1
+    logprob, ent, lse = (logits.new_empty(n, dtype=torch.float32) for _ in range(3))
+    argmax = logits.new_empty(n, dtype=torch.int64)
+    has_grad, entropy_grad = g_lp is not None, g_h is not None
+    # Unit-stride indexing in the kernel: views (an expanded temperature) are copied.
+    target, inv_t = target.contiguous(), inv_t.float().contiguous()
+    g_lp = g_lp.float().contiguous() if has_grad else lse
+    g_h = g_h.float().contiguous() if entropy_grad else lse
+    _linear_logprobs_rows_kernel[(n,)](
+        logits, target, inv_t, g_lp, g_h, logprob, ent, lse, argmax,
+        V, opts.ignore_index, opts.softcap if opts.softcap is not None else 1.0,
+        logits.stride(0), HAS_GRAD=has_grad, HAS_ENTROPY_GRAD=has_grad and entropy_grad,
+        WANT_ENTROPY=entropy, HAS_SOFTCAP=opts.softcap is not None,
+        BLOCK_V=_block_v(V), num_warps=8)
+    return logprob, ent, lse, argmax, logits if has_grad else None
