@@ -5,7 +5,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .ops.checks import check_inputs, check_options
+from .ops.checks import check_inputs, check_logprob_options, check_options
 from .ops.linear_ce import int64_if_needed
 
 
@@ -84,6 +84,8 @@ def linear_logprobs(hidden, weight, target, bias=None, *, temperature=1.0, softc
         LogProbs(logprob, entropy, lse, argmax). logprob and entropy are differentiable
         w.r.t. hidden, weight and bias for any upstream gradients (docs/rl.md).
     """
+    # Checked here too: the dispatcher's own type errors would not name the option.
+    check_logprob_options(softcap, ignore_index, entropy, accumulator)
     if not isinstance(shift, bool):
         raise TypeError(f"shift must be a bool, got {type(shift).__name__}")
     if _is_dtensor(weight):

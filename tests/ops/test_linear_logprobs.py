@@ -1,0 +1,230 @@
+"""linear_logprobs against a float64 reference built from the logits (log_softmax, gather,
+entropy), every option, any upstream gradients; gradcheck; compile; opcheck; bad input;
+the Triton row kernel under the interpreter."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, strategies as st
+
+import torch_fce
+from torch_fce.ops import chunked
+from torch_fce.ops.logprob_rows import torch_logprob_rows
+from torch_fce.ops.triton.logprob_rows import triton_logprob_rows
+from torch_fce.testing import EPS, make_inputs, rel_err
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def reference(hidden, weight, target, bias=None, temperature=1.0, softcap=None,
+              ignore_index=-100):
+    """(logprob, entropy, lse, argmax) from float64 logits, each target.shape."""
+    z = F.linear(hidden.double(), weight.double(), None if bias is None else bias.double())
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    t = torch.as_tensor(temperature, dtype=torch.float64, device=z.device)
+    z = z / t.expand(target.shape)[..., None]
+    logp = z.log_softmax(-1)
+    valid = target != ignore_index
+    lp = logp.gather(-1, torch.where(valid, target, 0).long()[..., None]).squeeze(-1)
+    ent = -(logp.exp() * logp).sum(-1)
+    zero = torch.zeros((), dtype=torch.float64, device=z.device)
+    return (torch.where(valid, lp, zero), torch.where(valid, ent, zero),
+            torch.logsumexp(z, -1), z.argmax(-1))
+
+
+def _tol(dtype, V):
+    # The op rounds the logits to hidden's dtype before the float32 row math.
+    return 8 * EPS[dtype] * max(1.0, V ** 0.5 / 8)
+
+
+@st.composite
+def logprob_problems(draw):
+    N = draw(st.sampled_from([1, 2, 7, 24]))
+    D = draw(st.sampled_from([1, 4, 17]))
+    V = draw(st.sampled_from([2, 31, 97, 257]))
+    x = make_inputs(N, D, V, torch.float32, ignore_frac=draw(st.sampled_from([0.0, 0.3, 1.0])),
+                    bias=draw(st.booleans()), seed=draw(st.integers(0, 2**16)),
+                    weight_scale=draw(st.sampled_from([1.0, 4.0])))
+    x.pop("class_weight")
+    per = draw(st.sampled_from(["scalar", "token", "sequence"]))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+    if N % 2 == 0 and draw(st.booleans()):  # a (B, T) batch
+        x["hidden"] = x["hidden"].reshape(2, N // 2, D)
+        x["target"] = x["target"].reshape(2, N // 2)
+    shape = x["target"].shape
+    temperature = {"scalar": draw(st.sampled_from([1.0, 0.7, 1.6])),
+                   "token": torch.rand(shape, generator=g) + 0.3,
+                   "sequence": torch.rand(*shape[:-1], 1, generator=g) + 0.3}[per]
+    options = dict(temperature=temperature, softcap=draw(st.sampled_from([None, 3.0])),
+                   entropy=draw(st.booleans()))
+    upstream = draw(st.sampled_from(["both", "logprob", "entropy"]))
+    return x, options, upstream
+
+
+def _objective(out, upstream, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    lp, ent = out[0], out[1]
+    total = 0.0
+    if upstream in ("both", "logprob") or ent is None:
+        total = total + (lp * torch.randn(lp.shape, generator=g).to(lp)).sum()
+    if upstream in ("both", "entropy") and ent is not None:
+        total = total + (ent * torch.randn(ent.shape, generator=g).to(ent)).sum()
+    return total
+
+
+@given(logprob_problems())
+def test_linear_logprobs_match_reference(problem):
+    x, options, upstream = problem
+    leaves = {k: x[k].detach().clone().requires_grad_() for k in ("hidden", "weight", "bias")
+              if x[k] is not None}
+    got = torch_fce.linear_logprobs(leaves["hidden"], leaves["weight"], x["target"],
+                                    leaves.get("bias"), **options)
+    ref_leaves = {k: v.detach().double().requires_grad_() for k, v in leaves.items()}
+    ref = reference(ref_leaves["hidden"], ref_leaves["weight"], x["target"],
+                    ref_leaves.get("bias"), options["temperature"], options["softcap"])
+    V = x["weight"].shape[0]
+    tol = _tol(torch.float32, V)
+    assert got.logprob.dtype == torch.float32 and got.argmax.dtype == torch.int64
+    assert rel_err(got.logprob, ref[0]) <= tol and rel_err(got.lse, ref[2]) <= tol
+    assert (got.entropy is None) != options["entropy"]
+    if options["entropy"]:
+        assert rel_err(got.entropy, ref[1]) <= tol
+    assert torch.equal(got.argmax, ref[3])
+    total = _objective(got, upstream)
+    if not torch.is_tensor(total) or not total.requires_grad:
+        return
+    grads = torch.autograd.grad(total, list(leaves.values()), allow_unused=True)
+    ref_out = (ref[0], ref[1] if options["entropy"] else None)
+    ref_grads = torch.autograd.grad(_objective(ref_out, upstream), list(ref_leaves.values()),
+                                    allow_unused=True)
+    for name, a, b in zip(leaves, grads, ref_grads):
+        b = torch.zeros_like(leaves[name], dtype=torch.float64) if b is None else b
+        a = torch.zeros_like(b) if a is None else a
+        assert rel_err(a, b) <= 4 * tol, name
+
+
+def test_linear_logprobs_gradcheck_float64():
+    x = make_inputs(7, 4, 11, torch.float64, bias=True, ignore_frac=0.3)
+    T = torch.rand(7, dtype=torch.float64) + 0.5
+    args = (x["hidden"].requires_grad_(), x["weight"].requires_grad_(),
+            x["bias"].requires_grad_())
+    assert torch.autograd.gradcheck(lambda h, w, b: torch_fce.linear_logprobs(
+        h, w, x["target"], b, temperature=T, softcap=2.0, entropy=True)[:2], args)
+
+
+def test_linear_logprobs_all_ignored_and_shift():
+    x = make_inputs(2 * 6, 4, 13)
+    h, t = x["hidden"].reshape(2, 6, 4).requires_grad_(), x["target"].reshape(2, 6)
+    out = torch_fce.linear_logprobs(h, x["weight"], torch.full_like(t, -100), entropy=True)
+    assert torch.equal(out.logprob, torch.zeros(2, 6)) and torch.equal(out.entropy,
+                                                                        torch.zeros(2, 6))
+    (out.logprob.sum() + out.entropy.sum()).backward()
+    assert torch.equal(h.grad, torch.zeros_like(h))
+    shifted = torch_fce.linear_logprobs(h, x["weight"], t, shift=True, temperature=0.5)
+    want = reference(h[:, :-1], x["weight"], t[:, 1:], temperature=0.5)[0]
+    assert rel_err(shifted.logprob[:, :-1], want) <= _tol(torch.float32, 13)
+    assert torch.equal(shifted.logprob[:, -1], torch.zeros(2))
+
+
+def test_linear_logprobs_reused_retained_and_inputs_unchanged():
+    x = make_inputs(8, 4, 13, bias=True)
+    before = {k: v.clone() for k, v in x.items() if v is not None}
+    h = x["hidden"].requires_grad_()
+    out = torch_fce.linear_logprobs(h, x["weight"], x["target"], x["bias"], entropy=True)
+    total = out.logprob.sum() * 2.0 + out.entropy.sum() - out.logprob.sum()
+    total.backward(retain_graph=True)
+    total.backward()
+    ref_h = x["hidden"].detach().double().requires_grad_()
+    ref = reference(ref_h, x["weight"], x["target"], x["bias"])
+    (2 * (ref[0].sum() + ref[1].sum())).backward()
+    assert rel_err(h.grad, ref_h.grad) <= _tol(torch.float32, 13)
+    assert all(torch.equal(x[k].detach(), v) for k, v in before.items())
+
+
+def test_linear_logprobs_compiled_matches_eager():
+    x = make_inputs(12, 4, 13, bias=True)
+    T = torch.rand(2, 1) + 0.5
+
+    def step(h, w, b):
+        out = torch_fce.linear_logprobs(h, w, x["target"].reshape(2, 6), b, temperature=T,
+                                        softcap=3.0, entropy=True)
+        return out.logprob, out.entropy, out.argmax
+
+    def grads(fn):
+        leaves = [x[k].detach().clone().requires_grad_() for k in ("weight", "bias")]
+        h = x["hidden"].reshape(2, 6, 4).detach().clone().requires_grad_()
+        lp, ent, am = fn(h, *leaves)
+        (lp.sum() + (ent * 0.5).sum()).backward()
+        return lp, am, h.grad, leaves[0].grad
+
+    compiled = torch.compile(step, fullgraph=True, dynamic=True)
+    for a, b in zip(grads(compiled), grads(step)):
+        assert torch.equal(a, b) if not a.is_floating_point() else rel_err(a, b) <= 1e-6
+
+
+@pytest.mark.parametrize("entropy", [False, True])
+def test_linear_logprobs_opcheck(entropy):
+    x = make_inputs(6, 4, 9, torch.bfloat16, bias=True)
+    args = (x["hidden"].reshape(2, 3, 4).requires_grad_(), x["weight"].requires_grad_(),
+            x["target"].reshape(2, 3), x["bias"], torch.rand(2, 3) + 0.5)
+    torch.library.opcheck(torch.ops.fce.linear_logprobs.default, args,
+                          dict(softcap=5.0, entropy=entropy))
+    flat = (x["hidden"].detach(), x["weight"].detach(), x["target"], x["bias"],
+            torch.rand(6) + 0.5, 5.0, -100)
+    torch.library.opcheck(torch.ops.fce.linear_logprobs_fwd.default,
+                          (*flat, entropy, "fp32"))
+    torch.library.opcheck(torch.ops.fce.linear_logprobs_bwd.default,
+                          (torch.randn(6), torch.randn(6) if entropy else None, *flat,
+                           "fp32", [True, True, True]))
+
+
+BAD = [
+    ("temperature 0", dict(temperature=0.0), ValueError, "temperature"),
+    ("temperature nan", dict(temperature=float("nan")), ValueError, "temperature"),
+    ("temperature str", dict(temperature="hot"), TypeError, "temperature"),
+    ("temperature tensor <= 0", dict(temperature=torch.tensor([[0.5], [-1.0]])), ValueError,
+     "temperature"),
+    ("temperature tensor nan", dict(temperature=torch.full((2, 3), float("nan"))),
+     ValueError, "temperature"),
+    ("temperature shape", dict(temperature=torch.ones(4)), ValueError, "temperature"),
+    ("temperature dtype", dict(temperature=torch.ones(2, 3, dtype=torch.int64)), TypeError,
+     "temperature"),
+    ("temperature grad", dict(temperature=torch.ones(2, 3, requires_grad=True)), ValueError,
+     "temperature"),
+    ("softcap", dict(softcap=-1.0), ValueError, "softcap"),
+    ("entropy", dict(entropy="yes"), TypeError, "entropy"),
+    ("accumulator", dict(accumulator="bf16"), ValueError, "accumulator"),
+    ("shift", dict(shift=1), TypeError, "shift"),
+]
+
+
+@pytest.mark.parametrize("name,options,error,argument", BAD, ids=[b[0] for b in BAD])
+def test_linear_logprobs_bad_input_names_argument(name, options, error, argument):
+    x = make_inputs(6, 4, 9)
+    with pytest.raises(error, match=argument):
+        torch_fce.linear_logprobs(x["hidden"].reshape(2, 3, 4), x["weight"],
+                                  x["target"].reshape(2, 3), **options)
+
+
+@pytest.mark.parametrize("softcap", [None, 4.0])
+@pytest.mark.parametrize("entropy", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_triton_logprob_rows_match_their_pytorch_twin(softcap, entropy, dtype):
+    # Triton's interpreter on CPU tensors (CI), the real kernel on a GPU.
+    x = {k: v if v is None else v.to(DEVICE) for k, v in make_inputs(
+        9, 5, 37, dtype, bias=True, ignore_frac=0.3, weight_scale=2.0).items()}
+    T = torch.rand(9, device=DEVICE) + 0.5
+    g_lp, g_h = torch.randn(9, device=DEVICE), torch.randn(9, device=DEVICE)
+    args = (x["hidden"], x["weight"], x["target"], x["bias"], T, softcap, -100)
+    outs = []
+    for rows in (torch_logprob_rows, triton_logprob_rows):
+        kw = dict(rows=rows, chunk_rows=4)
+        fwd = chunked.linear_logprobs_fwd(*args, entropy, **kw)
+        bwd = chunked.linear_logprobs_bwd(g_lp, g_h if entropy else None, *args, "fp32",
+                                          [True, True, True], **kw)
+        outs.append((fwd, bwd))
+    (f0, b0), (f1, b1) = outs
+    assert torch.equal(f0[3], f1[3])  # argmax
+    for a, b in zip((*f0[:3], *b0), (*f1[:3], *b1)):
+        assert a.shape == b.shape and (a.numel() == 0 or rel_err(a, b) <= 4 * EPS[dtype])
