@@ -120,7 +120,9 @@ def _temperature_tensor(temperature, target):
         raise ValueError(f"temperature must be a finite float > 0, got {temperature}")
     if temperature == 1.0:
         return None
-    return torch.full(target.shape, float(temperature), device=target.device)
+    # float64 holds the Python float exactly; the kernels take it to their math dtype.
+    return torch.full(target.shape, float(temperature), device=target.device,
+                      dtype=torch.float64)
 
 
 def _is_dtensor(t):

@@ -1,0 +1,49 @@
+"""TRL-style per-token log-probs and entropies of a HuggingFace causal LM, without logits.
+
+    from torch_fce.integrations import transformers as fce_hf, trl as fce_trl
+    fce_hf.apply(model)      # checks that the family's logits can be reproduced
+    logps, entropies = fce_trl.per_token_logps_and_entropies(
+        model, input_ids, attention_mask, logits_to_keep, temperature=0.7,
+        compute_entropy=True)
+
+The same values as TRL's GRPOTrainer computes from
+`logits[:, -logits_to_keep - 1:-1] / temperature` (`selective_log_softmax`,
+`entropy_from_logits`), from the head's input and weight through
+torch_fce.linear_logprobs. docs/rl.md shows the GRPOTrainer override that uses it.
+"""
+
+from ..functional import linear_logprobs
+from .transformers import _ORIGINAL, _logit_transform
+
+
+def per_token_logps_and_entropies(model, input_ids, attention_mask=None, logits_to_keep=None,
+                                  *, temperature=1.0, compute_entropy=False,
+                                  accumulator="fp32", **model_kwargs):
+    """(logps, entropies) each (B, K) for the last K = logits_to_keep tokens of input_ids
+    (all but the first when None); entropies is None unless compute_entropy.
+
+    model must have been patched by torch_fce.integrations.transformers.apply (its
+    check refuses families whose logits are not softcap(scale * lm_head(hidden))).
+    temperature: a float or a tensor broadcastable to (B, K).
+    """
+    if not hasattr(model, _ORIGINAL):
+        raise ValueError("per_token_logps_and_entropies needs a model patched by "
+                         "torch_fce.integrations.transformers.apply(model) first")
+    K = input_ids.shape[1] - 1 if logits_to_keep is None else int(logits_to_keep)
+    if not 0 < K < input_ids.shape[1]:
+        raise ValueError(f"logits_to_keep must be in [1, {input_ids.shape[1] - 1}], got {K}")
+    head = model.get_output_embeddings()
+    with head.forward.capturing() as capture:
+        getattr(model, _ORIGINAL)(input_ids=input_ids, attention_mask=attention_mask,
+                                  **model_kwargs)
+    hidden, capture.hidden = capture.hidden, None
+    hidden = hidden[:, -K - 1:-1]  # position t predicts token t + 1
+    scale, softcap = _logit_transform(model.config)
+    bias = head.bias
+    if scale is not None:
+        hidden = hidden * scale
+        bias = None if bias is None else bias * scale
+    out = linear_logprobs(hidden, head.weight, input_ids[:, -K:], bias,
+                          temperature=temperature, softcap=softcap, entropy=compute_entropy,
+                          accumulator=accumulator)
+    return out.logprob, out.entropy
