@@ -134,11 +134,54 @@ def methods(device, with_compile, sweep=False):
     return out
 
 
-def _reference(x, dtype=torch.float32):
+# --objective logprobs: an RL-style step, sum of g * logprob + h * entropy at this
+# temperature, with fixed random per-token g and h (the backward recomputes the logits).
+LOGPROB_TEMPERATURE = 0.7
+
+
+def _upstream(t):
+    g = torch.Generator(device=t.device).manual_seed(0)
+    return torch.randn(t.shape, generator=g, device=t.device), \
+        torch.randn(t.shape, generator=g, device=t.device)
+
+
+def _logprobs_unfused(h, w, t):
+    # As TRL computes them from logits: float32 upcast, divided by the temperature.
+    logp = (F.linear(h, w).float() / LOGPROB_TEMPERATURE).log_softmax(-1)
+    lp = logp.gather(-1, t.clamp_min(0)[:, None]).squeeze(-1)
+    ent = -(logp.exp() * logp).sum(-1)
+    g, k = _upstream(t)
+    valid = t != -100
+    return (torch.where(valid, lp, 0.0) * g).sum() + (torch.where(valid, ent, 0.0) * k).sum()
+
+
+def _logprobs_fce(accumulator):
+    def run(h, w, t):
+        out = torch_fce.linear_logprobs(h, w, t, temperature=LOGPROB_TEMPERATURE, entropy=True,
+                                        accumulator=accumulator)
+        g, k = _upstream(t)
+        return (out.logprob * g).sum() + (out.entropy * k).sum()
+    return run
+
+
+def logprob_methods(with_compile):
+    """The --objective logprobs methods: unfused (eager, compiled) and torch_fce."""
+    out = {"torch": _logprobs_unfused}
+    if with_compile:
+        out["torch.compile"] = torch.compile(_logprobs_unfused, fullgraph=True)
+    for acc in ("fp32", "input"):
+        out[f"fce-{acc}"] = _logprobs_fce(acc)
+    return out
+
+
+def _reference(x, dtype=torch.float32, objective="ce"):
     """Loss and gradients in dtype from the same (rounded) inputs, logits materialised."""
     h = x["hidden"].to(dtype).requires_grad_()
     w = x["weight"].to(dtype).requires_grad_()
-    loss = F.cross_entropy(F.linear(h, w), x["target"], ignore_index=-100)
+    if objective == "logprobs":
+        loss = _logprobs_unfused(h, w, x["target"])
+    else:
+        loss = F.cross_entropy(F.linear(h, w), x["target"], ignore_index=-100)
     loss.backward()
     return loss.detach(), h.grad, w.grad
 
@@ -163,11 +206,11 @@ def _skip(name, shape):
     return None
 
 
-def bench_shape(shape, dtype, device, fns, reps, progress):
+def bench_shape(shape, dtype, device, fns, reps, progress, objective="ce"):
     x = make_inputs(shape.N, shape.D, shape.V, dtype, device=device, weight_scale=2.0)
     old_tf32 = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
-    ref = _reference(x)
+    ref = _reference(x, objective=objective)
     torch.backends.cuda.matmul.allow_tf32 = old_tf32
     mm = median_time(lambda: x["hidden"] @ x["weight"].T, device, reps=reps)
     rows = []
@@ -369,6 +412,7 @@ def _isolated(args, shapes, names):
             cmd += ["--dtype", args.dtype] if args.dtype else []
             cmd += ["--compile"] if name == "torch.compile" else []
             cmd += ["--sweep"] if args.sweep else []
+            cmd += ["--objective", args.objective]
             if subprocess.run(cmd, stdout=subprocess.DEVNULL).returncode != 0:
                 print(f"  {name}: its process failed", file=sys.stderr)
                 continue
@@ -385,6 +429,10 @@ def main(argv=None):
     p.add_argument("--dtype", default=None, help="bfloat16 (CUDA default) or float32 (CPU)")
     p.add_argument("--methods", default=None, help="comma-separated subset of the methods")
     p.add_argument("--compile", action="store_true", help="include torch.compile")
+    p.add_argument("--objective", choices=("ce", "logprobs"), default="ce",
+                   help="ce: the mean cross entropy; logprobs: sum of random per-token "
+                        "weights times log-probs and entropies at temperature %s (an RL "
+                        "step; fce is torch_fce.linear_logprobs)" % LOGPROB_TEMPERATURE)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--accuracy", default=None,
                    help="comma-separated N for the error-vs-N study (D=256, V=2048, bf16), "
@@ -402,7 +450,8 @@ def main(argv=None):
     dtype = getattr(torch, args.dtype or ("bfloat16" if cuda else "float32"))
     names = [n for n in (args.shapes or ("A,B,C" if cuda else "cpu")).split(",") if n]
     shapes = [SHAPES[n] if n in SHAPES else Shape(n, *map(int, n.split(":"))) for n in names]
-    fns = methods(args.device, args.compile, args.sweep)
+    fns = logprob_methods(args.compile) if args.objective == "logprobs" else \
+        methods(args.device, args.compile, args.sweep)
     if args.methods:
         fns = {k: v for k, v in fns.items() if k in args.methods.split(",")}
     total, done = len(shapes) * len(fns), [0]
@@ -416,7 +465,8 @@ def main(argv=None):
         rows = _isolated(args, names, list(fns))
     else:
         for shape in shapes:
-            rows += bench_shape(shape, dtype, args.device, fns, args.reps, progress)
+            rows += bench_shape(shape, dtype, args.device, fns, args.reps, progress,
+                                args.objective)
     acc_rows = []
     if args.accuracy:
         Ns = [int(n) for n in args.accuracy.split(",")]
