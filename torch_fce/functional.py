@@ -15,9 +15,20 @@ def shift_targets(target, ignore_index):
     return torch.cat([target[..., 1:], pad], dim=-1)
 
 
+class LossStats(NamedTuple):
+    """Token statistics of linear_cross_entropy(return_stats=True), from the loss's own
+    pass: lse and argmax (int64, the most likely class) of target's shape, and z_loss,
+    the z-loss term's share of the loss (reduced as the loss; 0 without z_loss). None
+    carries a gradient."""
+    lse: torch.Tensor
+    argmax: torch.Tensor
+    z_loss: torch.Tensor
+
+
 def linear_cross_entropy(hidden, weight, target, bias=None, class_weight=None, *,
                          ignore_index=-100, reduction="mean", label_smoothing=0.0,
-                         softcap=None, z_loss=0.0, accumulator="fp32", shift=False):
+                         softcap=None, z_loss=0.0, accumulator="fp32", shift=False,
+                         return_stats=False):
     """Cross entropy of F.linear(hidden, weight, bias) against target, without the logits.
 
     Args:
@@ -28,11 +39,14 @@ def linear_cross_entropy(hidden, weight, target, bias=None, class_weight=None, *
         shift: pair hidden[..., t, :] with target[..., t + 1] (causal LM); hidden is not
             copied, the last position of each sequence is ignored.
         Other options: see API.md.
+        return_stats: also return LossStats (per-token lse and argmax, the z-loss term)
+            from the same pass, no extra GEMM (token accuracy: argmax == target).
         A DTensor weight sharded on dim 0 (vocabulary) runs the vocab-parallel loss over
         its mesh dimension (torch_fce.distributed); the loss is the same on every rank.
 
     Returns:
-        float32 loss: () for "mean"/"sum", target.shape for "none".
+        float32 loss: () for "mean"/"sum", target.shape for "none"; with return_stats,
+        (loss, LossStats).
     """
     # Checked here too: the dispatcher's own type errors would not name the option.
     check_options(reduction, label_smoothing, softcap, z_loss, accumulator, ignore_index)
@@ -46,12 +60,30 @@ def linear_cross_entropy(hidden, weight, target, bias=None, class_weight=None, *
     options = dict(ignore_index=ignore_index, reduction=reduction,
                    label_smoothing=label_smoothing, softcap=softcap, z_loss=z_loss,
                    accumulator=accumulator)
+    if not isinstance(return_stats, bool):
+        raise TypeError(f"return_stats must be a bool, got {type(return_stats).__name__}")
     if _is_dtensor(weight):  # sharded by vocabulary: the vocab-parallel loss
+        if return_stats:
+            raise NotImplementedError("return_stats with a DTensor (vocab-sharded) weight")
         from .distributed.dtensor import dtensor_linear_cross_entropy
 
         return dtensor_linear_cross_entropy(hidden, weight, target, bias, class_weight,
                                             **options)
-    return torch.ops.fce.linear_ce(hidden, weight, target, bias, class_weight, **options)
+    if not return_stats:
+        return torch.ops.fce.linear_ce(hidden, weight, target, bias, class_weight, **options)
+    loss, lse, argmax = torch.ops.fce.linear_ce_stats(hidden, weight, target, bias,
+                                                      class_weight, **options)
+    return loss, LossStats(lse, argmax, _z_loss_term(lse.detach(), target, ignore_index,
+                                                     reduction, z_loss))
+
+
+def _z_loss_term(lse, target, ignore_index, reduction, z_loss):
+    """z_loss * lse**2 over the counted tokens, reduced as the loss is."""
+    valid = target != ignore_index
+    term = torch.where(valid, lse * lse, 0.0) * z_loss
+    if reduction == "none":
+        return term
+    return term.sum() if reduction == "sum" else term.sum() / valid.sum()
 
 
 class LogProbs(NamedTuple):

@@ -34,7 +34,7 @@ def serial(h, w, t, ce, zs, gh, gw, n):
     for s in range(0, h.shape[0], n):
         e = min(h.shape[0], s + n)
         dz = triton_rows(F.linear(h[s:e], w), t[s:e], None, ce[s:e], zs[s:e], OPTS,
-                         torch.float32)[3]
+                         torch.float32)[-1]
         _grads(dz, h[s:e], w, gh, gw, s, e, s == 0)
 
 
@@ -48,7 +48,7 @@ def overlap(h, w, t, ce, zs, gh, gw, n, side):
             z = F.linear(h[s:e], w)
             side.wait_stream(main)
             with torch.cuda.stream(side):
-                dz = triton_rows(z, t[s:e], None, ce[s:e], zs[s:e], OPTS, torch.float32)[3]
+                dz = triton_rows(z, t[s:e], None, ce[s:e], zs[s:e], OPTS, torch.float32)[-1]
             z.record_stream(side)
             nxt = (dz, s, e)
         if pending is not None:

@@ -33,8 +33,9 @@ def test_linear_ce_opcheck(family, dtype):
 def test_linear_ce_internal_ops_opcheck(needs):
     x = make_inputs(5, 4, 9, torch.bfloat16, bias=True, weight_dtype=torch.float32)
     args = (x["hidden"], x["weight"], x["target"], x["bias"], None, -100)
-    torch.library.opcheck(torch.ops.fce.linear_ce_fwd.default,
-                          (*args, "mean", 0.1, 3.0, 1e-3, "fp32", needs))
+    for stats in (False, True):
+        torch.library.opcheck(torch.ops.fce.linear_ce_fwd.default,
+                              (*args, "mean", 0.1, 3.0, 1e-3, "fp32", needs, stats))
     torch.library.opcheck(torch.ops.fce.linear_ce_bwd.default,
                           (torch.randn(5), *args, "none", 0.1, 3.0, 1e-3, "kahan", needs))
     torch.library.opcheck(torch.ops.fce.linear_ce_bwd.default,

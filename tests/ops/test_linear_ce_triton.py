@@ -31,10 +31,11 @@ def _triton_loss_and_grads(x, options, accumulator, chunk_rows, grad_out):
             [True, True, x["bias"] is not None])
     kw = dict(rows=triton_rows, chunk_rows=chunk_rows)
     if options["reduction"] == "none":
-        loss = chunked.linear_ce_fwd(*args, "none", *rest[:-1], [False] * 3, **kw)[0]
+        loss = chunked.linear_ce_fwd(*args, "none", *rest[:-1], [False] * 3, False, **kw)[0]
         grads = chunked.linear_ce_bwd(grad_out.reshape(-1), *args, "none", *rest, **kw)
     else:
-        loss, *grads = chunked.linear_ce_fwd(*args, options["reduction"], *rest, **kw)
+        loss, *grads, _, _ = chunked.linear_ce_fwd(*args, options["reduction"], *rest, False,
+                                                   **kw)
         grads = [g * grad_out for g in grads]
     grads = [grads[0].reshape(x["hidden"].shape), *grads[1:]]
     return loss, dict(zip(("hidden", "weight", "bias"), grads))
@@ -97,7 +98,7 @@ def test_triton_rows_out_of_range_target_gives_nan_not_a_crash():
     x = make_inputs(4, 3, 11, torch.float32, ignore_frac=0.0, device=DEVICE)
     x["target"][1] = 11
     loss = chunked.linear_ce_fwd(x["hidden"], x["weight"], x["target"], None, None, -100,
-                                 "none", 0.0, None, 0.0, "fp32", [False] * 3,
+                                 "none", 0.0, None, 0.0, "fp32", [False] * 3, False,
                                  rows=triton_rows, chunk_rows=4)[0]
     assert torch.isnan(loss[1]) and torch.isfinite(loss[[0, 2, 3]]).all()
 

@@ -228,3 +228,39 @@ def test_triton_logprob_rows_match_their_pytorch_twin(softcap, entropy, dtype):
     assert torch.equal(f0[3], f1[3])  # argmax
     for a, b in zip((*f0[:3], *b0), (*f1[:3], *b1)):
         assert a.shape == b.shape and (a.numel() == 0 or rel_err(a, b) <= 4 * EPS[dtype])
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_linear_ce_return_stats_from_the_same_pass(reduction):
+    x = make_inputs(12, 4, 13, bias=True, ignore_frac=0.3)
+    h = x["hidden"].detach().clone().requires_grad_()
+    loss, stats = torch_fce.linear_cross_entropy(h, x["weight"], x["target"], x["bias"],
+                                                 softcap=5.0, z_loss=1e-2, reduction=reduction,
+                                                 return_stats=True)
+    plain = torch_fce.linear_cross_entropy(x["hidden"], x["weight"], x["target"], x["bias"],
+                                           softcap=5.0, z_loss=1e-2, reduction=reduction)
+    assert torch.equal(loss.detach(), plain)
+    _, _, lse, argmax = reference(x["hidden"], x["weight"], x["target"], x["bias"],
+                                  softcap=5.0)
+    assert rel_err(stats.lse, lse) <= _tol(torch.float32, 13)
+    assert torch.equal(stats.argmax, argmax)
+    valid = x["target"] != -100
+    zl = torch.where(valid, lse ** 2, 0.0) * 1e-2
+    want = {"none": zl, "sum": zl.sum(), "mean": zl.sum() / valid.sum()}[reduction]
+    assert rel_err(stats.z_loss, want) <= _tol(torch.float32, 13)
+    loss.sum().backward()  # the statistics carry no gradient; the loss's is unchanged
+    assert h.grad is not None and not stats.lse.requires_grad
+
+
+@pytest.mark.parametrize("softcap", [None, 4.0])
+def test_triton_ce_rows_argmax_matches_pytorch(softcap):
+    from torch_fce.ops.rows import RowOptions, torch_rows
+    from torch_fce.ops.triton.rows import triton_rows
+
+    logits = torch.randn(6, 5000, device=DEVICE) * 3  # more than one BLOCK_V block
+    logits[2, 4500] = 50.0  # the maximum in the second block
+    target = torch.randint(0, 5000, (6,), device=DEVICE)
+    opts = RowOptions(-100, 0.0, softcap, argmax=True)
+    got = triton_rows(logits.clone(), target, None, None, None, opts, torch.float32)[3]
+    want = torch_rows(logits.clone(), target, None, None, None, opts, torch.float32)[3]
+    assert torch.equal(got, want) and got[2] == 4500

@@ -18,9 +18,9 @@ _NO_DOUBLE = (
 
 def _setup_fwd(ctx, inputs, output):
     hidden, weight, target, bias, class_weight, ignore_index, reduction, label_smoothing, \
-        softcap, z_loss, accumulator, needs_grad = inputs
-    _, gh, gw, gb = output
-    ctx.mark_non_differentiable(gh, gw, gb)
+        softcap, z_loss, accumulator, needs_grad, _ = inputs
+    _, gh, gw, gb, lse, argmax = output
+    ctx.mark_non_differentiable(gh, gw, gb, lse, argmax)
     ctx.set_materialize_grads(False)  # else autograd makes zero "gradients" of gh, gw, gb
     ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
     ctx.precomputed = any(needs_grad)
@@ -31,7 +31,7 @@ def _setup_fwd(ctx, inputs, output):
 
 def _backward_fwd(ctx, grad_loss, *_):
     if grad_loss is None:  # the loss got no gradient (grads are not materialised)
-        return (None,) * 12
+        return (None,) * 13
     saved = ctx.saved_tensors  # raises if an input was modified in place since
     create_graph = torch.is_grad_enabled()
     with torch.no_grad():
@@ -42,7 +42,7 @@ def _backward_fwd(ctx, grad_loss, *_):
         graph_inputs = [t for t in (grad_loss, *saved[:5]) if t is not None]
         grads = [None if g is None else _OnceDifferentiable.apply(g, *graph_inputs)
                  for g in grads]
-    return grads[0], grads[1], None, grads[2], None, None, None, None, None, None, None, None
+    return grads[0], grads[1], None, grads[2], *(None,) * 9
 
 
 class _OnceDifferentiable(torch.autograd.Function):

@@ -57,14 +57,16 @@ def run_chunks(hidden, weight, bias, row_fn, outputs, needs_grad, accumulator, c
 
 def _ce_chunks(hidden, weight, target, bias, class_weight, opts, needs_grad, ce_scale,
                z_scale, rows, chunk_rows, accumulator):
-    """Cross entropy on the loop: (lse, nll, smooth) each (N,), and the gradients."""
-    mdt = math_dtype_for(hidden.dtype)
-    terms = tuple(hidden.new_empty(hidden.shape[0], dtype=mdt) for _ in range(3))
+    """Cross entropy on the loop: (lse, nll, smooth) each (N,), plus argmax (N,) int64
+    when opts.argmax, and the gradients."""
+    N, mdt = hidden.shape[0], math_dtype_for(hidden.dtype)
+    terms = tuple(hidden.new_empty(N, dtype=mdt) for _ in range(3)) + (
+        (hidden.new_empty(N, dtype=torch.int64),) if opts.argmax else ())
 
     def row_fn(logits, s, e):
         scales = (None, None) if ce_scale is None else (ce_scale[s:e], z_scale[s:e])
-        *out, dz = rows(logits, target[s:e], class_weight, *scales, opts, mdt)
-        return out, dz
+        *out, argmax, dz = rows(logits, target[s:e], class_weight, *scales, opts, mdt)
+        return out + ([argmax] if opts.argmax else []), dz
 
     grads = run_chunks(hidden, weight, bias, row_fn, terms, needs_grad, accumulator,
                        chunk_rows)
@@ -72,20 +74,22 @@ def _ce_chunks(hidden, weight, target, bias, class_weight, opts, needs_grad, ce_
 
 
 def linear_ce_fwd(hidden, weight, target, bias, class_weight, ignore_index, reduction,
-                  label_smoothing, softcap, z_loss, accumulator, needs_grad, *, rows,
+                  label_smoothing, softcap, z_loss, accumulator, needs_grad, stats, *, rows,
                   chunk_rows):
     """fce::linear_ce_fwd on one device, given its row function and chunk size."""
-    opts = RowOptions(ignore_index, label_smoothing, softcap)
+    opts = RowOptions(ignore_index, label_smoothing, softcap, argmax=stats)
     want = any(needs_grad)
     ce_scale, z_scale = grad_scales(target, class_weight, ignore_index, reduction, z_loss,
                                     math_dtype_for(hidden.dtype)) if want else (None, None)
     with torch.autocast(hidden.device.type, enabled=False):
-        (lse, nll, smooth), grads = _ce_chunks(
+        (lse, nll, smooth, *argmax), grads = _ce_chunks(
             hidden, weight, target, bias, class_weight, opts, needs_grad, ce_scale, z_scale,
             rows, chunk_rows, accumulator)
         loss = reduce_loss(nll, smooth, lse, target, class_weight, ignore_index, reduction,
                            label_smoothing, z_loss, weight.shape[0])
-    return (loss, *_grad_outputs(hidden, weight, bias, grads, accumulator == "fp32"))
+    none = hidden.new_empty(0, dtype=lse.dtype), hidden.new_empty(0, dtype=torch.int64)
+    return (loss, *_grad_outputs(hidden, weight, bias, grads, accumulator == "fp32"),
+            *((lse, argmax[0]) if stats else none))
 
 
 def linear_ce_bwd(grad_loss, hidden, weight, target, bias, class_weight, ignore_index,

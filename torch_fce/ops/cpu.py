@@ -21,12 +21,10 @@ def _check_targets(target, V, ignore_index):
 
 
 @torch.library.impl("fce::linear_ce_fwd", "CompositeExplicitAutograd")
-def linear_ce_fwd(hidden, weight, target, bias, class_weight, ignore_index, reduction,
-                  label_smoothing, softcap, z_loss, accumulator, needs_grad):
+def linear_ce_fwd(hidden, weight, target, bias, class_weight, ignore_index, *options):
     _check_targets(target, weight.shape[0], ignore_index)
     return chunked.linear_ce_fwd(
-        hidden, weight, target, bias, class_weight, ignore_index, reduction, label_smoothing,
-        softcap, z_loss, accumulator, needs_grad, rows=torch_rows,
+        hidden, weight, target, bias, class_weight, ignore_index, *options, rows=torch_rows,
         chunk_rows=_chunk_rows_for(hidden, weight))
 
 

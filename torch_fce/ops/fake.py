@@ -18,13 +18,16 @@ def _grads(hidden, weight, bias, needs_grad, keep_f32):
 
 @torch.library.register_fake("fce::linear_ce_fwd")
 def _linear_ce_fwd_fake(hidden, weight, target, bias, class_weight, ignore_index, reduction,
-                        label_smoothing, softcap, z_loss, accumulator, needs_grad):
+                        label_smoothing, softcap, z_loss, accumulator, needs_grad, stats):
     check_options(reduction, label_smoothing, softcap, z_loss, accumulator, ignore_index)
     check_inputs(hidden, weight, target, bias, class_weight)
     shape = target.shape if reduction == "none" else ()
     # float32 (float64 for float64 inputs, which exist for gradcheck)
-    loss = hidden.new_empty(shape, dtype=torch.promote_types(hidden.dtype, torch.float32))
-    return (loss, *_grads(hidden, weight, bias, needs_grad, accumulator == "fp32"))
+    mdt = torch.promote_types(hidden.dtype, torch.float32)
+    n = target.shape[0] if stats else 0
+    return (hidden.new_empty(shape, dtype=mdt),
+            *_grads(hidden, weight, bias, needs_grad, accumulator == "fp32"),
+            hidden.new_empty(n, dtype=mdt), hidden.new_empty(n, dtype=torch.int64))
 
 
 @torch.library.register_fake("fce::linear_ce_bwd")

@@ -1,4 +1,5 @@
-"""fce::linear_ce: validates, applies autocast, flattens and picks the gradient strategy."""
+"""fce::linear_ce and linear_ce_stats: validate, apply autocast, flatten and pick the
+gradient strategy."""
 
 import torch
 import torch.autograd.forward_ad as fwAD
@@ -61,10 +62,9 @@ def _autocast(hidden, weight, bias):
     return hidden.to(dtype), weight, bias
 
 
-@torch.library.impl(LIB, "linear_ce", "CompositeImplicitAutograd")
-def linear_ce(hidden, weight, target, bias=None, class_weight=None, *, ignore_index=-100,
-              reduction="mean", label_smoothing=0.0, softcap=None, z_loss=0.0,
-              accumulator="fp32"):
+def _linear_ce(hidden, weight, target, bias, class_weight, ignore_index, reduction,
+               label_smoothing, softcap, z_loss, accumulator, stats):
+    """(loss, lse, argmax): the token statistics (0,) unless stats."""
     check_options(reduction, label_smoothing, softcap, z_loss, accumulator, ignore_index)
     _refuse_transforms((hidden, weight, bias, class_weight))
     hidden, weight, bias = _autocast(hidden, weight, bias)  # dtypes are checked after it
@@ -79,7 +79,26 @@ def linear_ce(hidden, weight, target, bias=None, class_weight=None, *, ignore_in
     # the logits in the backward.
     grad = torch.is_grad_enabled() and reduction != "none" and hidden.dtype != torch.float16
     needs = [grad and t is not None and t.requires_grad for t in (hidden, weight, bias)]
-    loss = torch.ops.fce.linear_ce_fwd(
+    loss, *_, lse, argmax = torch.ops.fce.linear_ce_fwd(
         hidden.reshape(-1, hidden.shape[-1]), weight, target.reshape(-1), bias, class_weight,
-        ignore_index, reduction, label_smoothing, softcap, z_loss, accumulator, needs)[0]
-    return loss.reshape(target.shape) if reduction == "none" else loss
+        ignore_index, reduction, label_smoothing, softcap, z_loss, accumulator, needs, stats)
+    loss = loss.reshape(target.shape) if reduction == "none" else loss
+    if stats:
+        lse, argmax = lse.reshape(target.shape), argmax.reshape(target.shape)
+    return loss, lse, argmax
+
+
+@torch.library.impl(LIB, "linear_ce", "CompositeImplicitAutograd")
+def linear_ce(hidden, weight, target, bias=None, class_weight=None, *, ignore_index=-100,
+              reduction="mean", label_smoothing=0.0, softcap=None, z_loss=0.0,
+              accumulator="fp32"):
+    return _linear_ce(hidden, weight, target, bias, class_weight, ignore_index, reduction,
+                      label_smoothing, softcap, z_loss, accumulator, False)[0]
+
+
+@torch.library.impl(LIB, "linear_ce_stats", "CompositeImplicitAutograd")
+def linear_ce_stats(hidden, weight, target, bias=None, class_weight=None, *,
+                    ignore_index=-100, reduction="mean", label_smoothing=0.0, softcap=None,
+                    z_loss=0.0, accumulator="fp32"):
+    return _linear_ce(hidden, weight, target, bias, class_weight, ignore_index, reduction,
+                      label_smoothing, softcap, z_loss, accumulator, True)

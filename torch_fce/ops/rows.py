@@ -21,6 +21,7 @@ class RowOptions(NamedTuple):
     ignore_index: int
     label_smoothing: float
     softcap: Optional[float]
+    argmax: bool = False  # also return each row's most likely class (token statistics)
 
 
 def softcapped(logits, softcap, math_dtype):
@@ -87,7 +88,8 @@ def torch_shard_grad(logits, col, cw, lse, a, b, c, opts, math_dtype):
 
 
 def torch_rows(logits, target, class_weight, ce_scale, z_scale, opts, math_dtype):
-    """Returns (lse, nll, smooth, dz) for logits (n, V); dz is None without ce_scale.
+    """Returns (lse, nll, smooth, argmax, dz) for logits (n, V); dz is None without
+    ce_scale, argmax (int64, the first most likely class) None unless opts.argmax.
 
     logits is the backend's own chunk buffer: it is overwritten (the math runs in place
     to keep the passes over the chunk few). ce_scale/z_scale: (n,) math_dtype. dz has
@@ -103,6 +105,7 @@ def torch_rows(logits, target, class_weight, ce_scale, z_scale, opts, math_dtype
     z_y = z.gather(1, tgt[:, None]).squeeze(1)
     W = float(V) if cw is None else cw.sum()
     zsum = (z.sum(-1) if cw is None else z @ cw) if eps > 0.0 else None
+    argmax = z.argmax(-1) if opts.argmax else None
     m = z.amax(-1, keepdim=True).clamp_min(torch.finfo(math_dtype).min)  # finite if all -inf
     e = z.sub_(m).exp_()  # z is consumed from here on
     total = e.sum(-1)
@@ -110,7 +113,7 @@ def torch_rows(logits, target, class_weight, ce_scale, z_scale, opts, math_dtype
     nll = torch.where(valid, w_y * (lse - z_y), 0.0)  # ignored rows may be NaN
     smooth = torch.where(valid, W * lse - zsum, 0.0) if eps > 0.0 else torch.zeros_like(lse)
     if ce_scale is None:
-        return lse, nll, smooth, None
+        return lse, nll, smooth, argmax, None
     a, b, c = grad_coefficients(ce_scale, z_scale, w_y, lse, W, V, eps)
     dz = logits_grad_(e, 1.0 / total, torch.where(valid, tgt, -1), a, b, c, cw, tanh)
-    return lse, nll, smooth, dz.to(logits.dtype)
+    return lse, nll, smooth, argmax, dz.to(logits.dtype)

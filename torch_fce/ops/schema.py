@@ -24,12 +24,22 @@ LIB.define(
 # in needs_grad, the gradients of the loss with unit upstream gradient ((0,) otherwise;
 # requested only for reduction "mean"/"sum"). grad_weight and grad_bias are float32 with the
 # "fp32" accumulator (rounded once, in the backward; float64 for float64 weights and bias),
-# else in the weight's and the bias's dtypes.
+# else in the weight's and the bias's dtypes. With stats, also each token's lse and
+# argmax (the token statistics of linear_ce_stats; (0,) otherwise).
 LIB.define(
     "linear_ce_fwd(Tensor hidden, Tensor weight, Tensor target, Tensor? bias, "
     "Tensor? class_weight, SymInt ignore_index, str reduction, float label_smoothing, "
-    "float? softcap, float z_loss, str accumulator, bool[3] needs_grad) "
-    "-> (Tensor loss, Tensor grad_hidden, Tensor grad_weight, Tensor grad_bias)"
+    "float? softcap, float z_loss, str accumulator, bool[3] needs_grad, bool stats) "
+    "-> (Tensor loss, Tensor grad_hidden, Tensor grad_weight, Tensor grad_bias, "
+    "Tensor lse, Tensor argmax)"
+)
+
+# linear_ce with the token statistics of the same pass: lse and argmax, target.shape.
+LIB.define(
+    "linear_ce_stats(Tensor hidden, Tensor weight, Tensor target, Tensor? bias=None, "
+    "Tensor? class_weight=None, *, SymInt ignore_index=-100, str reduction=\"mean\", "
+    "float label_smoothing=0.0, float? softcap=None, float z_loss=0.0, "
+    "str accumulator=\"fp32\") -> (Tensor loss, Tensor lse, Tensor argmax)"
 )
 
 # Gradients for the upstream gradient grad_loss of the loss (() or (N,) as the loss),

@@ -40,16 +40,24 @@ def _load_z(ptrs, mask, softcap, HAS_SOFTCAP: tl.constexpr):
 @triton.jit
 def _lse_sweep(row_ptr, class_weight_ptr, V, softcap, HAS_SOFTCAP: tl.constexpr,
                HAS_CLASS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
-               BLOCK_V: tl.constexpr):
-    """Sweep 1: (lse, sum_c w_c z_c) of one row, the logsumexp formed online."""
+               BLOCK_V: tl.constexpr, WANT_ARGMAX: tl.constexpr):
+    """Sweep 1: (lse, sum_c w_c z_c, argmax) of one row, the logsumexp formed online;
+    argmax (the first most likely class) is 0 unless WANT_ARGMAX."""
     cols = tl.arange(0, BLOCK_V)
     m = tl.max(tl.full([BLOCK_V], _NEG_BIG, tl.float32), axis=0)
     s = tl.sum(tl.zeros([BLOCK_V], tl.float32), axis=0)
     zsum = tl.zeros([BLOCK_V], tl.float32)
+    best = tl.max(tl.full([BLOCK_V], float("-inf"), tl.float32), axis=0)
+    best_i = tl.sum(tl.zeros([BLOCK_V], tl.int64), axis=0)
     for v0 in range(0, V, BLOCK_V):
         offs = v0 + cols
         mask = offs < V
         z = _load_z(row_ptr + offs, mask, softcap, HAS_SOFTCAP)
+        if WANT_ARGMAX:
+            bv, bi = tl.max(z, axis=0, return_indices=True,
+                            return_indices_tie_break_left=True)
+            best_i = tl.where(bv > best, v0 + bi.to(tl.int64), best_i)
+            best = tl.maximum(best, bv)
         m_new = tl.maximum(m, tl.max(z, axis=0))
         s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
         m = m_new
@@ -57,7 +65,7 @@ def _lse_sweep(row_ptr, class_weight_ptr, V, softcap, HAS_SOFTCAP: tl.constexpr,
             w = tl.load(class_weight_ptr + offs, mask=mask, other=0.0).to(tl.float32) \
                 if HAS_CLASS_WEIGHT else 1.0
             zsum += tl.where(mask, z * w, 0.0)
-    return m + tl.log(s), tl.sum(zsum, axis=0)
+    return m + tl.log(s), tl.sum(zsum, axis=0), best_i
 
 
 @triton.jit
@@ -90,24 +98,27 @@ def _grad_sweep(row_ptr, class_weight_ptr, V, t, lse, a, b, c, softcap,
 def _linear_ce_rows_kernel(
     # pointers
     logits_ptr, target_ptr, class_weight_ptr, weight_sum_ptr, ce_scale_ptr, z_scale_ptr,
-    lse_ptr, nll_ptr, smooth_ptr,
+    lse_ptr, nll_ptr, smooth_ptr, argmax_ptr,
     # sizes and options
     V, ignore_index, label_smoothing, softcap,
     # strides
     stride_ln,
     # meta-parameters
     HAS_GRAD: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_CLASS_WEIGHT: tl.constexpr,
-    HAS_SMOOTHING: tl.constexpr, BLOCK_V: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr, BLOCK_V: tl.constexpr, WANT_ARGMAX: tl.constexpr,
 ):
-    """logits (n, V) -> lse, nll, smooth (n,) float32; with HAS_GRAD, logits <- dz."""
+    """logits (n, V) -> lse, nll, smooth (n,) float32 (and argmax (n,) int64 with
+    WANT_ARGMAX); with HAS_GRAD, logits <- dz."""
     # int64: row * stride_ln passes 2^31 for chunks of large vocabularies.
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * stride_ln
     t = tl.load(target_ptr + row).to(tl.int64)
     valid = t != ignore_index
     in_range = (t >= 0) & (t < V)
-    lse, zsum = _lse_sweep(row_ptr, class_weight_ptr, V, softcap, HAS_SOFTCAP,
-                           HAS_CLASS_WEIGHT, HAS_SMOOTHING, BLOCK_V)
+    lse, zsum, best = _lse_sweep(row_ptr, class_weight_ptr, V, softcap, HAS_SOFTCAP,
+                                 HAS_CLASS_WEIGHT, HAS_SMOOTHING, BLOCK_V, WANT_ARGMAX)
+    if WANT_ARGMAX:
+        tl.store(argmax_ptr + row, best)
 
     # ---- per-token terms ----------------------------------------------------------
     t_safe = tl.where(valid & in_range, t, 0)
@@ -143,8 +154,8 @@ def _shard_stats_kernel(logits_ptr, col_ptr, class_weight_ptr, lse_ptr, z_y_ptr,
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * stride_ln
     col = tl.load(col_ptr + row).to(tl.int64)
-    lse, zsum = _lse_sweep(row_ptr, class_weight_ptr, Vs, softcap, HAS_SOFTCAP,
-                           HAS_CLASS_WEIGHT, HAS_SMOOTHING, BLOCK_V)
+    lse, zsum, _ = _lse_sweep(row_ptr, class_weight_ptr, Vs, softcap, HAS_SOFTCAP,
+                              HAS_CLASS_WEIGHT, HAS_SMOOTHING, BLOCK_V, False)
     z_y = _load_z(row_ptr + tl.maximum(col, 0), True, softcap, HAS_SOFTCAP)
     tl.store(lse_ptr + row, lse)
     tl.store(z_y_ptr + row, tl.where(col >= 0, z_y, 0.0))
@@ -178,13 +189,15 @@ def _flags(logits, cw, opts):
 
 
 def triton_rows(logits, target, class_weight, ce_scale, z_scale, opts, math_dtype):
-    """Row function for chunked.run_chunks: (lse, nll, smooth, dz), dz written over logits.
+    """Row function for the cross entropy on chunked.run_chunks: (lse, nll, smooth,
+    argmax, dz), dz written over logits, argmax None unless opts.argmax.
 
     logits (n, V) with unit stride along V, target (n,), ce_scale/z_scale (n,) float32.
     """
     n, V = logits.shape
     assert math_dtype == torch.float32
     lse, nll, smooth = (logits.new_empty(n, dtype=torch.float32) for _ in range(3))
+    argmax = logits.new_empty(n, dtype=torch.int64) if opts.argmax else None
     has_grad = ce_scale is not None
     # The kernel indexes targets and class weights with unit stride; callers may pass
     # views (labels[:, 0], an expanded target), which are copied here.
@@ -194,11 +207,12 @@ def triton_rows(logits, target, class_weight, ce_scale, z_scale, opts, math_dtyp
     _linear_ce_rows_kernel[(n,)](
         logits, target, cw if cw is not None else lse, w_sum,
         ce_scale if has_grad else lse, z_scale if has_grad else lse,
-        lse, nll, smooth,
+        lse, nll, smooth, argmax if opts.argmax else lse,
         V, opts.ignore_index, opts.label_smoothing,
         opts.softcap if opts.softcap is not None else 1.0,
-        logits.stride(0), HAS_GRAD=has_grad, **_flags(logits, cw, opts))
-    return lse, nll, smooth, logits if has_grad else None
+        logits.stride(0), HAS_GRAD=has_grad, WANT_ARGMAX=opts.argmax,
+        **_flags(logits, cw, opts))
+    return lse, nll, smooth, argmax, logits if has_grad else None
 
 
 def triton_shard_stats(logits, col, cw, opts, math_dtype):
