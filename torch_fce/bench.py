@@ -140,9 +140,9 @@ LOGPROB_TEMPERATURE = 0.7
 
 
 def _upstream(t):
-    g = torch.Generator(device=t.device).manual_seed(0)
-    return torch.randn(t.shape, generator=g, device=t.device), \
-        torch.randn(t.shape, generator=g, device=t.device)
+    # Deterministic pseudo-random weights in [-1, 1] that torch.compile can trace.
+    i = torch.arange(t.shape[0], device=t.device, dtype=torch.float32)
+    return torch.sin(i * 12.9898 + 1.0), torch.cos(i * 78.233 + 2.0)
 
 
 def _logprobs_unfused(h, w, t):
