@@ -9,6 +9,7 @@ import torch_fce
 import torch_fce.lowering
 from torch_fce.distributed import vocab_parallel_linear_cross_entropy
 from torch_fce.integrations import transformers as fce_hf
+from torch_fce.integrations import trl as fce_trl
 
 API = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "api.md").read_text()
 
@@ -18,12 +19,19 @@ def _sig(name, fn):
 
 
 def test_docs_api_schema_matches_the_registered_op():
-    assert str(torch.ops.fce.linear_ce.default._schema) in API
+    for op in (torch.ops.fce.linear_ce, torch.ops.fce.linear_ce_stats,
+               torch.ops.fce.linear_logprobs):
+        assert str(op.default._schema) in API
 
 
 def test_docs_api_python_signatures_match():
     for name, fn in {
         "torch_fce.linear_cross_entropy": torch_fce.linear_cross_entropy,
+        "torch_fce.linear_logprobs": torch_fce.linear_logprobs,
+        "torch_fce.set_workspace": torch_fce.set_workspace,
+        "torch_fce.workspace": torch_fce.workspace,
+        "torch_fce.integrations.trl.per_token_logps_and_entropies":
+            fce_trl.per_token_logps_and_entropies,
         "torch_fce.LinearCrossEntropyLoss": torch_fce.LinearCrossEntropyLoss.__init__,
         "torch_fce.lowering.enable": torch_fce.lowering.enable,
         "torch_fce.lowering.disable": torch_fce.lowering.disable,
