@@ -114,21 +114,25 @@ def linear_logprobs(hidden, weight, target, bias=None, *, temperature=1.0, softc
 
     Returns:
         LogProbs(logprob, entropy, lse, argmax). logprob and entropy are differentiable
-        w.r.t. hidden, weight and bias for any upstream gradients (docs/rl.md).
+        w.r.t. hidden, weight and bias for any upstream gradients (docs/rl.md). A DTensor
+        weight sharded on dim 0 runs the vocab-parallel version (torch_fce.distributed).
     """
     # Checked here too: the dispatcher's own type errors would not name the option.
     check_logprob_options(softcap, ignore_index, entropy, accumulator)
     if not isinstance(shift, bool):
         raise TypeError(f"shift must be a bool, got {type(shift).__name__}")
-    if _is_dtensor(weight):
-        raise NotImplementedError("linear_logprobs does not take a DTensor (vocab-sharded) "
-                                  "weight yet: gather the head or use linear_cross_entropy")
     temperature = _temperature_tensor(temperature, target)
     if shift:
         check_inputs(hidden, weight, target, bias, None)
         if target.dim() == 0:
             raise ValueError("shift=True needs target with a sequence dimension, got a 0-d tensor")
         target = shift_targets(int64_if_needed(target, ignore_index), ignore_index)
+    if _is_dtensor(weight):  # sharded by vocabulary: the vocab-parallel log-probs
+        from .distributed.dtensor import dtensor_linear_logprobs
+
+        return dtensor_linear_logprobs(hidden, weight, target, bias, temperature,
+                                       softcap=softcap, ignore_index=ignore_index,
+                                       entropy=entropy, accumulator=accumulator)
     out = torch.ops.fce.linear_logprobs(hidden, weight, target, bias, temperature,
                                         softcap=softcap, ignore_index=ignore_index,
                                         entropy=entropy, accumulator=accumulator)

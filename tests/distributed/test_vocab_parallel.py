@@ -10,7 +10,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import torch_fce
-from torch_fce.distributed import vocab_parallel_linear_cross_entropy
+from torch_fce.distributed import (vocab_parallel_linear_cross_entropy,
+                                   vocab_parallel_linear_logprobs)
 from torch_fce.testing import LOSS_TOL, grad_tol, make_inputs, rel_err
 
 V = 37
@@ -165,6 +166,54 @@ def _check_fsdp2(rank, world):
         assert rel_err(p.grad.full_tensor(), q.grad) <= 1e-5, name
 
 
+def _check_logprobs(rank, world):
+    # linear_logprobs over uneven shards and many chunks (3-row workspace), and through a
+    # Shard(0) DTensor weight, against one process: outputs and gradients for random
+    # upstream gradients on log-probs and entropies.
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+
+    x = make_inputs(24, 8, V, ignore_frac=0.2, bias=True, seed=11, weight_scale=2.0)
+    T = torch.rand(24, generator=torch.Generator().manual_seed(5)) + 0.5
+    g = torch.Generator().manual_seed(6)
+    g_lp, g_h = torch.randn(24, generator=g), torch.randn(24, generator=g)
+    opts = dict(temperature=T, softcap=4.0, entropy=True)
+
+    def run(fn, leaves):
+        out = fn(leaves)
+        grads = torch.autograd.grad((out.logprob * g_lp).sum() + (out.entropy * g_h).sum(),
+                                    list(leaves.values()))
+        return out, grads
+
+    full = {k: x[k].clone().requires_grad_() for k in ("hidden", "weight", "bias")}
+    ref, ref_grads = run(lambda l: torch_fce.linear_logprobs(
+        l["hidden"], l["weight"], x["target"], l["bias"], **opts), full)
+    start, end = SPLITS[world][rank], SPLITS[world][rank + 1]
+    mine = {"hidden": x["hidden"].clone().requires_grad_(),
+            "weight": x["weight"][start:end].clone().requires_grad_(),
+            "bias": x["bias"][start:end].clone().requires_grad_()}
+    with torch_fce.workspace(3 * -(-V // world) * 4):
+        out, grads = run(lambda l: vocab_parallel_linear_logprobs(
+            l["hidden"], l["weight"], x["target"], l["bias"], vocab_start=start,
+            vocab_size=V, **opts), mine)
+    for a, b in zip(out[:3], ref[:3]):
+        assert rel_err(a, b) <= LOSS_TOL
+    assert torch.equal(out.argmax, ref.argmax)
+    tol = grad_tol(torch.float32, V)
+    assert rel_err(grads[0], ref_grads[0]) <= tol
+    assert rel_err(grads[1], ref_grads[1][start:end]) <= tol
+    assert rel_err(grads[2], ref_grads[2][start:end]) <= tol
+
+    mesh = init_device_mesh("cpu", (world,))
+    h = x["hidden"].clone().requires_grad_()
+    w = distribute_tensor(x["weight"], mesh, [Shard(0)]).requires_grad_()
+    b = distribute_tensor(x["bias"], mesh, [Shard(0)]).requires_grad_()
+    out, grads = run(lambda l: torch_fce.linear_logprobs(
+        l["h"], l["w"], x["target"], l["b"], **opts), {"h": h, "w": w, "b": b})
+    assert rel_err(out.logprob, ref.logprob) <= LOSS_TOL
+    assert rel_err(grads[0], ref_grads[0]) <= tol
+    assert rel_err(grads[1].full_tensor(), ref_grads[1]) <= tol
+
+
 def _worker(rank, world, path):
     dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
     try:
@@ -175,6 +224,7 @@ def _worker(rank, world, path):
         _check_compiled(rank, world)
         _check_frozen_weight_and_no_grad(rank, world)
         _check_dtensor(world)
+        _check_logprobs(rank, world)
         _check_fsdp2(rank, world)
         # Shards that do not tile V: every rank raises the same clear error, none hangs.
         w = torch.randn(10, 8)

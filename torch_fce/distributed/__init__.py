@@ -1,5 +1,5 @@
 """Vocab-parallel linear cross-entropy over torch.distributed process groups."""
 
-from .vocab_parallel import vocab_parallel_linear_cross_entropy
+from .vocab_parallel import vocab_parallel_linear_cross_entropy, vocab_parallel_linear_logprobs
 
-__all__ = ["vocab_parallel_linear_cross_entropy"]
+__all__ = ["vocab_parallel_linear_cross_entropy", "vocab_parallel_linear_logprobs"]

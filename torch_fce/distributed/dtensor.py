@@ -1,9 +1,10 @@
-"""DTensor entry: a weight sharded by vocabulary (Shard(0)) runs the vocab-parallel loss."""
+"""DTensor entry: a weight sharded by vocabulary (Shard(0)) runs the vocab-parallel loss
+and log-probs."""
 
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from .vocab_parallel import vocab_parallel_linear_cross_entropy
+from .vocab_parallel import vocab_parallel_linear_cross_entropy, vocab_parallel_linear_logprobs
 
 
 def _local(t):
@@ -15,9 +16,9 @@ def _local(t):
     return t.to_local()
 
 
-def dtensor_linear_cross_entropy(hidden, weight, target, bias, class_weight, **options):
-    """Loss for a DTensor weight sharded on dim 0 along one mesh dimension (replicated on
-    any other); the result, a plain tensor, is the same on every rank."""
+def _vocab_shard(weight, bias):
+    """(group, vocab_start, vocab_size) of a weight sharded on dim 0 along one mesh
+    dimension (replicated on any other), bias with the same placements."""
     dims = [i for i, p in enumerate(weight.placements) if isinstance(p, Shard)]
     if len(dims) != 1 or weight.placements[dims[0]].dim != 0 or any(
             not isinstance(p, (Shard, Replicate)) for p in weight.placements):
@@ -28,9 +29,24 @@ def dtensor_linear_cross_entropy(hidden, weight, target, bias, class_weight, **o
         raise ValueError("bias must be a DTensor with weight's placements")
     mesh = weight.device_mesh
     _, offset = compute_local_shape_and_global_offset(weight.shape, mesh, weight.placements)
+    return mesh.get_group(dims[0]), offset[0], weight.shape[0]
+
+
+def dtensor_linear_cross_entropy(hidden, weight, target, bias, class_weight, **options):
+    """Loss for a vocab-sharded DTensor weight; the result, a plain tensor, is the same on
+    every rank."""
+    group, start, V = _vocab_shard(weight, bias)
     return vocab_parallel_linear_cross_entropy(
         _local(hidden), weight.to_local(), _local(target),
         None if bias is None else bias.to_local(), _local(class_weight),
-        vocab_start=offset[0], vocab_size=weight.shape[0], group=mesh.get_group(dims[0]),
-        **options)
+        vocab_start=start, vocab_size=V, group=group, **options)
 
+
+def dtensor_linear_logprobs(hidden, weight, target, bias, temperature, **options):
+    """linear_logprobs for a vocab-sharded DTensor weight; plain outputs, the same on
+    every rank."""
+    group, start, V = _vocab_shard(weight, bias)
+    return vocab_parallel_linear_logprobs(
+        _local(hidden), weight.to_local(), _local(target),
+        None if bias is None else bias.to_local(), temperature=_local(temperature),
+        vocab_start=start, vocab_size=V, group=group, **options)

@@ -18,12 +18,14 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 from ..ops import checks
 from ..ops.accumulate import GradAccumulator, _mm_f32
-from ..ops.checks import check_inputs, check_options
+from ..ops.checks import (check_inputs, check_logprob_options, check_options,
+                          check_temperature)
 from ..ops.chunked import math_dtype_for
-from ..ops.rows import (RowOptions, grad_coefficients, torch_shard_grad,
+from ..ops.rows import (RowOptions, grad_coefficients, softcapped, torch_shard_grad,
                         torch_shard_stats)
 from ..ops.tokens import counted_target_weights, grad_scales, reduce_loss
 from ..ops.workspace import chunk_rows
@@ -139,6 +141,7 @@ class _VocabParallelLinearCE(torch.autograd.Function):
         return loss
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_loss):
         if ctx.eager:
             grads = ctx.saved_tensors
@@ -166,6 +169,83 @@ class _VocabParallelLinearCE(torch.autograd.Function):
             grads.add(a, e, dz, hidden, w)
             del dz  # freed before the next chunk is allocated
         return grads.results(group, weight.dtype)
+
+
+class _VocabParallelLogProbs(torch.autograd.Function):
+    """linear_logprobs with the head's rows split across the group (the math of
+    ops/logprob_rows.py): per chunk each rank reduces its shard's logits to the shard's
+    max, sum of exp, sum of exp * z, target logit and argmax; one max and one stacked sum
+    all-reduce give the global values. The backward recomputes the shard's logits with
+    the global lse and mu = sum_v p_v z_v. The row math is PyTorch's on every device."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, target, inv_t, group, start, V, opts, entropy,
+                accumulator):
+        w, b, _, _, col = _shard(hidden, weight, bias, target, None, start, V, opts)
+        mdt = math_dtype_for(hidden.dtype)
+        N = hidden.shape[0]
+        lse, mu, z_y = (hidden.new_empty(N, dtype=mdt) for _ in range(3))
+        argmax = hidden.new_empty(N, dtype=torch.int64)
+        for a, e in _row_math(hidden, V, group)[2]:
+            c, _ = softcapped(F.linear(hidden[a:e], w, b), opts.softcap, mdt)
+            best, where = c.max(-1)
+            z = c.mul_(inv_t[a:e, None])
+            m = z.amax(-1).clamp_min(torch.finfo(mdt).min)
+            ex = (z - m[:, None]).exp_()
+            here = col[a:e] >= 0
+            zy = torch.where(here, z.gather(1, col[a:e].clamp_min(0).long()[:, None])
+                             .squeeze(1), 0.0)
+            M = funcol.all_reduce(m, "max", group)
+            scale = torch.exp(m - M)
+            sums = funcol.all_reduce(torch.stack(
+                [ex.sum(-1) * scale, (ex * z).sum(-1) * scale, zy]), "sum", group)
+            lse[a:e], mu[a:e], z_y[a:e] = M + sums[0].log(), sums[1] / sums[0], sums[2]
+            # The first most likely class overall: the lowest index among the ranks
+            # holding the maximum.
+            top = funcol.all_reduce(best, "max", group)
+            idx = torch.where(best == top, where + start, V)
+            argmax[a:e] = funcol.all_reduce(idx, "min", group)
+            del c, z, ex  # freed before the next chunk is allocated
+        valid = target != opts.ignore_index
+        in_range = (target >= 0) & (target < V)
+        logprob = torch.where(valid, torch.where(in_range, z_y - lse, float("nan")), 0.0)
+        ent = torch.where(valid, lse - mu, 0.0) if entropy else hidden.new_empty(0, dtype=mdt)
+        ctx.mark_non_differentiable(lse, argmax)
+        ctx.save_for_backward(hidden, weight, bias, target, inv_t, lse, mu)
+        ctx.args = (group, start, V, opts, accumulator)
+        ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
+        return logprob, ent, lse, argmax
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g_lp, g_h, *_):
+        hidden, weight, bias, target, inv_t, lse, mu = ctx.saved_tensors
+        group, start, V, opts, accumulator = ctx.args
+        w, b, _, _, col = _shard(hidden, weight, bias, target, None, start, V, opts)
+        mdt = math_dtype_for(hidden.dtype)
+        valid = (target != opts.ignore_index)[:, None]
+        g = torch.zeros_like(lse) if g_lp is None else g_lp.to(mdt)
+        h = None if g_h is None or g_h.numel() == 0 else g_h.to(mdt)
+        grads = _ShardGrads(hidden, weight, accumulator, ctx.needs_input_grad[:3], mdt)
+        for a, e in _row_math(hidden, V, group)[2]:
+            c, tanh = softcapped(F.linear(hidden[a:e], w, b), opts.softcap, mdt)
+            z = c.mul_(inv_t[a:e, None])
+            p = (z - lse[a:e, None]).exp_()
+            coef = g[a:e, None] if h is None else g[a:e, None] + h[a:e, None] * (
+                z - mu[a:e, None])
+            dz = p.mul_(coef).neg_()
+            here = col[a:e] >= 0
+            dz.scatter_add_(1, col[a:e].clamp_min(0).long()[:, None],
+                            torch.where(here, g[a:e], 0.0)[:, None])
+            dz.mul_(inv_t[a:e, None])
+            if tanh is not None:
+                dz.mul_(1.0 - tanh * tanh)
+            dz = dz.masked_fill_(~valid[a:e], 0.0).to(hidden.dtype)
+            grads.add(a, e, dz, hidden, w)
+            del c, z, dz  # freed before the next chunk is allocated
+        out = grads.results(group, weight.dtype)
+        return tuple(None if t is None else t.to(dt) for t, dt in zip(out, ctx.dtypes)) + \
+            (None,) * 8
 
 
 def _check_tiling(hidden, weight, target, vocab_start, vocab_size, group):
@@ -223,3 +303,38 @@ def vocab_parallel_linear_cross_entropy(
         torch.is_grad_enabled() and any(t is not None and t.requires_grad
                                         for t in (hidden, weight, bias)))
     return loss.reshape(target.shape) if reduction == "none" else loss
+
+
+def vocab_parallel_linear_logprobs(hidden, weight, target, bias=None, *, vocab_start,
+                                   vocab_size, group=None, temperature=None, softcap=None,
+                                   ignore_index=-100, entropy=False, accumulator="fp32"):
+    """torch_fce.linear_logprobs with the head's rows split across `group`.
+
+    Args as vocab_parallel_linear_cross_entropy (hidden and target the same on every
+    rank); temperature: None or a float tensor of target's shape, replicated.
+
+    Returns:
+        LogProbs, identical on every rank.
+    """
+    from ..functional import LogProbs
+
+    check_logprob_options(softcap, ignore_index, entropy, accumulator)
+    check_inputs(hidden, weight, target, bias, None)
+    check_temperature(temperature, target)
+    group = group or dist.group.WORLD
+    if not torch.compiler.is_compiling():
+        _check_tiling(hidden, weight, target, vocab_start, vocab_size, group)
+        if target.device.type == "cpu" or checks.CHECK_TARGETS:
+            checks.check_target_range(target, vocab_size, ignore_index)
+            checks.check_temperature_values(temperature)
+    mdt = math_dtype_for(hidden.dtype)
+    flat = target.reshape(-1)
+    inv_t = torch.ones(flat.shape, dtype=mdt, device=hidden.device) if temperature is None \
+        else torch.where(temperature.reshape(-1) > 0, 1.0 / temperature.reshape(-1).to(mdt),
+                         float("nan"))
+    out = _VocabParallelLogProbs.apply(
+        hidden.reshape(-1, hidden.shape[-1]), weight, bias, flat, inv_t, group, vocab_start,
+        vocab_size, RowOptions(ignore_index, 0.0, softcap), entropy, accumulator)
+    shape = target.shape
+    return LogProbs(out[0].reshape(shape), out[1].reshape(shape) if entropy else None,
+                    out[2].reshape(shape), out[3].reshape(shape))
