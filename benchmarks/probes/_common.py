@@ -4,7 +4,7 @@ import torch
 import triton
 import triton.language as tl
 
-from torch_fce.measure import median_time
+from torch_fce.bench.measure import median_time
 from torch_fce.ops.rows import RowOptions
 
 OPTS = RowOptions(-100, 0.0, None)  # plain cross entropy, ignore_index -100

@@ -13,8 +13,8 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-from torch_fce.bench import SHAPES
-from torch_fce.measure import median_time
+from torch_fce.bench.shapes import SHAPES
+from torch_fce.bench.measure import median_time
 from torch_fce.ops.workspace import chunk_rows
 from torch_fce.ops.triton.rows import triton_rows
 from torch_fce.testing import make_inputs

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from torch_fce.bench import SHAPES
+from torch_fce.bench.shapes import SHAPES
 from torch_fce.ops.workspace import chunk_rows
 from torch_fce.ops.triton.kahan import _launch_kahan_addmm
 

@@ -14,7 +14,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import torch_fce
-from torch_fce.bench import SHAPES
+from torch_fce.bench.shapes import SHAPES
 from torch_fce.testing import make_inputs
 
 from _common import run_shapes

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from torch_fce.bench import SHAPES
+from torch_fce.bench.shapes import SHAPES
 from torch_fce.ops.workspace import chunk_rows
 from torch_fce.ops.triton.rows import triton_rows
 

@@ -15,7 +15,7 @@ loses to serial 2n, which saves a float32 weight-gradient read-modify-write per 
 import torch
 import torch.nn.functional as F
 
-from torch_fce.bench import SHAPES
+from torch_fce.bench.shapes import SHAPES
 from torch_fce.ops.triton.rows import triton_rows
 from torch_fce.testing import make_inputs
 

@@ -266,7 +266,7 @@ def _op_name(node):
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_lowering_tiny_lm_trains_like_unfused(tied):
-    from torch_fce.tiny_lm import TinyLM
+    from torch_fce.bench.tiny_lm import TinyLM
 
     def train(fuse):
         torch.manual_seed(0)

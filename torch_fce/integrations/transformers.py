@@ -243,7 +243,7 @@ def _forward(model, args, labels, shift_labels, num_items_in_batch, kwargs):
             if shift_labels is not None else original(*args, labels=labels, **kwargs)
     return_dict = kwargs.pop("return_dict", None)
     if return_dict is None:
-        return_dict = getattr(model.config, "use_return_dict", True)
+        return_dict = getattr(model.config, "return_dict", True)
     head = model.get_output_embeddings()
     with head.forward.capturing() as capture:
         out = original(*args, return_dict=True, **kwargs)

@@ -1,4 +1,4 @@
-"""python -m torch_fce.bench_transformers: a transformers training step, patched or not.
+"""python -m torch_fce.bench transformers: a transformers training step, patched or not.
 
 Builds a tiny random llama config with a large vocabulary, runs forward + backward of
 one batch with the model's own loss and with torch_fce.integrations.transformers, and
@@ -9,21 +9,22 @@ import argparse
 
 import torch
 
-from torch_fce.bench import environment
+from torch_fce.bench.shapes import describe, environment
 from torch_fce.integrations import transformers as fce_hf
-from torch_fce.measure import median_time, peak_extra_bytes
+from torch_fce.bench.measure import median_time, peak_extra_bytes
 
 
 def main(argv=None):
     import transformers
 
-    p = argparse.ArgumentParser(prog="python -m torch_fce.bench_transformers",
+    p = argparse.ArgumentParser(prog="python -m torch_fce.bench transformers",
                                 description=__doc__)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--V", type=int, default=64000)
-    p.add_argument("--D", type=int, default=256)
-    p.add_argument("--T", type=int, default=2048)
-    p.add_argument("--B", type=int, default=1)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="cuda or cpu (default: cuda when available)")
+    p.add_argument("--V", type=int, default=64000, help="vocabulary size (default: 64000)")
+    p.add_argument("--D", type=int, default=256, help="hidden size (default: 256)")
+    p.add_argument("--T", type=int, default=2048, help="tokens per sequence (default: 2048)")
+    p.add_argument("--B", type=int, default=1, help="sequences per batch (default: 1)")
     args = p.parse_args(argv)
     config = transformers.LlamaConfig(
         vocab_size=args.V, hidden_size=args.D, intermediate_size=2 * args.D,
@@ -33,7 +34,7 @@ def main(argv=None):
     model = transformers.LlamaForCausalLM(config).to(args.device).train()
     ids = torch.randint(0, args.V, (args.B, args.T), device=args.device)
     N = args.B * args.T
-    print(f"# {environment()}, transformers {transformers.__version__}")
+    print(f"# {describe(environment())}, transformers {transformers.__version__}")
     print(f"llama V={args.V} D={args.D} 2 layers, batch {args.B}x{args.T}: fp32 logits "
           f"{N * args.V * 4 / 2**20:.0f} MiB")
 
@@ -55,6 +56,3 @@ def main(argv=None):
     saved = results["unpatched"] - results["torch_fce"]
     print(f"saved {saved / 2**20:.1f} MiB = {saved / (N * args.V * 4):.2f} x the fp32 logits")
 
-
-if __name__ == "__main__":
-    main()

@@ -1,4 +1,4 @@
-"""python -m torch_fce.bench_distributed: the vocab-parallel loss on 2+ GPUs, timed.
+"""python -m torch_fce.bench distributed: the vocab-parallel loss on 2+ GPUs, timed.
 
 Spawns one process per GPU (NCCL, NVLink multicast off; `--device cpu`: gloo). On
 each shape, every rank holds V / world rows of the head and the whole bf16 batch; per
@@ -18,9 +18,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import torch_fce
-from torch_fce.bench import SHAPES, Shape, environment
+from torch_fce.bench.shapes import SHAPES, Shape, describe, environment
 from torch_fce.distributed import vocab_parallel_linear_cross_entropy
-from torch_fce.measure import median_time, peak_extra_bytes
+from torch_fce.bench.measure import median_time, peak_extra_bytes
 from torch_fce.testing import make_inputs
 
 
@@ -75,13 +75,13 @@ def _worker(rank, world, path, shapes, reps, out, device):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m torch_fce.bench_distributed",
+    p = argparse.ArgumentParser(prog="python -m torch_fce.bench distributed",
                                 description=__doc__)
-    p.add_argument("--world", type=int, default=2)
-    p.add_argument("--device", default="cuda", help="cuda (NCCL) or cpu (gloo)")
-    p.add_argument("--shapes", default="A,B,C", help="names (%s) or N:D:V" % ",".join(SHAPES))
-    p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--json", default=None)
+    p.add_argument("--world", type=int, default=2, help="processes, one GPU each (default: 2)")
+    p.add_argument("--device", default="cuda", help="cuda (NCCL) or cpu (gloo) (default: cuda)")
+    p.add_argument("--shapes", default="A,B,C", help="names (%s) or N:D:V (default: A,B,C)" % ",".join(SHAPES))
+    p.add_argument("--reps", type=int, default=5, help="timed repetitions (default: 5)")
+    p.add_argument("--json", default=None, help="write rows + environment to this file")
     args = p.parse_args(argv)
     shapes = [SHAPES[n] if n in SHAPES else Shape(n, *map(int, n.split(":")))
               for n in args.shapes.split(",")]
@@ -93,7 +93,7 @@ def main(argv=None):
                  nprocs=args.world, join=True)
         with open(out) as f:
             per_rank = json.load(f)
-    print(f"# {environment()}, {args.world} GPUs, NCCL_NVLS_ENABLE="
+    print(f"# {describe(environment())}, {args.world} GPUs, NCCL_NVLS_ENABLE="
           f"{os.environ['NCCL_NVLS_ENABLE']}")
     print(f"{'shape':6} {'rank':>4} {'mm ms':>8} {'op V/w ms':>10} {'vp ms':>8} "
           f"{'vp/op':>6} {'vp x mm':>8} {'vp MiB':>8} {'op full V ms':>13}")
@@ -108,6 +108,3 @@ def main(argv=None):
             json.dump(dict(environment=environment(), world=args.world, rows=per_rank), f,
                       indent=1)
 
-
-if __name__ == "__main__":
-    main()

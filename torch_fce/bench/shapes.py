@@ -1,4 +1,4 @@
-"""python -m torch_fce.bench: fused linear + cross-entropy, methods x shapes.
+"""python -m torch_fce.bench shapes: fused linear + cross-entropy, methods x shapes.
 
 Per method: forward+backward median time, the time of one (N, D) x (D, V) matmul in the
 same run and the ratio, peak memory beyond inputs and gradients, and the relative L2
@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import torch_fce
-from torch_fce.measure import median_time, peak_extra_bytes
+from torch_fce.bench.measure import median_time, peak_extra_bytes
 from torch_fce.testing import make_inputs, rel_err
 
 
@@ -306,6 +306,12 @@ def environment():
                 python=platform.python_version())
 
 
+def describe(env):
+    """One readable line for an environment() record."""
+    return (f"{env['device']}, torch {env['torch']}, triton {env['triton']}, "
+            f"Python {env['python']}, git {env['git'] or 'unknown'}")
+
+
 def print_table(rows):
     head = f"{'shape':6} {'method':14} {'ms':>9} {'x mm':>6} {'extra MiB':>10} " \
            f"{'loss err':>9} {'dE err':>8} {'dW err':>8}"
@@ -406,7 +412,7 @@ def _isolated(args, shapes, names):
     rows = []
     for name in names:
         with tempfile.NamedTemporaryFile(suffix=".json") as f:
-            cmd = [sys.executable, "-m", "torch_fce.bench", "--device", args.device,
+            cmd = [sys.executable, "-m", "torch_fce.bench", "shapes", "--device", args.device,
                    "--shapes", ",".join(shapes), "--methods", name, "--reps",
                    str(args.reps), "--json", f.name]
             cmd += ["--dtype", args.dtype] if args.dtype else []
@@ -421,19 +427,25 @@ def _isolated(args, shapes, names):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m torch_fce.bench", description=__doc__)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p = argparse.ArgumentParser(prog="python -m torch_fce.bench shapes", description=__doc__)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="cuda or cpu (default: cuda when available)")
     p.add_argument("--shapes", default=None,
                    help="comma-separated names from %s or N:D:V (default: A,B,C on "
                         "CUDA, cpu on CPU)" % ",".join(SHAPES))
     p.add_argument("--dtype", default=None, help="bfloat16 (CUDA default) or float32 (CPU)")
-    p.add_argument("--methods", default=None, help="comma-separated subset of the methods")
+    p.add_argument("--methods", default=None,
+                   help="comma-separated subset of: torch, torch.compile (with --compile), "
+                        "liger, cce, cce-exact, quack-{base,fused}-{4096,8192} (CUDA, where "
+                        "installed), fce-{fp32,kahan,input}, fce-fp32@MiB (with --sweep) "
+                        "(default: all available)")
     p.add_argument("--compile", action="store_true", help="include torch.compile")
     p.add_argument("--objective", choices=("ce", "logprobs"), default="ce",
                    help="ce: the mean cross entropy; logprobs: sum of random per-token "
                         "weights times log-probs and entropies at temperature %s (an RL "
                         "step; fce is torch_fce.linear_logprobs)" % LOGPROB_TEMPERATURE)
-    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--reps", type=int, default=5,
+                   help="timed repetitions after one warm-up; the median is reported (default: 5)")
     p.add_argument("--accuracy", default=None,
                    help="comma-separated N for the error-vs-N study (D=256, V=2048, bf16), "
                         "e.g. 4096,65536,262144")
@@ -474,7 +486,7 @@ def main(argv=None):
         total += len(Ns) * len(acc_fns)
         acc_rows = accuracy(acc_fns, args.device, Ns, progress=progress)
     env = environment()
-    print(f"# {env}")
+    print(f"# {describe(env)}")
     print_table(rows)
     if acc_rows:
         print_accuracy(acc_rows)
@@ -488,6 +500,3 @@ def main(argv=None):
             plot_tradeoff(rows, args.plot.replace(".png", "_tradeoff.png"))
     return rows, acc_rows
 
-
-if __name__ == "__main__":
-    main()

@@ -1,6 +1,6 @@
-"""python -m torch_fce.bench_lowering: what the lowering pass saves in a compiled step.
+"""python -m torch_fce.bench lowering: what the lowering pass saves in a compiled step.
 
-Compiles one training step (forward + backward) of torch_fce.tiny_lm.TinyLM, whose loss
+Compiles one training step (forward + backward) of torch_fce.bench.tiny_lm.TinyLM, whose loss
 is written the unfused way, with and without torch_fce.lowering, and prints the peak
 memory of the step beyond the model and batch, its time, and the fp32 logits' size.
 """
@@ -12,9 +12,9 @@ import torch
 from torch._dynamo.utils import counters
 
 import torch_fce.lowering as lowering
-from torch_fce.bench import environment
-from torch_fce.measure import median_time, peak_extra_bytes
-from torch_fce.tiny_lm import TinyLM
+from torch_fce.bench.shapes import describe, environment
+from torch_fce.bench.measure import median_time, peak_extra_bytes
+from torch_fce.bench.tiny_lm import TinyLM
 
 
 def measure(fuse, args):
@@ -42,17 +42,19 @@ def measure(fuse, args):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m torch_fce.bench_lowering", description=__doc__)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--V", type=int, default=32768)
-    p.add_argument("--D", type=int, default=128)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--B", type=int, default=4)
-    p.add_argument("--T", type=int, default=512)
-    p.add_argument("--dtype", default="float32", help="the model's dtype (e.g. bfloat16)")
+    p = argparse.ArgumentParser(prog="python -m torch_fce.bench lowering", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="cuda or cpu (default: cuda when available)")
+    p.add_argument("--V", type=int, default=32768, help="vocabulary size (default: 32768)")
+    p.add_argument("--D", type=int, default=128, help="model width (default: 128)")
+    p.add_argument("--layers", type=int, default=2, help="transformer layers (default: 2)")
+    p.add_argument("--B", type=int, default=4, help="sequences per batch (default: 4)")
+    p.add_argument("--T", type=int, default=512, help="tokens per sequence (default: 512)")
+    p.add_argument("--dtype", default="float32", help="the model's dtype, e.g. bfloat16 (default: float32)")
     args = p.parse_args(argv)
     N = args.B * args.T
-    print(f"# {environment()}")
+    print(f"# {describe(environment())}")
     print(f"TinyLM V={args.V} D={args.D} layers={args.layers} {args.dtype}, batch "
           f"{args.B}x{args.T}: "
           f"N*V = {N * args.V} (2^{(N * args.V).bit_length() - 1}), fp32 logits "
@@ -66,6 +68,3 @@ def main(argv=None):
     saved = results[False][1] - results[True][1]
     print(f"saved {saved / 2**20:.1f} MiB = {saved / (N * args.V * 4):.2f} x the fp32 logits")
 
-
-if __name__ == "__main__":
-    main()
