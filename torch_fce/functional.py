@@ -38,7 +38,7 @@ def linear_cross_entropy(hidden, weight, target, bias=None, class_weight=None, *
         bias: optional (V,). class_weight: optional (V,), as `weight=` of F.cross_entropy.
         shift: pair hidden[..., t, :] with target[..., t + 1] (causal LM); hidden is not
             copied, the last position of each sequence is ignored.
-        Other options: see API.md.
+        Other options: see docs/api.md.
         return_stats: also return LossStats (per-token lse and argmax, the z-loss term)
             from the same pass, no extra GEMM (token accuracy: argmax == target).
         A DTensor weight sharded on dim 0 (vocabulary) runs the vocab-parallel loss over

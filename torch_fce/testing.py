@@ -57,7 +57,7 @@ def rel_err(actual, expected):
 
 def reference_loss_and_grads(hidden, weight, target, bias=None, class_weight=None,
                              grad_out=None, **options):
-    """float64 loss and gradients of API.md's formula with the logits rounded as the op
+    """float64 loss and gradients of docs/api.md's formula with the logits rounded as the op
     rounds them: products in hidden's dtype, everything after in float64.
 
     Returns (loss, dict of float64 gradients "hidden", "weight", "bias" for grad_out).

@@ -11,7 +11,7 @@ OPTS = RowOptions(-100, 0.0, None)  # plain cross entropy, ignore_index -100
 
 
 def run_shapes(probe_shape):
-    """Prints the machine and versions, then runs probe_shape on issue 3's A, B, C."""
+    """Prints the machine and versions, then runs probe_shape on the benchmark shapes A, B, C."""
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"triton {triton.__version__}")
     for name in "ABC":

@@ -265,7 +265,7 @@ def accuracy(fns, device, Ns, D=256, V=2048, progress=print):
     for N in Ns:
         x = make_inputs(N, D, V, torch.bfloat16, device=device, weight_scale=2.0)
         ref = _reference(x, torch.float64)
-        # API.md's formula rounds the logits to the input dtype before the float32 math.
+        # docs/api.md's formula rounds the logits to the input dtype before the float32 math.
         api_loss = F.cross_entropy(F.linear(x["hidden"], x["weight"]).double(), x["target"],
                                    ignore_index=-100)
         for name, fn in fns.items():

@@ -294,7 +294,7 @@ def vocab_parallel_linear_cross_entropy(
     group = group or dist.group.WORLD
     if not torch.compiler.is_compiling():
         _check_tiling(hidden, weight, target, vocab_start, vocab_size, group)
-        if target.device.type == "cpu" or checks.CHECK_TARGETS:  # as the op (API.md)
+        if target.device.type == "cpu" or checks.CHECK_TARGETS:  # as the op (docs/api.md)
             checks.check_target_range(target, vocab_size, ignore_index)
     loss = _VocabParallelLinearCE.apply(
         hidden.reshape(-1, hidden.shape[-1]), weight, bias, target.reshape(-1), class_weight,

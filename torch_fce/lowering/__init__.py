@@ -32,7 +32,7 @@ def _installed():
 
 def enable(accumulator="fp32"):
     """Adds the pass after any pre-grad pass already installed (idempotent); the fused
-    ops it inserts use `accumulator` (see API.md)."""
+    ops it inserts use `accumulator` (see docs/api.md)."""
     check_options("mean", 0.0, None, 0.0, accumulator)
     _PASS.accumulator = accumulator
     passes = _installed()

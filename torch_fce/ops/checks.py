@@ -10,7 +10,7 @@ import os
 import torch
 
 # Opt-in eager check of target ranges on CUDA (it syncs with the host): without it,
-# out-of-range targets give NaN losses and are never read out of bounds (API.md).
+# out-of-range targets give NaN losses and are never read out of bounds (docs/api.md).
 CHECK_TARGETS = os.environ.get("TORCH_FCE_CHECK_TARGETS") == "1"
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)

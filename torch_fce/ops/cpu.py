@@ -14,7 +14,7 @@ def _chunk_rows_for(hidden, weight):
 
 
 def _check_targets(target, V, ignore_index):
-    # On the CPU the check costs no device sync, so it always runs (API.md); other
+    # On the CPU the check costs no device sync, so it always runs (docs/api.md); other
     # devices using this backend check when asked to, as CUDA does.
     if target.device.type == "cpu" or checks.CHECK_TARGETS:
         checks.check_target_range(target, V, ignore_index)

@@ -1,4 +1,4 @@
-"""The reference semantics of fce::linear_ce as a plain composition (API.md).
+"""The reference semantics of fce::linear_ce as a plain composition (docs/api.md).
 
 Used by tests and benchmarks as the independent oracle; materialises the logits.
 """

@@ -49,7 +49,7 @@ def grad_scales(target, class_weight, ignore_index, reduction, z_loss, dtype, gr
 
 def reduce_loss(nll, smooth, lse, target, class_weight, ignore_index, reduction,
                 label_smoothing, z_loss, V):
-    """Combines per-token terms (N,) into the loss of API.md's reference formula.
+    """Combines per-token terms (N,) into the loss of docs/api.md's reference formula.
 
     nll = w_y * (lse - z_y) and smooth = sum_c w_c * (lse - z_c), both 0 where ignored.
     """
