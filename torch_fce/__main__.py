@@ -1,6 +1,6 @@
 """python -m torch_fce: the main job — train a small causal LM twice, unfused and fused.
 
-A TinyLM (torch_fce/tiny_lm.py, loss written the unfused way transformers writes it) is
+A TinyLM (torch_fce/bench/tiny_lm.py, loss written the unfused way transformers writes it) is
 trained with AdamW on text shipped in the package (its own docstrings, as word tokens
 hashed into a large vocabulary), compiled with torch.compile, once as is and once with
 torch_fce.lowering, which rewrites its loss into fce::linear_ce. Prints the loss of both
