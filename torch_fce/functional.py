@@ -78,12 +78,15 @@ def linear_cross_entropy(hidden, weight, target, bias=None, class_weight=None, *
 
 
 def _z_loss_term(lse, target, ignore_index, reduction, z_loss):
-    """z_loss * lse**2 over the counted tokens, reduced as the loss is."""
-    valid = target != ignore_index
+    """z_loss * lse**2 over the counted tokens, reduced as the loss is (0 without
+    z_loss, also when every token is ignored)."""
+    valid = int64_if_needed(target, ignore_index) != ignore_index
     term = torch.where(valid, lse * lse, 0.0) * z_loss
     if reduction == "none":
         return term
-    return term.sum() if reduction == "sum" else term.sum() / valid.sum()
+    if reduction == "sum" or z_loss == 0.0:
+        return term.sum()
+    return term.sum() / valid.sum()
 
 
 class LogProbs(NamedTuple):
@@ -141,9 +144,9 @@ def linear_logprobs(hidden, weight, target, bias=None, *, temperature=1.0, softc
 
 def _temperature_tensor(temperature, target):
     """None for 1.0; a float > 0 as is checked here; a tensor broadcast to target."""
+    if not isinstance(target, torch.Tensor):
+        raise TypeError(f"target must be a Tensor, got {type(target).__name__}")
     if isinstance(temperature, torch.Tensor):
-        if not isinstance(target, torch.Tensor):
-            return temperature  # the op names the bad target
         try:
             return temperature.expand(target.shape)
         except RuntimeError:

@@ -89,3 +89,24 @@ def test_trl_grpo_trainer_hook_has_the_documented_signature():
         grpo.GRPOTrainer._get_per_token_logps_and_entropies).parameters)
     assert params[:7] == ["self", "model", "input_ids", "attention_mask", "logits_to_keep",
                           "batch_size", "compute_entropy"]
+
+
+def test_trl_through_a_ddp_wrapper(tmp_path):
+    # Called through the wrapper the trainer holds, so DDP's gradient hooks run
+    # (one gloo process here: the call path, not the all-reduce, is what is tested).
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    ids, mask, _ = _batch()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0,
+                            world_size=1)
+    try:
+        model = fce_hf.apply(_model())
+        want, _ = fce_trl.per_token_logps_and_entropies(model, ids, mask, K)
+        ddp = DistributedDataParallel(model)
+        logps, _ = fce_trl.per_token_logps_and_entropies(ddp, ids, mask, K)
+        logps.sum().backward()
+    finally:
+        dist.destroy_process_group()
+    assert torch.equal(logps, want)
+    assert all(p.grad is not None for p in model.parameters())

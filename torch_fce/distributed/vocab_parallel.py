@@ -87,6 +87,8 @@ class _ShardGrads:
 
     def results(self, group, weight_dtype):
         gh = None if self.gh is None else funcol.all_reduce(self.gh, "sum", group)
+        if isinstance(gh, funcol.AsyncCollectiveTensor):  # eager: a plain tensor back
+            gh = gh.wait()
         return gh, None if self.gw is None else self.gw.result(weight_dtype), self.gb
 
 
@@ -184,7 +186,7 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         w, b, _, _, col = _shard(hidden, weight, bias, target, None, start, V, opts)
         mdt = math_dtype_for(hidden.dtype)
         N = hidden.shape[0]
-        lse, mu, z_y = (hidden.new_empty(N, dtype=mdt) for _ in range(3))
+        lse, mu, z_y, ent = (hidden.new_empty(N, dtype=mdt) for _ in range(4))
         argmax = hidden.new_empty(N, dtype=torch.int64)
         for a, e in _row_math(hidden, V, group)[2]:
             c, _ = softcapped(F.linear(hidden[a:e], w, b), opts.softcap, mdt)
@@ -197,9 +199,14 @@ class _VocabParallelLogProbs(torch.autograd.Function):
                              .squeeze(1), 0.0)
             M = funcol.all_reduce(m, "max", group)
             scale = torch.exp(m - M)
+            # As one device (ops/logprob_rows.py): sums of exp(z - M) and of
+            # exp(z - M) (z - M), with no 0 * -inf and no cancellation against M.
+            s_here = ex.sum(-1)
+            ez_here = torch.where(ex > 0, ex * (z - m[:, None]), 0.0).sum(-1)
             sums = funcol.all_reduce(torch.stack(
-                [ex.sum(-1) * scale, (ex * z).sum(-1) * scale, zy]), "sum", group)
-            lse[a:e], mu[a:e], z_y[a:e] = M + sums[0].log(), sums[1] / sums[0], sums[2]
+                [s_here * scale, (ez_here + (m - M) * s_here) * scale, zy]), "sum", group)
+            lse[a:e], z_y[a:e] = M + sums[0].log(), sums[2]
+            mu[a:e], ent[a:e] = M + sums[1] / sums[0], sums[0].log() - sums[1] / sums[0]
             # The first most likely class overall: the lowest index among the ranks
             # holding the maximum.
             top = funcol.all_reduce(best, "max", group)
@@ -209,8 +216,9 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         valid = target != opts.ignore_index
         in_range = (target >= 0) & (target < V)
         logprob = torch.where(valid, torch.where(in_range, z_y - lse, float("nan")), 0.0)
-        ent = torch.where(valid, lse - mu, 0.0) if entropy else hidden.new_empty(0, dtype=mdt)
+        ent = torch.where(valid, ent, 0.0) if entropy else hidden.new_empty(0, dtype=mdt)
         ctx.mark_non_differentiable(lse, argmax)
+        ctx.set_materialize_grads(False)  # an unused output costs no gradient pass
         ctx.save_for_backward(hidden, weight, bias, target, inv_t, lse, mu)
         ctx.args = (group, start, V, opts, accumulator)
         ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
@@ -221,6 +229,8 @@ class _VocabParallelLogProbs(torch.autograd.Function):
     def backward(ctx, g_lp, g_h, *_):
         hidden, weight, bias, target, inv_t, lse, mu = ctx.saved_tensors
         group, start, V, opts, accumulator = ctx.args
+        if g_lp is None and (g_h is None or g_h.numel() == 0):
+            return (None,) * 11
         w, b, _, _, col = _shard(hidden, weight, bias, target, None, start, V, opts)
         mdt = math_dtype_for(hidden.dtype)
         valid = (target != opts.ignore_index)[:, None]
@@ -231,13 +241,16 @@ class _VocabParallelLogProbs(torch.autograd.Function):
             c, tanh = softcapped(F.linear(hidden[a:e], w, b), opts.softcap, mdt)
             z = c.mul_(inv_t[a:e, None])
             p = (z - lse[a:e, None]).exp_()
-            coef = g[a:e, None] if h is None else g[a:e, None] + h[a:e, None] * (
-                z - mu[a:e, None])
-            dz = p.mul_(coef).neg_()
+            ent_term = None if h is None else torch.where(
+                p > 0, p * h[a:e, None] * (z - mu[a:e, None]), 0.0)
+            dz = p.mul_(-g[a:e, None])
+            if ent_term is not None:
+                dz.sub_(ent_term)
             here = col[a:e] >= 0
             dz.scatter_add_(1, col[a:e].clamp_min(0).long()[:, None],
                             torch.where(here, g[a:e], 0.0)[:, None])
             dz.mul_(inv_t[a:e, None])
+            del ent_term
             if tanh is not None:
                 dz.mul_(1.0 - tanh * tanh)
             dz = dz.masked_fill_(~valid[a:e], 0.0).to(hidden.dtype)
@@ -249,15 +262,22 @@ class _VocabParallelLogProbs(torch.autograd.Function):
 
 
 def _check_tiling(hidden, weight, target, vocab_start, vocab_size, group):
-    """Every rank sees every rank's shard, so all raise the same error (no hang)."""
-    mine = torch.tensor([vocab_start, weight.shape[0], target.numel(), hidden.shape[-1],
-                         vocab_size], dtype=torch.int64, device=hidden.device)
+    """Every rank sees every rank's shard, so all raise the same error (no hang). The
+    token chunks too must agree (each chunk's statistics are all-reduced): they depend
+    on each process's workspace setting and its GPU's memory."""
+    N, D = target.numel(), hidden.shape[-1]
+    chunk = _row_math(hidden.reshape(-1, D), vocab_size, group)[2][0][1] if N else 0
+    mine = torch.tensor([vocab_start, weight.shape[0], N, D, vocab_size, chunk],
+                        dtype=torch.int64, device=hidden.device)
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(everyone, mine, group=group)
     rows = sorted(tuple(t.tolist()) for t in everyone)
-    if len({r[2:] for r in rows}) != 1:
+    if len({r[2:5] for r in rows}) != 1:
         raise ValueError(f"hidden/target/vocab_size differ across ranks: (N, D, V) per "
-                         f"rank = {[r[2:] for r in rows]}")
+                         f"rank = {[r[2:5] for r in rows]}")
+    if len({r[5] for r in rows}) != 1:
+        raise ValueError(f"the ranks cut different token chunks ({sorted({r[5] for r in rows})}"
+                         " rows): give every rank the same torch_fce.set_workspace")
     ends = [0] + [start + size for start, size, *_ in rows]
     if [r[0] for r in rows] != ends[:-1] or ends[-1] != vocab_size:
         raise ValueError(f"vocab_start/weight shards do not tile [0, {vocab_size}): "

@@ -144,6 +144,9 @@ def _check_family(model, head, capture, original):
         with capture.capturing(design):
             out = original(input_ids=ids, labels=labels)
         capture.hidden = None
+        if "z" not in made:
+            raise ValueError(f"torch_fce cannot serve {name}: its forward does not call its "
+                             "output embeddings module (get_output_embeddings())")
         z = made["z"].detach()
         logits = _transformed(model, z)
         if out.logits is None or out.logits.shape != z.shape or not torch.allclose(
@@ -233,6 +236,10 @@ def _forward(model, args, labels, shift_labels, num_items_in_batch, kwargs):
     original = getattr(model, _ORIGINAL)
     if args:  # positional arguments (labels among them, maybe) by their names
         bound = inspect.signature(original).bind_partial(*args)
+        twice = set(bound.arguments) & (set(kwargs) | ({"labels"} if labels is not None
+                                                       else set()))
+        if twice:  # as the unpatched forward
+            raise TypeError(f"forward() got multiple values for {sorted(twice)}")
         kwargs = {**bound.arguments, **kwargs}
         labels = kwargs.pop("labels", labels)
         args = ()

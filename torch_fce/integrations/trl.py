@@ -6,14 +6,25 @@
         model, input_ids, attention_mask, logits_to_keep, temperature=0.7,
         compute_entropy=True)
 
-The same values as TRL's GRPOTrainer computes from
-`logits[:, -logits_to_keep - 1:-1] / temperature` (`selective_log_softmax`,
-`entropy_from_logits`), from the head's input and weight through
-torch_fce.linear_logprobs. docs/rl.md shows the GRPOTrainer override that uses it.
+The values TRL's helpers compute from `logits[:, -logits_to_keep - 1:-1] / temperature`
+(`selective_log_softmax`, `entropy_from_logits`), from the head's input and weight
+through torch_fce.linear_logprobs. docs/rl.md shows the GRPOTrainer override that uses
+it.
 """
 
 from ..functional import linear_logprobs
 from .transformers import _ORIGINAL, _logit_transform
+
+
+def _patched(model):
+    """The module apply() patched, under wrappers such as DistributedDataParallel."""
+    inner = model
+    while not hasattr(inner, _ORIGINAL) and hasattr(inner, "module"):
+        inner = inner.module
+    if not hasattr(inner, _ORIGINAL):
+        raise ValueError("per_token_logps_and_entropies needs a model patched by "
+                         "torch_fce.integrations.transformers.apply(model) first")
+    return inner
 
 
 def per_token_logps_and_entropies(model, input_ids, attention_mask=None, logits_to_keep=None,
@@ -22,23 +33,23 @@ def per_token_logps_and_entropies(model, input_ids, attention_mask=None, logits_
     """(logps, entropies) each (B, K) for the last K = logits_to_keep tokens of input_ids
     (all but the first when None); entropies is None unless compute_entropy.
 
-    model must have been patched by torch_fce.integrations.transformers.apply (its
-    check refuses families whose logits are not softcap(scale * lm_head(hidden))).
-    temperature: a float or a tensor broadcastable to (B, K).
+    model: patched by torch_fce.integrations.transformers.apply (its check refuses
+    families whose logits are not softcap(scale * lm_head(hidden))), possibly wrapped
+    (DistributedDataParallel: it is called through the wrapper, so its gradient
+    synchronisation runs). temperature: a float or a tensor broadcastable to (B, K).
     """
-    if not hasattr(model, _ORIGINAL):
-        raise ValueError("per_token_logps_and_entropies needs a model patched by "
-                         "torch_fce.integrations.transformers.apply(model) first")
+    inner = _patched(model)
     K = input_ids.shape[1] - 1 if logits_to_keep is None else int(logits_to_keep)
     if not 0 < K < input_ids.shape[1]:
         raise ValueError(f"logits_to_keep must be in [1, {input_ids.shape[1] - 1}], got {K}")
-    head = model.get_output_embeddings()
+    head = inner.get_output_embeddings()
+    # Without labels the patched forward is the model's own; the head, capturing, hands
+    # back its input instead of the logits.
     with head.forward.capturing() as capture:
-        getattr(model, _ORIGINAL)(input_ids=input_ids, attention_mask=attention_mask,
-                                  **model_kwargs)
+        model(input_ids=input_ids, attention_mask=attention_mask, **model_kwargs)
     hidden, capture.hidden = capture.hidden, None
     hidden = hidden[:, -K - 1:-1]  # position t predicts token t + 1
-    scale, softcap = _logit_transform(model.config)
+    scale, softcap = _logit_transform(inner.config)
     bias = head.bias
     if scale is not None:
         hidden = hidden * scale

@@ -12,7 +12,9 @@ instead of returning stale gradients.
 import torch
 
 _NO_DOUBLE = (
-    "fce::linear_ce does not support double backward (create_graph=True through the loss)"
+    "torch_fce's ops (fce::linear_ce, fce::linear_logprobs) do not support double "
+    "backward: their gradients are first order (create_graph=True gives usable gradients "
+    "that cannot be differentiated again)"
 )
 
 

@@ -33,14 +33,17 @@ def torch_logprob_rows(logits, target, inv_t, opts, entropy, g_lp, g_h, math_dty
     tgt = torch.where(valid & in_range, target, 0).long()
     z_y = z.gather(1, tgt[:, None]).squeeze(1)
     m = z.amax(-1, keepdim=True).clamp_min(torch.finfo(math_dtype).min)
-    e = (z - m).exp_()
+    e = (z - m).exp()
     total = e.sum(-1)
     lse = m.squeeze(1) + total.log()
     # A counted target outside [0, V) poisons its row with NaN (as the loss does).
     logprob = torch.where(valid, torch.where(in_range, z_y - lse, float("nan")), 0.0)
     want_mu = entropy or g_h is not None
-    mu = (e * z).sum(-1) / total if want_mu else None
-    ent = torch.where(valid, lse - mu, 0.0) if entropy else torch.zeros_like(lse)
+    # ez / total = sum_c p_c (z_c - m): entropy = log(total) - ez / total and
+    # mu = m + ez / total, with no 0 * -inf at -inf logits and no cancellation against m.
+    ez = torch.where(e > 0, e * (z - m), 0.0).sum(-1) / total if want_mu else None
+    mu = m.squeeze(1) + ez if want_mu else None
+    ent = torch.where(valid, total.log() - ez, 0.0) if entropy else torch.zeros_like(lse)
     if g_lp is None:
         return logprob, ent, lse, argmax, None
     g = torch.where(valid, g_lp, 0.0)
@@ -49,8 +52,10 @@ def torch_logprob_rows(logits, target, inv_t, opts, entropy, g_lp, g_h, math_dty
         dz = p.mul_(-g[:, None])
     else:
         h = torch.where(valid, g_h, 0.0)
-        dz = p.mul_(-(g[:, None] + h[:, None] * (z - mu[:, None])))
-    dz.scatter_add_(1, tgt[:, None], g[:, None])
+        ent_term = torch.where(p > 0, p * h[:, None] * (z - mu[:, None]), 0.0)
+        dz = p.mul_(-g[:, None]).sub_(ent_term)
+    # A counted target outside [0, V) adds nothing (its outputs are NaN).
+    dz.scatter_add_(1, tgt[:, None], torch.where(in_range, g, 0.0)[:, None])
     dz.mul_(inv_t[:, None])
     if tanh is not None:
         dz.mul_(1.0 - tanh * tanh)

@@ -6,8 +6,8 @@ weight-gradient sum (8VD bytes) and launches its GEMMs again, so fewer, larger c
 are faster (docs/benchmarks.md has the measured curve).
 
 Default: on CUDA, twice the head's size in the input dtype (the float32 gradient sum is
-that size already), at least 1 GiB, at most 4 GiB or 1/16 of the GPU's memory, and at
-most half the logits (so the op saves memory also when all of them would fit); on
+that size already), at least 1 GiB, at most 4 GiB or 1/16 of the GPU's memory (that cap
+wins below 1 GiB on GPUs under 16 GiB), and at most half the logits (so the op saves memory also when all of them would fit); on
 other devices 2^22 elements. `set_workspace(nbytes)` or the TORCH_FCE_WORKSPACE_MB
 environment variable replace the default on every device, with no half-the-logits cap.
 """
@@ -21,8 +21,17 @@ _GIB = 1 << 30
 _OTHER_DEVICE_ELEMS = 1 << 22
 _MIN_CHUNKS = 2
 
-_env = os.environ.get("TORCH_FCE_WORKSPACE_MB")
-_nbytes = None if _env is None else int(_env) << 20
+def _from_env():
+    value = os.environ.get("TORCH_FCE_WORKSPACE_MB")
+    if value is None:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"TORCH_FCE_WORKSPACE_MB must be a positive integer (MiB), "
+                         f"got {value!r}")
+    return int(value) << 20
+
+
+_nbytes = _from_env()
 
 
 def set_workspace(nbytes):

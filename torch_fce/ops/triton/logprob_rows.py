@@ -17,7 +17,11 @@ from .rows import _NEG_BIG, _block_v, _load_z
 @triton.jit
 def _stats_sweep(row_ptr, V, inv_t, softcap, HAS_SOFTCAP: tl.constexpr,
                  WANT_MU: tl.constexpr, BLOCK_V: tl.constexpr):
-    """(lse, mu = sum_c p_c z_c, argmax) of one row of z = softcap(l) * inv_t."""
+    """(lse, entropy, mu = sum_c p_c z_c, argmax) of one row of z = softcap(l) * inv_t.
+
+    With m the running max, s = sum_c exp(z_c - m) and ez = sum_c exp(z_c - m) (z_c - m):
+    entropy = log(s) - ez / s and mu = m + ez / s. No 0 * -inf for masked or -inf
+    logits, and no cancellation against m for confident rows."""
     cols = tl.arange(0, BLOCK_V)
     m = tl.max(tl.full([BLOCK_V], _NEG_BIG, tl.float32), axis=0)
     s = tl.sum(tl.zeros([BLOCK_V], tl.float32), axis=0)
@@ -37,11 +41,12 @@ def _stats_sweep(row_ptr, V, inv_t, softcap, HAS_SOFTCAP: tl.constexpr,
         m_new = tl.maximum(m, tl.max(z, axis=0))
         scale = tl.exp(m - m_new)
         ex = tl.where(mask, tl.exp(z - m_new), 0.0)
+        if WANT_MU:  # ez = sum_c exp(z_c - m) (z_c - m), rebased to the new max
+            ez = scale * (ez + (m - m_new) * s) + tl.sum(
+                tl.where(ex > 0.0, ex * (z - m_new), 0.0), axis=0)
         s = s * scale + tl.sum(ex, axis=0)
-        if WANT_MU:
-            ez = ez * scale + tl.sum(tl.where(mask, ex * z, 0.0), axis=0)
         m = m_new
-    return m + tl.log(s), ez / s, best_i
+    return m + tl.log(s), tl.log(s) - ez / s, m + ez / s, best_i
 
 
 @triton.jit
@@ -67,8 +72,8 @@ def _linear_logprobs_rows_kernel(
     inv_t = tl.load(inv_t_ptr + row)
     valid = t != ignore_index
     in_range = (t >= 0) & (t < V)
-    lse, mu, best = _stats_sweep(row_ptr, V, inv_t, softcap, HAS_SOFTCAP,
-                                 WANT_ENTROPY or HAS_ENTROPY_GRAD, BLOCK_V)
+    lse, ent, mu, best = _stats_sweep(row_ptr, V, inv_t, softcap, HAS_SOFTCAP,
+                                      WANT_ENTROPY or HAS_ENTROPY_GRAD, BLOCK_V)
     z_y = _load_z(row_ptr + tl.where(valid & in_range, t, 0), True, softcap,
                   HAS_SOFTCAP) * inv_t
     # Out-of-range targets never read out of bounds: they poison the row with NaN.
@@ -77,11 +82,12 @@ def _linear_logprobs_rows_kernel(
     tl.store(lse_ptr + row, lse)
     tl.store(argmax_ptr + row, best)
     if WANT_ENTROPY:
-        tl.store(entropy_ptr + row, tl.where(valid, lse - mu, 0.0))
+        tl.store(entropy_ptr + row, tl.where(valid, ent, 0.0))
 
     if HAS_GRAD:
         g = tl.where(valid, tl.load(g_lp_ptr + row), 0.0)
-        h = tl.where(valid, tl.load(g_h_ptr + row), 0.0) if HAS_ENTROPY_GRAD else 0.0
+        if HAS_ENTROPY_GRAD:
+            h = tl.where(valid, tl.load(g_h_ptr + row), 0.0)
         cols = tl.arange(0, BLOCK_V)
         for v0 in range(0, V, BLOCK_V):
             offs = v0 + cols
@@ -89,7 +95,11 @@ def _linear_logprobs_rows_kernel(
             c = _load_z(row_ptr + offs, mask, softcap, HAS_SOFTCAP)
             z = c * inv_t
             p = tl.exp(z - lse)
-            dz = -p * (g + h * (z - mu)) + tl.where(offs == t, g, 0.0)
+            if HAS_ENTROPY_GRAD:  # p = 0 where z = -inf: no 0 * -inf
+                dz = -p * g - tl.where(p > 0.0, p * h * (z - mu), 0.0)
+            else:
+                dz = -p * g
+            dz += tl.where(offs == t, g, 0.0)
             dz *= inv_t
             if HAS_SOFTCAP:
                 th = c / softcap
