@@ -1,0 +1,67 @@
+"""The tools' command lines, as a user first meets them: one benchmark entry with
+subcommands, help with defaults, the main job's PNG reported truthfully."""
+
+import importlib.util
+import json
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+
+def _run(*args):
+    return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_bench_lists_its_subcommands():
+    out = _run("torch_fce.bench")
+    assert out.returncode == 2
+    for sub in ("shapes", "lowering", "transformers", "distributed"):
+        assert sub in out.stdout
+    assert _run("torch_fce.bench", "nope").returncode == 2
+
+
+@pytest.mark.parametrize("sub", ["shapes", "lowering", "transformers", "distributed"])
+def test_bench_subcommand_help_names_defaults(sub):
+    out = _run("torch_fce.bench", sub, "--help")
+    assert out.returncode == 0 and "default" in out.stdout
+
+
+def test_main_job_help_names_defaults():
+    out = _run("torch_fce", "--help")
+    assert out.returncode == 0 and "(default: 30)" in out.stdout
+
+
+def test_bench_shapes_tiny_writes_its_rows(tmp_path):
+    out = _run("torch_fce.bench", "shapes", "--shapes", "tiny", "--reps", "1", "--methods",
+               "torch,fce-fp32", "--json", str(tmp_path / "rows.json"))
+    assert out.returncode == 0, out.stderr
+    rows = json.loads((tmp_path / "rows.json").read_text())["rows"]
+    assert {r["method"] for r in rows} == {"torch", "fce-fp32"}
+    assert out.stdout.startswith("# ") and "{" not in out.stdout.splitlines()[0]
+
+
+def test_patched_transformers_forward_warns_nothing():
+    transformers = pytest.importorskip("transformers")
+    from torch_fce.integrations import transformers as fce_hf
+
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
+                                      num_hidden_layers=1, num_attention_heads=2,
+                                      num_key_value_heads=2)
+    model = fce_hf.apply(transformers.LlamaForCausalLM(config).train())
+    ids = torch.randint(0, 64, (1, 8))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        model(input_ids=ids, labels=ids).loss.backward()
+    assert not [w for w in seen if "return_dict" in str(w.message)]
+
+
+def test_main_job_reports_its_png_truthfully(tmp_path):
+    out = _run("torch_fce", "--tiny", "--steps", "2", "--out", str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    has_png = (tmp_path / "main.png").exists()
+    assert has_png == (importlib.util.find_spec("matplotlib") is not None)
+    assert ("and main.png" in out.stdout) == has_png
