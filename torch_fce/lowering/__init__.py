@@ -7,7 +7,9 @@
 The pass runs before autograd, so the fused op's own autograd serves training. It only
 exists for the Inductor backend; elsewhere models simply run unfused. What it did is
 counted in torch._dynamo.utils.counters["inductor"]["fce_linear_ce_fused"] and, per
-reason, counters["fce_linear_ce_skipped"]; the logger torch_fce.lowering says more.
+reason, counters["fce_linear_ce_skipped"]; the logger torch_fce.lowering says more. A
+cross entropy left unfused because its logits have another use (a model that returns
+them) raises an UnfusedWarning naming the remedy, once per compiled graph.
 """
 
 import contextlib
@@ -16,9 +18,10 @@ import torch._functorch.config as functorch_config
 import torch._inductor.config as inductor_config
 
 from ..ops.checks import check_options
-from .graph_pass import FUSED, SKIPPED, FuseLinearCrossEntropy
+from .graph_pass import FUSED, SKIPPED, FuseLinearCrossEntropy, UnfusedWarning
 
-__all__ = ["enable", "disable", "auto_fuse", "fresh_compiles", "FUSED", "SKIPPED"]
+__all__ = ["enable", "disable", "auto_fuse", "fresh_compiles", "FUSED", "SKIPPED",
+           "UnfusedWarning"]
 
 _PASS = FuseLinearCrossEntropy()
 

@@ -3,16 +3,29 @@
 import logging
 import operator
 import os
+import warnings
 
 import torch
 from torch._dynamo.utils import counters
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-from .patterns import CROSS_ENTROPY, NoMatch, match
+from .patterns import CROSS_ENTROPY, OTHER_USE, NoMatch, match
 
 log = logging.getLogger(__name__)
 FUSED = "fce_linear_ce_fused"  # counters["inductor"][FUSED]: rewrites done
 SKIPPED = "fce_linear_ce_skipped"  # counters[SKIPPED][reason]: cross entropies left alone
+
+
+_OTHER_USE_ADVICE = (
+    "torch_fce.lowering left a cross entropy unfused: the logits have another use (the "
+    "model returns them, or other code reads them), so fusing could not drop them and "
+    "this step's memory is unchanged. For transformers models call "
+    "torch_fce.integrations.transformers.apply(model) before torch.compile: in training "
+    "with labels it returns no logits (docs/lowering.md has the measured saving).")
+
+
+class UnfusedWarning(UserWarning):
+    """A cross entropy the lowering pass could have fused but for the user's code."""
 
 
 class FuseLinearCrossEntropy(CustomGraphPass):
@@ -31,6 +44,8 @@ class FuseLinearCrossEntropy(CustomGraphPass):
                         f"unreadable graph ({type(reason).__name__}: {reason})"
                     counters[SKIPPED][why] += 1
                     log.info("fce lowering: left %s unfused: %s", node.name, why)
+                    if why == OTHER_USE:
+                        warnings.warn(UnfusedWarning(_OTHER_USE_ADVICE), stacklevel=2)
                     continue
                 _rewrite(graph, m, self.accumulator)
                 counters["inductor"][FUSED] += 1
@@ -44,14 +59,19 @@ class FuseLinearCrossEntropy(CustomGraphPass):
 
 def _rewrite(graph, m, accumulator):
     with graph.inserting_before(m.cross_entropy):
-        hidden = m.hidden
+        hidden, weight, bias = m.hidden, m.weight, m.bias
+        if m.vocab_rows is not None:  # a padded head: the first V rows
+            rows = slice(None, m.vocab_rows, None)
+            weight = graph.call_function(operator.getitem, (weight, rows))
+            if bias is not None:
+                bias = graph.call_function(operator.getitem, (bias, rows))
         for index in m.leading_slices:  # slices of the logits' leading dims, on hidden
             hidden = graph.call_function(operator.getitem, (hidden, index))
         hidden = graph.call_method("flatten", (hidden, 0, -2))
         target = graph.call_method("reshape", (m.target, -1))
         fused = graph.call_function(
             torch.ops.fce.linear_ce.default,
-            (hidden, m.weight, target, m.bias, m.class_weight),
+            (hidden, weight, target, bias, m.class_weight),
             dict(m.options, accumulator=accumulator))
         if m.loss_dtype != torch.float32:  # e.g. bf16 logits without an upcast
             fused = graph.call_method("to", (fused, m.loss_dtype))

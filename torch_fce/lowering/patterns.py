@@ -2,8 +2,11 @@
 
 A match walks back from an F.cross_entropy node through the logits' producers, each of
 which must have no other user: views that keep the vocabulary dimension last, slices of
-leading dimensions (the causal-LM shift) taken before any such view, an upcast, the
-Gemma softcap `tanh(z / c) * c`, down to F.linear / nn.Linear / `x @ W.T`.
+leading dimensions (the causal-LM shift) taken before any such view, one cut of a padded
+vocabulary (`logits[..., :V]`: the head's first V rows), an upcast, the Gemma softcap
+`tanh(z / c) * c`, down to F.linear / nn.Linear / `x @ W.T`, whose weight and bias may be
+cast from float32 to the activations' dtype (`w.to(x.dtype)`, `w.type_as(x)`: the op's
+master-weight path).
 Anything else ends the walk with a reason, and the graph is left as it was; so do
 inputs the op would reject, and a grad-mode or autocast switch between the linear and
 the cross entropy (the fused op runs where the cross entropy ran).
@@ -30,6 +33,7 @@ _GLOBAL_STATE = ("_set_grad_enabled", "_enter_autocast", "_exit_autocast",
                  "_enter_inference_mode", "_exit_inference_mode")
 _CE_SIGNATURE = inspect.signature(F.cross_entropy)
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+OTHER_USE = "the logits have another use"  # a reason of its own: the pass warns on it
 
 
 @dataclasses.dataclass
@@ -44,6 +48,7 @@ class Match:
     options: dict
     leading_slices: list  # getitem indices to apply to hidden, in order
     chain: list  # logits producers to erase, consumer first
+    vocab_rows: Optional[int] = None  # logits[..., :V] of a padded head: its first V rows
 
 
 class NoMatch(Exception):
@@ -70,7 +75,7 @@ def _arg(node, i, name):
 
 def _only_user(node, user):
     if len(node.users) != 1:
-        raise NoMatch("the logits have another use")
+        raise NoMatch(OTHER_USE)
     assert user in node.users
 
 
@@ -115,6 +120,38 @@ def _softcap(mul_node):
     return abs(float(c)), div  # tanh(z / c) * c is even in c; the op takes c > 0
 
 
+def _vocab_slice(index, ndim, V):
+    """(leading index or None, True) if index is `[..., :V]` (possibly with leading
+    slices) on an ndim-dim tensor, cutting the vocabulary to its first V entries."""
+    items = index if isinstance(index, tuple) else (index,)
+    last = items[-1] if items else None
+    if not (isinstance(last, slice) and last.start in (None, 0) and last.step in (None, 1)
+            and last.stop == V and (Ellipsis in items or len(items) == ndim)):
+        return None
+    lead = items[:-1] + (slice(None, None, None),)
+    if not _keeps_last_dim(lead, ndim):
+        return None
+    trivial = all(i == slice(None, None, None) or i is Ellipsis for i in lead)
+    return None if trivial else lead, True
+
+
+def _uncast(node, dtype):
+    """x if node is x.to(dtype) / x.type_as(y) / x.bfloat16() / x.half() of a float32 x
+    with node as its only use, giving dtype (the op's master-weight path), else node."""
+    if not isinstance(node, Node) or node.op != "call_method" or len(node.users) != 1:
+        return node
+    src = node.args[0]
+    if not isinstance(src, Node) or node.target not in ("to", "type_as", "bfloat16", "half"):
+        return node
+    if node.target == "to" and node.kwargs.keys() - {"dtype"}:
+        return node
+    try:
+        ok = _meta(src).dtype == torch.float32 and _meta(node).dtype == dtype != src
+    except NoMatch:
+        return node
+    return src if ok and _meta(src).shape == _meta(node).shape else node
+
+
 def _keeps_last_dim(index, ndim):
     """A getitem index that slices only leading dimensions."""
     items = index if isinstance(index, tuple) else (index,)
@@ -146,12 +183,18 @@ def match(ce):
         raise NoMatch("cross_entropy input is not (N, V) logits")
     V = _meta(logits).shape[-1]
     softcap, slices, chain, node, user = None, [], [], logits, ce
+    V_out, vocab_rows = V, None
     while True:
         _only_user(node, user)
         chain.append(node)
         if node.op == "call_function" and node.target in LINEAR:
             hidden, weight = _arg(node, 0, "input"), _arg(node, 1, "weight")
             bias = _arg(node, 2, "bias")
+            dtype = _meta(hidden).dtype if isinstance(hidden, Node) else None
+            for cast in (weight, bias):  # F.linear(x, w.to(x.dtype)): a master weight
+                if _uncast(cast, dtype) is not cast:
+                    chain.append(cast)
+            weight, bias = _uncast(weight, dtype), _uncast(bias, dtype)
             break
         if node.op == "call_function" and node.target in MATMUL:
             hidden, wt = _arg(node, 0, "input"), _arg(node, 1, "other")
@@ -179,21 +222,29 @@ def match(ce):
             if slices:  # the slice indexes the reshaped dims, not hidden's
                 raise NoMatch("a slice of reshaped logits")
         elif node.op == "call_function" and node.target is operator.getitem:
-            if not _keeps_last_dim(node.args[1], _meta(node.args[0]).dim()):
+            src = _meta(node.args[0])
+            cut = _vocab_slice(node.args[1], src.dim(), V) \
+                if vocab_rows is None and src.shape[-1] > V else None
+            if cut is not None:  # a padded head: logits[..., :V] is the first V rows
+                vocab_rows, V = V, src.shape[-1]
+                if cut[0] is not None:
+                    slices.insert(0, cut[0])
+            elif not _keeps_last_dim(node.args[1], src.dim()):
                 raise NoMatch("an index touches the vocabulary dimension")
-            slices.insert(0, node.args[1])
+            else:
+                slices.insert(0, node.args[1])
         else:
             name = getattr(node.target, "__name__", node.target)
             raise NoMatch(f"logits come from {node.op} {name}")
         user, node = node, node.args[0]
         if not isinstance(node, Node):
             raise NoMatch("logits do not come from a tensor")
-    _check_inputs(hidden, weight, bias, a["target"], a["weight"], V)
+    _check_inputs(hidden, weight, bias, a["target"], a["weight"], V, V_out)
     _check_same_state(node, ce)
     options = dict(ignore_index=a["ignore_index"], reduction=a["reduction"],
                    label_smoothing=float(a["label_smoothing"]), softcap=softcap)
     return Match(ce, _meta(ce).dtype, hidden, weight, bias, a["target"], a["weight"],
-                 options, slices, chain)
+                 options, slices, chain, vocab_rows)
 
 
 def _check_same_state(linear, ce):
@@ -207,8 +258,9 @@ def _check_same_state(linear, ce):
         node = node.next
 
 
-def _check_inputs(hidden, weight, bias, target, class_weight, V):
-    """What the op would reject (it would fail the compile), as NoMatch instead."""
+def _check_inputs(hidden, weight, bias, target, class_weight, V, V_out):
+    """What the op would reject (it would fail the compile), as NoMatch instead. V is the
+    head's rows, V_out the classes the loss sees (fewer for a padded head)."""
     h, w, t = _meta(hidden), _meta(weight), _meta(target)
     if h.dtype not in _SUPPORTED_DTYPES or w.dtype not in (h.dtype, torch.float32):
         raise NoMatch(f"unsupported dtypes hidden={h.dtype} weight={w.dtype}")
@@ -216,8 +268,8 @@ def _check_inputs(hidden, weight, bias, target, class_weight, V):
         raise NoMatch("hidden has no token dimension")
     if t.dtype not in (torch.int64, torch.int32) or t.dim() != 1:
         raise NoMatch("targets are not class indices (N,)")
-    for name, x in (("bias", bias), ("class_weight", class_weight)):
-        if x is not None and (_meta(x).dim() != 1 or _meta(x).shape[0] != V):
+    for name, x, n in (("bias", bias, V), ("class_weight", class_weight, V_out)):
+        if x is not None and (_meta(x).dim() != 1 or _meta(x).shape[0] != n):
             raise NoMatch(f"{name} is not a (V,) vector")
     if bias is not None and _meta(bias).dtype not in (h.dtype, w.dtype):
         raise NoMatch("bias dtype differs from hidden and weight")
