@@ -163,6 +163,23 @@ def test_linear_logprobs_compiled_matches_eager():
         assert torch.equal(a, b) if not a.is_floating_point() else rel_err(a, b) <= 1e-6
 
 
+def test_linear_logprobs_dynamic_tokens_no_recompile_storm():
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    def fresh(h, w, t, temperature):  # its own code object: no dynamism learnt elsewhere
+        out = torch_fce.linear_logprobs(h, w, t, temperature=temperature, entropy=True)
+        return out.logprob.sum() + out.entropy.sum()
+
+    counter = CompileCounterWithBackend("aot_eager")
+    fn = torch.compile(fresh, fullgraph=True, backend=counter)
+    for n in (5, 7, 9, 16, 31):  # varying tokens and a per-token temperature
+        x = make_inputs(n, 8, 37)
+        h = x["hidden"].requires_grad_()
+        fn(h, x["weight"], x["target"], torch.rand(n) + 0.5).backward()
+        assert h.grad is not None
+    assert counter.frame_count == 2  # one static compile, then one dynamic graph for all N
+
+
 @pytest.mark.parametrize("entropy", [False, True])
 def test_linear_logprobs_opcheck(entropy):
     x = make_inputs(6, 4, 9, torch.bfloat16, bias=True)
