@@ -1,11 +1,10 @@
 """torch_fce.linear_cross_entropy and linear_logprobs: the Python entries to the ops."""
 
-import math
 from typing import NamedTuple, Optional
 
 import torch
 
-from .ops.checks import check_inputs, check_logprob_options, check_options
+from .ops.checks import _got, check_inputs, check_logprob_options, check_options
 from .ops.linear_ce import int64_if_needed
 
 
@@ -155,13 +154,13 @@ def _temperature_tensor(temperature, target):
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
         raise TypeError(f"temperature must be a float or a tensor, got "
                         f"{type(temperature).__name__}")
-    if not (temperature > 0 and math.isfinite(temperature)):
-        raise ValueError(f"temperature must be a finite float > 0, got {temperature}")
+    if not 0.0 < temperature < float("inf"):  # NaN fails too; traceable for SymFloats
+        raise ValueError(f"temperature must be a finite float > 0{_got(temperature)}")
     if temperature == 1.0:
         return None
     # float64 holds the Python float exactly; the kernels take it to their math dtype.
-    return torch.full(target.shape, float(temperature), device=target.device,
-                      dtype=torch.float64)
+    # Scaling a tensor keeps a compile-time symbolic float symbolic (no compile per value).
+    return torch.ones(target.shape, device=target.device, dtype=torch.float64) * temperature
 
 
 def _is_dtensor(t):

@@ -163,6 +163,22 @@ def test_linear_logprobs_compiled_matches_eager():
         assert torch.equal(a, b) if not a.is_floating_point() else rel_err(a, b) <= 1e-6
 
 
+def test_linear_logprobs_compiled_float_temperatures():
+    # dynamic=True makes a float temperature symbolic: no error, no compile per value.
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    def fresh(h, w, t, temperature):
+        return torch_fce.linear_logprobs(h, w, t, temperature=temperature).logprob
+
+    counter = CompileCounterWithBackend("aot_eager")
+    fn = torch.compile(fresh, fullgraph=True, dynamic=True, backend=counter)
+    x = make_inputs(8, 4, 13)
+    for T in (0.7, 0.8, 1.3):
+        got = fn(x["hidden"], x["weight"], x["target"], T)
+        assert rel_err(got, fresh(x["hidden"], x["weight"], x["target"], T)) <= 1e-6
+    assert counter.frame_count <= 2
+
+
 def test_linear_logprobs_dynamic_tokens_no_recompile_storm():
     from torch._dynamo.testing import CompileCounterWithBackend
 
