@@ -79,6 +79,82 @@ PATTERNS = {
         m.padded(h)[:, :-1, :V].contiguous().view(-1, V), y[:, 1:].reshape(-1))),
 }
 
+# Heads as training codebases write them (docs/lowering.md, "Heads in the wild").
+def _nanochat(m, h, y, n):
+    # nanochat (gpt.py): vocab padded to 64 and sliced back, the head's weight cast to the
+    # activations' dtype, float32 softcap 15 * tanh(x / 15), ignore_index=-1.
+    logits = F.linear(h, m.padded.weight.to(dtype=h.dtype))
+    logits = logits[..., :V].float()
+    logits = 15 * torch.tanh(logits / 15)
+    return F.cross_entropy(logits.view(-1, logits.size(-1)),
+                           y.masked_fill(y == -100, -1).view(-1), ignore_index=-1)
+
+
+def _modded_nanogpt_tanh(m, h, y, n):
+    # modded-nanogpt (January 2025): tanh softcap on the padded head, padding kept.
+    logits = m.padded(h)
+    logits = 15 * torch.tanh(logits / 15)
+    return F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.view(-1).clamp_min(0))
+
+
+WILD = {"nanochat": _nanochat, "modded-nanogpt (tanh)": _modded_nanogpt_tanh}
+
+
+@pytest.mark.parametrize("name", WILD)
+def test_lowering_heads_in_the_wild_fuse(name):
+    _assert_compiled_with_pass_matches_eager(WILD[name])
+    assert counters["inductor"][lowering.FUSED] == 1, dict(counters[lowering.SKIPPED])
+
+
+def _litgpt_chunked(m, h, y, n):
+    # litgpt (utils.chunked_cross_entropy): the user chunks the logits themselves.
+    logits, y = m.head(h).reshape(-1, V), y.reshape(-1)
+    losses = [F.cross_entropy(a, b, reduction="none") for a, b in
+              zip(logits.split(4), y.split(4))]
+    return torch.cat(losses).sum() / (y != -100).sum()
+
+
+WILD_UNFUSED = {
+    # modded-nanogpt (2025-08 on): 30 * sigmoid(x / 7.5) is no tanh softcap: the op
+    # cannot compute it, so the graph stays.
+    "modded-nanogpt (sigmoid cap)": ((lambda m, h, y, n: F.cross_entropy(
+        (30 * torch.sigmoid(m.padded(h).float() / 7.5)).view(-1, V + 11),
+        y.view(-1).clamp_min(0))), "logits come from"),
+    "litgpt chunked_cross_entropy": (_litgpt_chunked, "split"),
+}
+
+
+@pytest.mark.parametrize("name", WILD_UNFUSED)
+def test_lowering_heads_in_the_wild_left_unfused_with_a_reason(name):
+    fn, reason = WILD_UNFUSED[name]
+    _assert_compiled_with_pass_matches_eager(fn)
+    assert counters["inductor"][lowering.FUSED] == 0
+    assert any(reason in why for why in counters[lowering.SKIPPED]), \
+        dict(counters[lowering.SKIPPED])
+
+
+class _NanoGPT(nn.Module):
+    """nanoGPT's GPT.forward: returns (logits, loss), so the logits have another use."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = Head(None)
+
+    def forward(self, x, y, n=None):
+        logits = self.head.head(torch.tanh(self.head.proj(x)))
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1), ignore_index=-1)
+        return logits, loss
+
+
+def test_lowering_nanogpt_returning_logits_warns_and_matches_eager():
+    model, (x, y, _) = _NanoGPT(), _inputs()
+    y = y.masked_fill(y == -100, -1)
+    ref = model(x, y)[1]
+    with lowering.auto_fuse(), pytest.warns(lowering.UnfusedWarning, match="another use"):
+        got = torch.compile(model, fullgraph=True)(x, y)[1]
+    assert rel_err(got, ref) <= 1e-5 and counters["inductor"][lowering.FUSED] == 0
+
+
 # float32 master weights cast to bf16 activations in the head (the op's master-weight
 # path), as training code writes it: compared with eager at bf16 tolerance.
 MASTER = {

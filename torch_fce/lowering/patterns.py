@@ -222,7 +222,11 @@ def match(ce):
             if slices:  # the slice indexes the reshaped dims, not hidden's
                 raise NoMatch("a slice of reshaped logits")
         elif node.op == "call_function" and node.target is operator.getitem:
-            src = _meta(node.args[0])
+            try:
+                src = _meta(node.args[0])
+            except NoMatch:  # an item of a tuple: split / chunk / unbind of the logits
+                raise NoMatch("logits are one piece of a split (a hand-chunked loss)") \
+                    from None
             cut = _vocab_slice(node.args[1], src.dim(), V) \
                 if vocab_rows is None and src.shape[-1] > V else None
             if cut is not None:  # a padded head: logits[..., :V] is the first V rows
