@@ -97,7 +97,17 @@ def _modded_nanogpt_tanh(m, h, y, n):
     return F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.view(-1).clamp_min(0))
 
 
-WILD = {"nanochat": _nanochat, "modded-nanogpt (tanh)": _modded_nanogpt_tanh}
+def _llm_c(m, h, y, n):
+    # llm.c (train_gpt2.py) with return_logits=False: the logits are dropped.
+    logits = m.head(h)
+    loss = F.cross_entropy(logits.view(-1, logits.size(-1)),
+                           y.masked_fill(y == -100, -1).view(-1), ignore_index=-1)
+    logits = None
+    return loss
+
+
+WILD = {"nanochat": _nanochat, "modded-nanogpt (tanh)": _modded_nanogpt_tanh,
+        "llm.c (return_logits=False)": _llm_c}
 
 
 @pytest.mark.parametrize("name", WILD)
