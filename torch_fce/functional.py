@@ -14,6 +14,19 @@ def shift_targets(target, ignore_index):
     return torch.cat([target[..., 1:], pad], dim=-1)
 
 
+def _shifted(hidden, weight, target, bias, class_weight, ignore_index, shift):
+    """target, shifted when shift=True (inputs checked first, so the shift cannot fail
+    on a bad argument with an unclear error)."""
+    if not isinstance(shift, bool):
+        raise TypeError(f"shift must be a bool, got {type(shift).__name__}")
+    if not shift:
+        return target
+    check_inputs(hidden, weight, target, bias, class_weight)
+    if target.dim() == 0:
+        raise ValueError("shift=True needs target with a sequence dimension, got a 0-d tensor")
+    return shift_targets(int64_if_needed(target, ignore_index), ignore_index)
+
+
 class LossStats(NamedTuple):
     """Token statistics of linear_cross_entropy(return_stats=True), from the loss's own
     pass: lse and argmax (int64, the most likely class) of target's shape, and z_loss,
@@ -49,13 +62,7 @@ def linear_cross_entropy(hidden, weight, target, bias=None, class_weight=None, *
     """
     # Checked here too: the dispatcher's own type errors would not name the option.
     check_options(reduction, label_smoothing, softcap, z_loss, accumulator, ignore_index)
-    if not isinstance(shift, bool):
-        raise TypeError(f"shift must be a bool, got {type(shift).__name__}")
-    if shift:
-        check_inputs(hidden, weight, target, bias, class_weight)
-        if target.dim() == 0:
-            raise ValueError("shift=True needs target with a sequence dimension, got a 0-d tensor")
-        target = shift_targets(int64_if_needed(target, ignore_index), ignore_index)
+    target = _shifted(hidden, weight, target, bias, class_weight, ignore_index, shift)
     options = dict(ignore_index=ignore_index, reduction=reduction,
                    label_smoothing=label_smoothing, softcap=softcap, z_loss=z_loss,
                    accumulator=accumulator)
@@ -121,14 +128,8 @@ def linear_logprobs(hidden, weight, target, bias=None, *, temperature=1.0, softc
     """
     # Checked here too: the dispatcher's own type errors would not name the option.
     check_logprob_options(softcap, ignore_index, entropy, accumulator)
-    if not isinstance(shift, bool):
-        raise TypeError(f"shift must be a bool, got {type(shift).__name__}")
     temperature = _temperature_tensor(temperature, target)
-    if shift:
-        check_inputs(hidden, weight, target, bias, None)
-        if target.dim() == 0:
-            raise ValueError("shift=True needs target with a sequence dimension, got a 0-d tensor")
-        target = shift_targets(int64_if_needed(target, ignore_index), ignore_index)
+    target = _shifted(hidden, weight, target, bias, None, ignore_index, shift)
     if _is_dtensor(weight):  # sharded by vocabulary: the vocab-parallel log-probs
         from .distributed.dtensor import dtensor_linear_logprobs
 

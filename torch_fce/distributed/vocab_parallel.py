@@ -24,7 +24,7 @@ from ..ops import checks
 from ..ops.accumulate import GradAccumulator, _mm_f32
 from ..ops.checks import (check_inputs, check_logprob_options, check_options,
                           check_temperature)
-from ..ops.chunked import math_dtype_for
+from ..ops.chunked import inverse_temperature, math_dtype_for
 from ..ops.rows import (RowOptions, grad_coefficients, softcapped, torch_shard_grad,
                         torch_shard_stats)
 from ..ops.tokens import counted_target_weights, grad_scales, reduce_loss
@@ -349,9 +349,8 @@ def vocab_parallel_linear_logprobs(hidden, weight, target, bias=None, *, vocab_s
             checks.check_temperature_values(temperature)
     mdt = math_dtype_for(hidden.dtype)
     flat = target.reshape(-1)
-    inv_t = torch.ones(flat.shape, dtype=mdt, device=hidden.device) if temperature is None \
-        else torch.where(temperature.reshape(-1) > 0, 1.0 / temperature.reshape(-1).to(mdt),
-                         float("nan"))
+    inv_t = inverse_temperature(None if temperature is None else temperature.reshape(-1),
+                                flat.shape[0], hidden.device, mdt)
     out = _VocabParallelLogProbs.apply(
         hidden.reshape(-1, hidden.shape[-1]), weight, bias, flat, inv_t, group, vocab_start,
         vocab_size, RowOptions(ignore_index, 0.0, softcap), entropy, accumulator)

@@ -39,12 +39,15 @@ def _backward_fwd(ctx, grad_loss, *_):
     with torch.no_grad():
         grads = _grads(ctx, grad_loss, saved)
     if create_graph:
-        # The gradients are usable; differentiating them once more (backward, grad,
-        # hvp, w.r.t. any input or the upstream gradient) raises.
-        graph_inputs = [t for t in (grad_loss, *saved[:5]) if t is not None]
-        grads = [None if g is None else _OnceDifferentiable.apply(g, *graph_inputs)
-                 for g in grads]
+        grads = _first_order(grads, (grad_loss, *saved[:5]))
     return grads[0], grads[1], None, grads[2], *(None,) * 9
+
+
+def _first_order(grads, inputs):
+    """The gradients, usable; differentiating them once more (backward, grad, hvp, w.r.t.
+    any input or upstream gradient) raises."""
+    inputs = [t for t in inputs if t is not None]
+    return [None if g is None else _OnceDifferentiable.apply(g, *inputs) for g in grads]
 
 
 class _OnceDifferentiable(torch.autograd.Function):
@@ -106,9 +109,7 @@ def _backward_logprobs(ctx, grad_logprob, grad_entropy, *_):
             *ctx.options, needs)
     grads = [g if need else None for g, need in zip(grads, needs)]
     if create_graph:
-        graph_inputs = [t for t in (grad_logprob, grad_entropy, *saved) if t is not None]
-        grads = [None if g is None else _OnceDifferentiable.apply(g, *graph_inputs)
-                 for g in grads]
+        grads = _first_order(grads, (grad_logprob, grad_entropy, *saved))
     return grads[0], grads[1], None, grads[2], None, None, None, None, None
 
 

@@ -111,7 +111,7 @@ def linear_logprobs_fwd(hidden, weight, target, bias, temperature, softcap, igno
     """fce::linear_logprobs_fwd on one device: (logprob, entropy, lse, argmax), each (N,);
     entropy is (0,) unless asked for."""
     N, mdt = hidden.shape[0], math_dtype_for(hidden.dtype)
-    inv_t = _inverse_temperature(temperature, N, hidden.device, mdt)
+    inv_t = inverse_temperature(temperature, N, hidden.device, mdt)
     opts = RowOptions(ignore_index, 0.0, softcap)
     out = [hidden.new_empty(N, dtype=mdt) for _ in range(3)] + [
         hidden.new_empty(N, dtype=torch.int64)]
@@ -131,7 +131,7 @@ def linear_logprobs_bwd(grad_logprob, grad_entropy, hidden, weight, target, bias
                         rows, chunk_rows):
     """fce::linear_logprobs_bwd on one device: recomputes the logits chunk by chunk."""
     N, mdt = hidden.shape[0], math_dtype_for(hidden.dtype)
-    inv_t = _inverse_temperature(temperature, N, hidden.device, mdt)
+    inv_t = inverse_temperature(temperature, N, hidden.device, mdt)
     opts = RowOptions(ignore_index, 0.0, softcap)
     g_lp = grad_logprob.to(mdt)
     g_h = None if grad_entropy is None else grad_entropy.to(mdt)
@@ -147,7 +147,7 @@ def linear_logprobs_bwd(grad_logprob, grad_entropy, hidden, weight, target, bias
     return _grad_outputs(hidden, weight, bias, grads, keep_f32=False)
 
 
-def _inverse_temperature(temperature, N, device, dtype):
+def inverse_temperature(temperature, N, device, dtype):
     """1 / temperature per token, NaN where it is not > 0 (no host check off the CPU)."""
     if temperature is None:
         return torch.ones(N, device=device, dtype=dtype)

@@ -9,7 +9,8 @@ from .schema import LIB
 
 
 _NO_TRANSFORMS = (
-    "fce::linear_ce has no forward-mode derivative and no torch.func derivative "
+    "torch_fce's ops (fce::linear_ce, fce::linear_logprobs) have no forward-mode "
+    "derivative and no torch.func derivative "
     "(grad, jvp, jacrev, hessian, dual tensors; vmap of the forward alone runs): use "
     "torch.autograd (loss.backward() or torch.autograd.grad) for its gradients"
 )

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .rows import _NEG_BIG, _block_v, _load_z
+from .rows import _NEG_BIG, _argmax_update, _block_v, _load_z
 
 
 @triton.jit
@@ -33,10 +33,7 @@ def _stats_sweep(row_ptr, V, inv_t, softcap, HAS_SOFTCAP: tl.constexpr,
         mask = offs < V
         c = _load_z(row_ptr + offs, mask, softcap, HAS_SOFTCAP)
         # argmax of softcap(l) (the same class as of z for inv_t > 0), first one on ties
-        bv, bi = tl.max(c, axis=0, return_indices=True, return_indices_tie_break_left=True)
-        better = bv > best
-        best_i = tl.where(better, v0 + bi.to(tl.int64), best_i)
-        best = tl.where(better, bv, best)
+        best, best_i = _argmax_update(c, v0, best, best_i)
         z = c * inv_t
         m_new = tl.maximum(m, tl.max(z, axis=0))
         scale = tl.exp(m - m_new)

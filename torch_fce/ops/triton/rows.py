@@ -38,6 +38,15 @@ def _load_z(ptrs, mask, softcap, HAS_SOFTCAP: tl.constexpr):
 
 
 @triton.jit
+def _argmax_update(z, v0, best, best_i):
+    """(best, best_i) after a block z of columns starting at v0: the first maximum so far
+    (a NaN never wins)."""
+    bv, bi = tl.max(z, axis=0, return_indices=True, return_indices_tie_break_left=True)
+    better = bv > best
+    return tl.where(better, bv, best), tl.where(better, v0 + bi.to(tl.int64), best_i)
+
+
+@triton.jit
 def _lse_sweep(row_ptr, class_weight_ptr, V, softcap, HAS_SOFTCAP: tl.constexpr,
                HAS_CLASS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
                BLOCK_V: tl.constexpr, WANT_ARGMAX: tl.constexpr):
@@ -54,10 +63,7 @@ def _lse_sweep(row_ptr, class_weight_ptr, V, softcap, HAS_SOFTCAP: tl.constexpr,
         mask = offs < V
         z = _load_z(row_ptr + offs, mask, softcap, HAS_SOFTCAP)
         if WANT_ARGMAX:
-            bv, bi = tl.max(z, axis=0, return_indices=True,
-                            return_indices_tie_break_left=True)
-            best_i = tl.where(bv > best, v0 + bi.to(tl.int64), best_i)
-            best = tl.maximum(best, bv)
+            best, best_i = _argmax_update(z, v0, best, best_i)
         m_new = tl.maximum(m, tl.max(z, axis=0))
         s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
         m = m_new
