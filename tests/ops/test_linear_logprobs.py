@@ -142,6 +142,22 @@ def test_linear_logprobs_reused_retained_and_inputs_unchanged():
     assert all(torch.equal(x[k].detach(), v) for k, v in before.items())
 
 
+def test_linear_logprobs_outputs_edited_in_place_keep_the_gradient():
+    # The backward uses the forward's lse and entropy statistics: from copies of its own.
+    x = make_inputs(8, 4, 13, bias=True, ignore_frac=0.3)
+    h = x["hidden"].requires_grad_()
+    out = torch_fce.linear_logprobs(h, x["weight"], x["target"], x["bias"], temperature=0.7,
+                                    entropy=True)
+    mask = torch.rand(8) > 0.5
+    out.lse.zero_()
+    ent = out.entropy.masked_fill_(mask, 0.0)
+    (out.logprob.sum() + 3.0 * ent.sum()).backward()
+    ref_h = x["hidden"].detach().double().requires_grad_()
+    ref = reference(ref_h, x["weight"], x["target"], x["bias"], temperature=0.7)
+    (ref[0].sum() + 3.0 * ref[1].masked_fill(mask, 0.0).sum()).backward()
+    assert rel_err(h.grad, ref_h.grad) <= _tol(torch.float32, 13)
+
+
 def test_linear_logprobs_compiled_matches_eager():
     x = make_inputs(12, 4, 13, bias=True)
     T = torch.rand(2, 1) + 0.5
@@ -207,9 +223,10 @@ def test_linear_logprobs_opcheck(entropy):
             torch.rand(6) + 0.5, 5.0, -100)
     torch.library.opcheck(torch.ops.fce.linear_logprobs_fwd.default,
                           (*flat, entropy, "fp32"))
+    lse, mu = torch.randn(6) + 3.0, torch.randn(6) if entropy else None
     torch.library.opcheck(torch.ops.fce.linear_logprobs_bwd.default,
-                          (torch.randn(6), torch.randn(6) if entropy else None, *flat,
-                           "fp32", [True, True, True]))
+                          (torch.randn(6), torch.randn(6) if entropy else None, lse, mu,
+                           *flat, "fp32", [True, True, True]))
 
 
 BAD = [
@@ -254,13 +271,15 @@ def test_triton_logprob_rows_match_their_pytorch_twin(softcap, entropy, dtype):
     for rows in (torch_logprob_rows, triton_logprob_rows):
         kw = dict(rows=rows, chunk_rows=4)
         fwd = chunked.linear_logprobs_fwd(*args, entropy, **kw)
-        bwd = chunked.linear_logprobs_bwd(g_lp, g_h if entropy else None, *args, "fp32",
-                                          [True, True, True], **kw)
+        lse, mu = fwd[2], fwd[2] - fwd[1] if entropy else None
+        bwd = chunked.linear_logprobs_bwd(g_lp, g_h if entropy else None, lse, mu, *args,
+                                          "fp32", [True, True, True], **kw)
         outs.append((fwd, bwd))
     (f0, b0), (f1, b1) = outs
     assert torch.equal(f0[3], f1[3])  # argmax
-    for a, b in zip((*f0[:3], *b0), (*f1[:3], *b1)):
-        assert a.shape == b.shape and (a.numel() == 0 or rel_err(a, b) <= 4 * EPS[dtype])
+    # The gradients also carry each backend's mu = lse - entropy: one more rounding.
+    for a, b, tol in zip((*f0[:3], *b0), (*f1[:3], *b1), (4, 4, 4, 8, 8, 8)):
+        assert a.shape == b.shape and (a.numel() == 0 or rel_err(a, b) <= tol * EPS[dtype])
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])

@@ -472,6 +472,15 @@ def main(argv=None):
         done[0] += step
         print(f"[{done[0]:3d}/{total}] {what}", file=sys.stderr, flush=True)
 
+    env = environment()
+
+    def save(rows, acc_rows=()):
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(dict(environment=env, rows=[dataclasses.asdict(r) for r in rows],
+                               accuracy=[dataclasses.asdict(r) for r in acc_rows]), f,
+                          indent=1)
+
     rows = []
     if args.isolate:
         rows = _isolated(args, names, list(fns))
@@ -479,21 +488,18 @@ def main(argv=None):
         for shape in shapes:
             rows += bench_shape(shape, dtype, args.device, fns, args.reps, progress,
                                 args.objective)
+            save(rows)  # a run cut short keeps the shapes it finished
     acc_rows = []
     if args.accuracy:
         Ns = [int(n) for n in args.accuracy.split(",")]
         acc_fns = {k: v for k, v in fns.items() if k != "torch.compile"}
         total += len(Ns) * len(acc_fns)
         acc_rows = accuracy(acc_fns, args.device, Ns, progress=progress)
-    env = environment()
     print(f"# {describe(env)}")
     print_table(rows)
     if acc_rows:
         print_accuracy(acc_rows)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(environment=env, rows=[dataclasses.asdict(r) for r in rows],
-                           accuracy=[dataclasses.asdict(r) for r in acc_rows]), f, indent=1)
+    save(rows, acc_rows)
     if args.plot:
         plot(rows, acc_rows, args.plot)
         if args.sweep and rows:

@@ -87,17 +87,22 @@ def _setup_logprobs(ctx, inputs, output):
     ctx.set_materialize_grads(False)
     ctx.options = (softcap, ignore_index, accumulator)
     ctx.entropy = entropy
-    ctx.save_for_backward(hidden, weight, target, bias, temperature)
+    # The forward's lse and mu = sum_c p_c z_c = lse - entropy spare the backward a
+    # statistics pass over the logits; copies (N floats), so that the user may edit the
+    # outputs in place.
+    lse = output[2].detach()
+    ctx.save_for_backward(hidden, weight, target, bias, temperature, lse.clone(),
+                          lse - output[1].detach() if entropy else None)
 
 
 def _backward_logprobs(ctx, grad_logprob, grad_entropy, *_):
     """The logits are recomputed with both upstream gradients (log-probs and entropy
-    are per token, so nothing is formed in the forward)."""
+    are per token, so no gradient is formed in the forward)."""
     if not ctx.entropy:
         grad_entropy = None
     if grad_logprob is None and grad_entropy is None:
         return (None,) * 9
-    saved = ctx.saved_tensors  # raises if an input was modified in place since
+    *saved, lse, mu = ctx.saved_tensors  # raises if an input was modified in place since
     hidden, weight, target, bias, temperature = saved
     needs = list(ctx.needs_input_grad[:2]) + [ctx.needs_input_grad[3]]
     create_graph = torch.is_grad_enabled()
@@ -105,8 +110,8 @@ def _backward_logprobs(ctx, grad_logprob, grad_entropy, *_):
         if grad_logprob is None:
             grad_logprob = torch.zeros_like(target, dtype=grad_entropy.dtype)
         grads = torch.ops.fce.linear_logprobs_bwd(
-            grad_logprob, grad_entropy, hidden, weight, target, bias, temperature,
-            *ctx.options, needs)
+            grad_logprob, grad_entropy, lse, None if grad_entropy is None else mu, hidden,
+            weight, target, bias, temperature, *ctx.options, needs)
     grads = [g if need else None for g, need in zip(grads, needs)]
     if create_graph:
         grads = _first_order(grads, (grad_logprob, grad_entropy, *saved))

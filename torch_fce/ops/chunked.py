@@ -117,7 +117,7 @@ def linear_logprobs_fwd(hidden, weight, target, bias, temperature, softcap, igno
         hidden.new_empty(N, dtype=torch.int64)]
 
     def row_fn(logits, s, e):
-        *terms, _ = rows(logits, target[s:e], inv_t[s:e], opts, entropy, None, None, mdt)
+        *terms, _ = rows(logits, target[s:e], inv_t[s:e], opts, entropy, None, mdt)
         return terms, None
 
     with torch.autocast(hidden.device.type, enabled=False):
@@ -126,19 +126,20 @@ def linear_logprobs_fwd(hidden, weight, target, bias, temperature, softcap, igno
     return logprob, ent if entropy else hidden.new_empty(0, dtype=mdt), lse, argmax
 
 
-def linear_logprobs_bwd(grad_logprob, grad_entropy, hidden, weight, target, bias,
+def linear_logprobs_bwd(grad_logprob, grad_entropy, lse, mu, hidden, weight, target, bias,
                         temperature, softcap, ignore_index, accumulator, needs_grad, *,
                         rows, chunk_rows):
-    """fce::linear_logprobs_bwd on one device: recomputes the logits chunk by chunk."""
+    """fce::linear_logprobs_bwd on one device: recomputes the logits chunk by chunk and,
+    with the forward's lse and mu (mu only with an entropy gradient), forms the logits
+    gradient in one pass over them."""
     N, mdt = hidden.shape[0], math_dtype_for(hidden.dtype)
     inv_t = inverse_temperature(temperature, N, hidden.device, mdt)
     opts = RowOptions(ignore_index, 0.0, softcap)
-    g_lp = grad_logprob.to(mdt)
-    g_h = None if grad_entropy is None else grad_entropy.to(mdt)
+    per_token = [None if t is None else t.to(mdt) for t in (grad_logprob, grad_entropy, lse, mu)]
 
     def row_fn(logits, s, e):
-        *_, dz = rows(logits, target[s:e], inv_t[s:e], opts, g_h is not None, g_lp[s:e],
-                      None if g_h is None else g_h[s:e], mdt)
+        grad = tuple(None if t is None else t[s:e] for t in per_token)
+        *_, dz = rows(logits, target[s:e], inv_t[s:e], opts, False, grad, mdt)
         return (), dz
 
     with torch.autocast(hidden.device.type, enabled=False):

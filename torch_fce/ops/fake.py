@@ -52,6 +52,7 @@ def _linear_logprobs_fwd_fake(hidden, weight, target, bias, temperature, softcap
 
 
 @torch.library.register_fake("fce::linear_logprobs_bwd")
-def _linear_logprobs_bwd_fake(grad_logprob, grad_entropy, hidden, weight, target, bias,
-                              temperature, softcap, ignore_index, accumulator, needs_grad):
+def _linear_logprobs_bwd_fake(grad_logprob, grad_entropy, lse, mu, hidden, weight, target,
+                              bias, temperature, softcap, ignore_index, accumulator,
+                              needs_grad):
     return _grads(hidden, weight, bias, needs_grad, keep_f32=False)

@@ -9,6 +9,7 @@ temperature) and p = softmax(z):
   argmax  = argmax_c z_c (the first one), as an index
 and for upstream gradients g (of logprob) and h (of entropy), zero where ignored:
   dl_c = (g * ([c == y] - p_c) - h * p_c * (z_c - mu)) * softcap'(l_c) / T
+The backward takes lse and mu from the forward, so it reads each recomputed logit once.
 """
 
 import torch
@@ -16,38 +17,42 @@ import torch
 from .rows import softcapped
 
 
-def torch_logprob_rows(logits, target, inv_t, opts, entropy, g_lp, g_h, math_dtype):
+def torch_logprob_rows(logits, target, inv_t, opts, entropy, grad, math_dtype):
     """Returns (logprob, entropy, lse, argmax, dz) for logits (n, V).
 
     logits is the backend's chunk buffer and is overwritten. inv_t (n,) is 1/T (NaN for
-    a temperature that is not > 0). entropy: whether to form it (else its slot is not
-    meant to be read). g_lp / g_h: (n,) upstream gradients, or None: dz is None unless
-    g_lp is given; g_h None means no entropy gradient. dz has logits' dtype.
+    a temperature that is not > 0). Without grad (the forward): the per-token terms, dz
+    None; entropy says whether to form it (else its slot is not meant to be read). With
+    grad = (g_lp, g_h, lse, mu) (the backward): the upstream gradients and the forward's
+    lse and mu, (n,) each (g_h and mu None without an entropy gradient); only dz, in
+    logits' dtype, the other slots None.
     """
     n, V = logits.shape
     z, tanh = softcapped(logits, opts.softcap, math_dtype)
-    argmax = z.argmax(-1)
-    z.mul_(inv_t[:, None])
     valid = target != opts.ignore_index
     in_range = (target >= 0) & (target < V)
     tgt = torch.where(valid & in_range, target, 0).long()
-    z_y = z.gather(1, tgt[:, None]).squeeze(1)
-    m = z.amax(-1, keepdim=True).clamp_min(torch.finfo(math_dtype).min)
-    e = (z - m).exp()
-    total = e.sum(-1)
-    lse = m.squeeze(1) + total.log()
-    # A counted target outside [0, V) poisons its row with NaN (as the loss does).
-    logprob = torch.where(valid, torch.where(in_range, z_y - lse, float("nan")), 0.0)
-    want_mu = entropy or g_h is not None
-    # ez / total = sum_c p_c (z_c - m): entropy = log(total) - ez / total and
-    # mu = m + ez / total, with no 0 * -inf at -inf logits and no cancellation against m.
-    ez = torch.where(e > 0, e * (z - m), 0.0).sum(-1) / total if want_mu else None
-    mu = m.squeeze(1) + ez if want_mu else None
-    ent = torch.where(valid, total.log() - ez, 0.0) if entropy else torch.zeros_like(lse)
-    if g_lp is None:
+    if grad is None:
+        argmax = z.argmax(-1)
+        z.mul_(inv_t[:, None])
+        z_y = z.gather(1, tgt[:, None]).squeeze(1)
+        m = z.amax(-1, keepdim=True).clamp_min(torch.finfo(math_dtype).min)
+        e = (z - m).exp()
+        total = e.sum(-1)
+        lse = m.squeeze(1) + total.log()
+        # A counted target outside [0, V) poisons its row with NaN (as the loss does).
+        logprob = torch.where(valid, torch.where(in_range, z_y - lse, float("nan")), 0.0)
+        ent = torch.zeros_like(lse)
+        if entropy:
+            # ez = sum_c p_c (z_c - m): entropy = log(total) - ez, with no 0 * -inf at
+            # -inf logits and no cancellation against m for confident rows.
+            ez = torch.where(e > 0, e * (z - m), 0.0).sum(-1) / total
+            ent = torch.where(valid, total.log() - ez, 0.0)
         return logprob, ent, lse, argmax, None
+    g_lp, g_h, lse, mu = grad
+    z.mul_(inv_t[:, None])
     g = torch.where(valid, g_lp, 0.0)
-    p = e.div_(total[:, None])
+    p = z.sub(lse[:, None]).exp_()
     if g_h is None:
         dz = p.mul_(-g[:, None])
     else:
@@ -61,4 +66,4 @@ def torch_logprob_rows(logits, target, inv_t, opts, entropy, g_lp, g_h, math_dty
         dz.mul_(1.0 - tanh * tanh)
     # Ignored rows get exactly 0, whatever their logits (a NaN hidden state).
     dz.masked_fill_((~valid)[:, None], 0.0)
-    return logprob, ent, lse, argmax, dz.to(logits.dtype)
+    return None, None, None, None, dz.to(logits.dtype)

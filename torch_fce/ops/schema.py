@@ -76,9 +76,12 @@ LIB.define(
     "str accumulator) -> (Tensor logprob, Tensor entropy, Tensor lse, Tensor argmax)"
 )
 
+# lse and mu (sum_c p_c z_c, needed with grad_entropy) are the forward's per-token
+# statistics: the backward recomputes the logits but not these.
 LIB.define(
-    "linear_logprobs_bwd(Tensor grad_logprob, Tensor? grad_entropy, Tensor hidden, "
-    "Tensor weight, Tensor target, Tensor? bias, Tensor? temperature, float? softcap, "
+    "linear_logprobs_bwd(Tensor grad_logprob, Tensor? grad_entropy, Tensor lse, Tensor? mu, "
+    "Tensor hidden, Tensor weight, Tensor target, Tensor? bias, Tensor? temperature, "
+    "float? softcap, "
     "SymInt ignore_index, str accumulator, bool[3] needs_grad) "
     "-> (Tensor grad_hidden, Tensor grad_weight, Tensor grad_bias)"
 )

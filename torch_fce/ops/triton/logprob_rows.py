@@ -1,10 +1,10 @@
 """Triton row kernel for the log-probs: logsumexp, log-prob, entropy, argmax and the
 logits gradient of a logits chunk (the math of logprob_rows.torch_logprob_rows).
 
-One program per token row. Sweep 1 forms the logsumexp, sum_c p_c z_c and the argmax
-online; with an upstream gradient, sweep 2 writes the logits gradient over the logits
-in place. The forward (no gradient) reads a chunk once; the backward reads it twice
-and writes it once, in its own dtype.
+One program per token row. The forward sweeps a row once, forming the logsumexp, the
+entropy's sum_c p_c z_c and the argmax online; the backward, given the forward's lse and
+mu, sweeps it once more, writing the logits gradient over the recomputed logits in
+place: each pass reads a chunk once (and the backward writes it once), in its own dtype.
 """
 
 import torch
@@ -49,7 +49,7 @@ def _stats_sweep(row_ptr, V, inv_t, softcap, HAS_SOFTCAP: tl.constexpr,
 @triton.jit
 def _linear_logprobs_rows_kernel(
     # pointers
-    logits_ptr, target_ptr, inv_t_ptr, g_lp_ptr, g_h_ptr,
+    logits_ptr, target_ptr, inv_t_ptr, g_lp_ptr, g_h_ptr, mu_ptr,
     logprob_ptr, entropy_ptr, lse_ptr, argmax_ptr,
     # sizes and options
     V, ignore_index, softcap,
@@ -59,32 +59,34 @@ def _linear_logprobs_rows_kernel(
     HAS_GRAD: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr, WANT_ENTROPY: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
-    """logits (n, V) -> logprob, entropy, lse (n,) float32, argmax (n,) int64; with
-    HAS_GRAD, logits <- dl (the gradient for upstream g_lp and, with HAS_ENTROPY_GRAD,
-    g_h)."""
+    """Without HAS_GRAD (the forward): logits (n, V) -> logprob, entropy, lse (n,)
+    float32, argmax (n,) int64. With HAS_GRAD (the backward): logits <- dl for upstream
+    g_lp (and, with HAS_ENTROPY_GRAD, g_h and the forward's mu), from the forward's lse."""
     # int64: row * stride_ln passes 2^31 for chunks of large vocabularies.
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * stride_ln
     t = tl.load(target_ptr + row).to(tl.int64)
     inv_t = tl.load(inv_t_ptr + row)
     valid = t != ignore_index
-    in_range = (t >= 0) & (t < V)
-    lse, ent, mu, best = _stats_sweep(row_ptr, V, inv_t, softcap, HAS_SOFTCAP,
-                                      WANT_ENTROPY or HAS_ENTROPY_GRAD, BLOCK_V)
-    z_y = _load_z(row_ptr + tl.where(valid & in_range, t, 0), True, softcap,
-                  HAS_SOFTCAP) * inv_t
-    # Out-of-range targets never read out of bounds: they poison the row with NaN.
-    lp = tl.where(in_range, z_y - lse, float("nan"))
-    tl.store(logprob_ptr + row, tl.where(valid, lp, 0.0))
-    tl.store(lse_ptr + row, lse)
-    tl.store(argmax_ptr + row, best)
-    if WANT_ENTROPY:
-        tl.store(entropy_ptr + row, tl.where(valid, ent, 0.0))
-
-    if HAS_GRAD:
+    if not HAS_GRAD:
+        in_range = (t >= 0) & (t < V)
+        lse, ent, mu, best = _stats_sweep(row_ptr, V, inv_t, softcap, HAS_SOFTCAP,
+                                          WANT_ENTROPY, BLOCK_V)
+        z_y = _load_z(row_ptr + tl.where(valid & in_range, t, 0), True, softcap,
+                      HAS_SOFTCAP) * inv_t
+        # Out-of-range targets never read out of bounds: they poison the row with NaN.
+        lp = tl.where(in_range, z_y - lse, float("nan"))
+        tl.store(logprob_ptr + row, tl.where(valid, lp, 0.0))
+        tl.store(lse_ptr + row, lse)
+        tl.store(argmax_ptr + row, best)
+        if WANT_ENTROPY:
+            tl.store(entropy_ptr + row, tl.where(valid, ent, 0.0))
+    else:
+        lse = tl.load(lse_ptr + row)
         g = tl.where(valid, tl.load(g_lp_ptr + row), 0.0)
         if HAS_ENTROPY_GRAD:
             h = tl.where(valid, tl.load(g_h_ptr + row), 0.0)
+            mu = tl.load(mu_ptr + row)
         cols = tl.arange(0, BLOCK_V)
         for v0 in range(0, V, BLOCK_V):
             offs = v0 + cols
@@ -105,23 +107,30 @@ def _linear_logprobs_rows_kernel(
             tl.store(row_ptr + offs, dz.to(row_ptr.dtype.element_ty), mask=mask)
 
 
-def triton_logprob_rows(logits, target, inv_t, opts, entropy, g_lp, g_h, math_dtype):
-    """Row function for chunked.linear_logprobs_*: (logprob, entropy, lse, argmax, dz),
-    dz written over logits (entropy is undefined unless asked for). logits (n, V) with unit stride along V; target, inv_t, g_lp,
-    g_h (n,)."""
+def triton_logprob_rows(logits, target, inv_t, opts, entropy, grad, math_dtype):
+    """Row function for chunked.linear_logprobs_*, as logprob_rows.torch_logprob_rows:
+    without grad (logprob, entropy, lse, argmax, None) (entropy undefined unless asked
+    for); with grad = (g_lp, g_h, lse, mu), (None,) * 4 + (dz,), dz written over logits.
+    logits (n, V) with unit stride along V; target, inv_t and grad's tensors (n,)."""
     n, V = logits.shape
     assert math_dtype == torch.float32 and logits.stride(1) == 1
-    logprob, ent, lse = (logits.new_empty(n, dtype=torch.float32) for _ in range(3))
-    argmax = logits.new_empty(n, dtype=torch.int64)
-    has_grad, entropy_grad = g_lp is not None, g_h is not None
     # Unit-stride indexing in the kernel: views (an expanded temperature) are copied.
     target, inv_t = target.contiguous(), inv_t.float().contiguous()
-    g_lp = g_lp.float().contiguous() if has_grad else lse
-    g_h = g_h.float().contiguous() if entropy_grad else lse
+    if grad is None:
+        logprob, ent, lse = (logits.new_empty(n, dtype=torch.float32) for _ in range(3))
+        argmax = logits.new_empty(n, dtype=torch.int64)
+        g_lp = g_h = mu = lse
+    else:
+        g_lp, g_h, lse, mu = (None if t is None else t.float().contiguous() for t in grad)
+        logprob = ent = argmax = g_lp
+    entropy_grad = grad is not None and g_h is not None
     _linear_logprobs_rows_kernel[(n,)](
-        logits, target, inv_t, g_lp, g_h, logprob, ent, lse, argmax,
+        logits, target, inv_t, g_lp, g_h if entropy_grad else lse,
+        mu if entropy_grad else lse, logprob, ent, lse, argmax,
         V, opts.ignore_index, opts.softcap if opts.softcap is not None else 1.0,
-        logits.stride(0), HAS_GRAD=has_grad, HAS_ENTROPY_GRAD=has_grad and entropy_grad,
+        logits.stride(0), HAS_GRAD=grad is not None, HAS_ENTROPY_GRAD=entropy_grad,
         WANT_ENTROPY=entropy, HAS_SOFTCAP=opts.softcap is not None,
         BLOCK_V=_block_v(V), num_warps=8)
-    return logprob, ent, lse, argmax, logits if has_grad else None
+    if grad is not None:
+        return None, None, None, None, logits
+    return logprob, ent, lse, argmax, None
