@@ -102,7 +102,7 @@ QUACK_CHUNKS = (4096, 8192)
 
 
 def _peers():
-    """Peer name -> factory; factories raise ImportError where the peer is missing."""
+    """Peer name -> factory; factories raise where the peer is missing or cannot load."""
     out = {"liger": _liger, "cce": _cce, "cce-exact": lambda: _cce("cce_exact")}
     for chunk in QUACK_CHUNKS:
         for fused, label in ((False, "base"), (True, "fused")):
@@ -124,8 +124,8 @@ def methods(device, with_compile, sweep=False):
         for name, make in _peers().items():
             try:
                 out[name] = make()
-            except ImportError:
-                pass
+            except Exception as e:  # missing, or installed without its runtime
+                print(f"  {name} unavailable: {type(e).__name__}: {e}"[:200], file=sys.stderr)
     for acc in ("fp32", "kahan", "input"):
         out[f"fce-{acc}"] = _fce(acc)
     if sweep:

@@ -6,8 +6,10 @@ weight-gradient sum (8VD bytes) and launches its GEMMs again, so fewer, larger c
 are faster (docs/benchmarks.md has the measured curve).
 
 Default: on CUDA, twice the head's size in the input dtype (the float32 gradient sum is
-that size already), at least 1 GiB, at most 4 GiB or 1/16 of the GPU's memory (that cap
-wins below 1 GiB on GPUs under 16 GiB), and at most half the logits (so the op saves memory also when all of them would fit); on
+that size already), at least 1 GiB or 4096 rows, whichever is smaller (4096-row GEMMs
+are already efficient, and a small head's chunk then stays well below its logits), at
+most 4 GiB or 1/16 of the GPU's memory (that cap wins on GPUs under 16 GiB), and at
+most half the logits (so the op saves memory also when all of them would fit); on
 other devices 2^22 elements. `set_workspace(nbytes)` or the TORCH_FCE_WORKSPACE_MB
 environment variable replace the default on every device, with no half-the-logits cap.
 """
@@ -20,6 +22,7 @@ import torch
 _GIB = 1 << 30
 _OTHER_DEVICE_ELEMS = 1 << 22
 _MIN_CHUNKS = 2
+_FLOOR_ROWS = 4096
 
 def _from_env():
     value = os.environ.get("TORCH_FCE_WORKSPACE_MB")
@@ -60,7 +63,8 @@ def workspace(nbytes):
 
 def _default_cuda_bytes(V, D, itemsize, device):
     cap = min(4 * _GIB, torch.cuda.get_device_properties(device).total_memory // 16)
-    return min(cap, max(_GIB, 2 * V * D * itemsize))
+    floor = min(_GIB, _FLOOR_ROWS * V * itemsize)
+    return min(cap, max(floor, 2 * V * D * itemsize))
 
 
 def chunk_rows(N, V, D, dtype, device):

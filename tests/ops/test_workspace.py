@@ -1,0 +1,57 @@
+"""The logits workspace: the CUDA default's rule (checked on any machine, with the GPU's
+memory size stubbed), set_workspace / workspace, and the environment variable."""
+
+import types
+
+import pytest
+import torch
+
+import torch_fce
+from torch_fce.ops import workspace
+
+
+@pytest.fixture
+def h200(monkeypatch):
+    props = types.SimpleNamespace(total_memory=143_771_000_000)  # an H200's 139 GiB
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+
+
+@pytest.mark.parametrize("N,V,D,dtype,rows", [
+    # twice the head's bytes, capped at half the logits (the benchmark shapes A, B, C)
+    (16384, 128256, 4096, torch.bfloat16, 8192),
+    (8192, 256000, 2304, torch.bfloat16, 4096),
+    (32768, 151936, 4096, torch.bfloat16, 8192),
+    # a small head: at least 4096 rows (below 1 GiB), in either dtype
+    (32768, 32768, 1024, torch.bfloat16, 4096),
+    (32768, 32768, 1024, torch.float32, 4096),
+    # a wide vocabulary with a narrow head: at least 1 GiB (below 4096 rows)
+    (65536, 262144, 256, torch.bfloat16, 2048),
+    # the 4 GiB cap
+    (65536, 131072, 16384, torch.bfloat16, 16384),
+    # few tokens: half of them, then whole GEMM tiles
+    (1000, 32768, 1024, torch.bfloat16, 384),
+])
+def test_cuda_default_rows(h200, N, V, D, dtype, rows):
+    assert workspace._nbytes is None
+    assert workspace.chunk_rows(N, V, D, dtype, "cuda") == rows
+
+
+def test_set_workspace_replaces_the_default_and_is_restored(h200):
+    with torch_fce.workspace(256 << 20):
+        assert workspace.chunk_rows(16384, 128256, 4096, torch.bfloat16, "cuda") == 1024
+        assert workspace.chunk_rows(10, 64, 8, torch.float32, "cpu") == (256 << 20) // 256
+    assert workspace.chunk_rows(16384, 128256, 4096, torch.bfloat16, "cuda") == 8192
+    assert workspace.chunk_rows(10, 64, 8, torch.float32, "cpu") == (1 << 22) // 64
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "1GB"])
+def test_set_workspace_rejects_bad_sizes(bad):
+    with pytest.raises(ValueError, match="nbytes"):
+        torch_fce.set_workspace(bad)
+
+
+@pytest.mark.parametrize("bad", ["0", "-5", "1.5", "big"])
+def test_workspace_environment_variable_is_validated(monkeypatch, bad):
+    monkeypatch.setenv("TORCH_FCE_WORKSPACE_MB", bad)
+    with pytest.raises(ValueError, match="TORCH_FCE_WORKSPACE_MB"):
+        workspace._from_env()
