@@ -81,7 +81,6 @@ LIB.define(
 LIB.define(
     "linear_logprobs_bwd(Tensor grad_logprob, Tensor? grad_entropy, Tensor lse, Tensor? mu, "
     "Tensor hidden, Tensor weight, Tensor target, Tensor? bias, Tensor? temperature, "
-    "float? softcap, "
-    "SymInt ignore_index, str accumulator, bool[3] needs_grad) "
+    "float? softcap, SymInt ignore_index, str accumulator, bool[3] needs_grad) "
     "-> (Tensor grad_hidden, Tensor grad_weight, Tensor grad_bias)"
 )

@@ -16,12 +16,13 @@ from .rows import _NEG_BIG, _argmax_update, _block_v, _load_z
 
 @triton.jit
 def _stats_sweep(row_ptr, V, inv_t, softcap, HAS_SOFTCAP: tl.constexpr,
-                 WANT_MU: tl.constexpr, BLOCK_V: tl.constexpr):
-    """(lse, entropy, mu = sum_c p_c z_c, argmax) of one row of z = softcap(l) * inv_t.
+                 WANT_ENTROPY: tl.constexpr, BLOCK_V: tl.constexpr):
+    """(lse, entropy, argmax) of one row of z = softcap(l) * inv_t (entropy 0 unless
+    WANT_ENTROPY).
 
     With m the running max, s = sum_c exp(z_c - m) and ez = sum_c exp(z_c - m) (z_c - m):
-    entropy = log(s) - ez / s and mu = m + ez / s. No 0 * -inf for masked or -inf
-    logits, and no cancellation against m for confident rows."""
+    entropy = log(s) - ez / s. No 0 * -inf for masked or -inf logits, and no
+    cancellation against m for confident rows."""
     cols = tl.arange(0, BLOCK_V)
     m = tl.max(tl.full([BLOCK_V], _NEG_BIG, tl.float32), axis=0)
     s = tl.sum(tl.zeros([BLOCK_V], tl.float32), axis=0)
@@ -38,12 +39,12 @@ def _stats_sweep(row_ptr, V, inv_t, softcap, HAS_SOFTCAP: tl.constexpr,
         m_new = tl.maximum(m, tl.max(z, axis=0))
         scale = tl.exp(m - m_new)
         ex = tl.where(mask, tl.exp(z - m_new), 0.0)
-        if WANT_MU:  # ez = sum_c exp(z_c - m) (z_c - m), rebased to the new max
+        if WANT_ENTROPY:  # ez = sum_c exp(z_c - m) (z_c - m), rebased to the new max
             ez = scale * (ez + (m - m_new) * s) + tl.sum(
                 tl.where(ex > 0.0, ex * (z - m_new), 0.0), axis=0)
         s = s * scale + tl.sum(ex, axis=0)
         m = m_new
-    return m + tl.log(s), tl.log(s) - ez / s, m + ez / s, best_i
+    return m + tl.log(s), tl.log(s) - ez / s, best_i
 
 
 @triton.jit
@@ -70,8 +71,8 @@ def _linear_logprobs_rows_kernel(
     valid = t != ignore_index
     if not HAS_GRAD:
         in_range = (t >= 0) & (t < V)
-        lse, ent, mu, best = _stats_sweep(row_ptr, V, inv_t, softcap, HAS_SOFTCAP,
-                                          WANT_ENTROPY, BLOCK_V)
+        lse, ent, best = _stats_sweep(row_ptr, V, inv_t, softcap, HAS_SOFTCAP,
+                                      WANT_ENTROPY, BLOCK_V)
         z_y = _load_z(row_ptr + tl.where(valid & in_range, t, 0), True, softcap,
                       HAS_SOFTCAP) * inv_t
         # Out-of-range targets never read out of bounds: they poison the row with NaN.
