@@ -36,6 +36,13 @@ def test_cuda_default_rows(h200, N, V, D, dtype, rows):
     assert workspace.chunk_rows(N, V, D, dtype, "cuda") == rows
 
 
+@pytest.mark.parametrize("V,rows", [(64, (1 << 22) // 64), (16384, 256), (32000, 256),
+                                    (262144, 256)])
+def test_other_device_default_rows(V, rows):
+    # 2^22 logits, or 256 rows where that is more (any N: no half-the-logits cap here)
+    assert workspace.chunk_rows(10, V, 8, torch.float32, "cpu") == rows
+
+
 def test_set_workspace_replaces_the_default_and_is_restored(h200):
     with torch_fce.workspace(256 << 20):
         assert workspace.chunk_rows(16384, 128256, 4096, torch.bfloat16, "cuda") == 1024
