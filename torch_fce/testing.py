@@ -1,5 +1,7 @@
 """Input builders, references and tolerances shared by the tests and the benchmarks."""
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
@@ -100,3 +102,29 @@ def torch_loss_and_grads(hidden, weight, target, bias=None, class_weight=None,
 def allowed_error(tol, torch_value, reference):
     """A tolerance, or twice the error torch's own path makes, whichever is larger."""
     return max(tol, 2.0 * rel_err(torch_value, reference))
+
+
+@contextlib.contextmanager
+def no_host_sync():
+    """Inside the block, any CUDA call that synchronises with the host raises."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+def capture_cuda_graph(step):
+    """(graph, step()'s output captured in it): torch's recipe, two warm-up calls on a
+    side stream, then the capture."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    return graph, out

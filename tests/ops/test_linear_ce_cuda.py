@@ -5,7 +5,8 @@ import pytest
 import torch
 
 import torch_fce
-from torch_fce.testing import LOSS_TOL, grad_tol, make_inputs, reference_loss_and_grads, rel_err
+from torch_fce.testing import (LOSS_TOL, capture_cuda_graph, grad_tol, make_inputs,
+                               no_host_sync, reference_loss_and_grads, rel_err)
 
 pytestmark = pytest.mark.cuda
 
@@ -70,15 +71,7 @@ def test_cuda_graph_capture_forward_backward():
         loss.backward()
         return loss
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_loss = step()
+    graph, static_loss = capture_cuda_graph(step)
     y = make_inputs(1024, 128, 32000, torch.bfloat16, device="cuda", seed=1)
     with torch.no_grad():
         h.copy_(y["hidden"])
@@ -147,16 +140,12 @@ def test_cuda_no_host_sync(accumulator):
     x = make_inputs(256, 64, 3000, torch.bfloat16, bias=True, class_weight=True,
                     device="cuda")
     ups = [torch.ones((), device="cuda"), torch.ones(256, device="cuda")]
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_host_sync():
         for options in OPTION_SETS:
             g = ups[options["reduction"] == "none"]
             _op(x, options, accumulator, grad_out=g)
         _op({**x, "weight": x["weight"].float()}, OPTION_SETS[1], accumulator,
             grad_out=ups[0])  # master weights
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
 
 
 def test_cuda_opt_in_target_check_raises(monkeypatch):

@@ -11,7 +11,7 @@ import torch_fce
 from torch_fce.ops import chunked
 from torch_fce.ops.logprob_rows import torch_logprob_rows
 from torch_fce.ops.triton.logprob_rows import triton_logprob_rows
-from torch_fce.testing import EPS, make_inputs, rel_err
+from torch_fce.testing import EPS, capture_cuda_graph, make_inputs, no_host_sync, rel_err
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -333,20 +333,8 @@ def test_cuda_logprobs_graph_capture_without_host_sync():
         ((out.logprob * g_lp).sum() + (out.entropy * g_h).sum()).backward()
         return out.logprob
 
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(2):
-                step()
-        torch.cuda.current_stream().wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            static = step()
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
+    with no_host_sync():
+        graph, static = capture_cuda_graph(step)
     y = make_inputs(512, 64, 50257, torch.bfloat16, device="cuda", seed=1)
     with torch.no_grad():
         h.copy_(y["hidden"])
