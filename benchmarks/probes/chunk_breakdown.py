@@ -13,11 +13,10 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-from torch_fce.bench.shapes import SHAPES
+from torch_fce.bench.shapes import SHAPES, shape_inputs
 from torch_fce.bench.measure import median_time
 from torch_fce.ops.workspace import chunk_rows
 from torch_fce.ops.triton.rows import triton_rows
-from torch_fce.testing import make_inputs
 
 from _common import OPTS, run_shapes
 
@@ -58,8 +57,7 @@ def loop_ms(h, w, t, rows):
 def probe_shape(name):
     """Probes one issue-3 shape; its tensors are freed on return."""
     shape = SHAPES[name]
-    x = make_inputs(shape.N, shape.D, shape.V, torch.bfloat16, device="cuda",
-                    weight_scale=2.0)
+    x = shape_inputs(shape)
     h, w, t = x["hidden"], x["weight"], x["target"]
     rows = chunk_rows(shape.N, shape.V, shape.D, torch.bfloat16, "cuda")
     mm = median_time(lambda: h @ w.T, "cuda", reps=10, warmup=2) * 1e3

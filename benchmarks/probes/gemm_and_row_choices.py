@@ -17,10 +17,9 @@ import torch
 import torch.nn.functional as F
 
 import torch_fce
-from torch_fce.bench.shapes import SHAPES
+from torch_fce.bench.shapes import SHAPES, shape_inputs
 from torch_fce.ops.workspace import chunk_rows
 from torch_fce.ops.triton.rows import triton_rows
-from torch_fce.testing import make_inputs
 
 from _common import OPTS, ms, run_shapes
 
@@ -39,8 +38,7 @@ def _over_chunks(N, n, step):
 
 def probe_shape(name):
     shape = SHAPES[name]
-    x = make_inputs(shape.N, shape.D, shape.V, torch.bfloat16, device="cuda",
-                    weight_scale=2.0)
+    x = shape_inputs(shape)
     h, w, t = x["hidden"], x["weight"], x["target"]
     N, V, D = shape.N, shape.V, shape.D
     n = chunk_rows(N, V, D, torch.bfloat16, "cuda")

@@ -14,8 +14,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import torch_fce
-from torch_fce.bench.shapes import SHAPES
-from torch_fce.testing import make_inputs
+from torch_fce.bench.shapes import SHAPES, shape_inputs
 
 from _common import run_shapes
 
@@ -28,8 +27,7 @@ def _step(x):
 
 def probe_shape(name):
     shape = SHAPES[name]
-    x = make_inputs(shape.N, shape.D, shape.V, torch.bfloat16, device="cuda",
-                    weight_scale=2.0)
+    x = shape_inputs(shape)
     for _ in range(2):
         _step(x)
     torch.cuda.synchronize()

@@ -15,9 +15,8 @@ loses to serial 2n, which saves a float32 weight-gradient read-modify-write per 
 import torch
 import torch.nn.functional as F
 
-from torch_fce.bench.shapes import SHAPES
+from torch_fce.bench.shapes import SHAPES, shape_inputs
 from torch_fce.ops.triton.rows import triton_rows
-from torch_fce.testing import make_inputs
 
 from _common import OPTS, ms, run_shapes
 
@@ -60,8 +59,7 @@ def overlap(h, w, t, ce, zs, gh, gw, n, side):
 
 def probe_shape(name):
     shape = SHAPES[name]
-    x = make_inputs(shape.N, shape.D, shape.V, torch.bfloat16, device="cuda",
-                    weight_scale=2.0)
+    x = shape_inputs(shape)
     h, w, t = x["hidden"], x["weight"], x["target"]
     N = shape.N
     ce, zs = torch.full((N,), 1.0 / N, device="cuda"), torch.zeros(N, device="cuda")

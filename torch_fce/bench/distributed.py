@@ -18,10 +18,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import torch_fce
-from torch_fce.bench.shapes import SHAPES, Shape, describe, environment
+from torch_fce.bench.shapes import SHAPES, Shape, describe, environment, shape_inputs
 from torch_fce.distributed import vocab_parallel_linear_cross_entropy
 from torch_fce.bench.measure import median_time, peak_extra_bytes
-from torch_fce.testing import make_inputs
 
 
 def _step(fn, h, w, t):
@@ -30,7 +29,7 @@ def _step(fn, h, w, t):
 
 
 def _shape(rank, world, s, reps, device):
-    x = make_inputs(s.N, s.D, s.V, torch.bfloat16, device=device, seed=0, weight_scale=2.0)
+    x = shape_inputs(s, device=device)
     start, end = s.V * rank // world, s.V * (rank + 1) // world
     h, t, w = x["hidden"], x["target"], x["weight"][start:end].contiguous()
 

@@ -206,8 +206,14 @@ def _skip(name, shape):
     return None
 
 
+def shape_inputs(shape, dtype=torch.bfloat16, device="cuda"):
+    """The benchmark's inputs of a shape, for this tool, bench distributed and the probes:
+    hidden ~ randn/sqrt(D), weight ~ 2 randn, 1 in 17 targets ignored."""
+    return make_inputs(shape.N, shape.D, shape.V, dtype, device=device, weight_scale=2.0)
+
+
 def bench_shape(shape, dtype, device, fns, reps, progress, objective="ce"):
-    x = make_inputs(shape.N, shape.D, shape.V, dtype, device=device, weight_scale=2.0)
+    x = shape_inputs(shape, dtype, device)
     old_tf32 = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
     ref = _reference(x, objective=objective)
