@@ -48,6 +48,40 @@ def make_inputs(N, D, V, dtype=torch.float32, *, ignore_frac=1 / 17, bias=False,
     return {k: v if v is None else v.to(device) for k, v in out.items()}
 
 
+def confident_inputs(N, D, V, *, offset=20.0, spread=20.0, seed=0):
+    """float32 (hidden, weight, target) whose logits sit around `offset` (a constant
+    first feature) with a spread of about `spread`, target the argmax of each row: the
+    confident rows of a trained model at large magnitudes (lse about 70, half the rows
+    with p(target) > 0.98 at V = 257)."""
+    g = torch.Generator().manual_seed(seed)
+    weight = torch.randn(V, D, generator=g, dtype=torch.float64)
+    hidden = torch.randn(N, D, generator=g, dtype=torch.float64) * spread / D ** 0.5
+    weight[:, 0], hidden[:, 0] = offset, 1.0
+    target = (hidden @ weight.T).argmax(-1)
+    return hidden.float(), weight.float(), target
+
+
+def logprob_composition(target):
+    """(hidden, weight) -> (logprob, entropy) through torch's log_softmax, target (N,)."""
+    def fn(hidden, weight):
+        logp = F.linear(hidden, weight).log_softmax(-1)
+        return logp.gather(-1, target[:, None]).squeeze(-1), -(logp.exp() * logp).sum(-1)
+    return fn
+
+
+def confident_grads(fn, dtype, inputs, seed=1):
+    """Gradients w.r.t. (hidden, weight) of random upstream gradients on the logprob and
+    entropy of fn(hidden, weight), for confident_inputs' (hidden, weight, target) at
+    dtype."""
+    hidden, weight, target = inputs
+    g = torch.Generator().manual_seed(seed)
+    g_lp, g_h = (torch.randn(target.shape, generator=g).to(hidden.device, dtype)
+                 for _ in range(2))
+    leaves = [hidden.to(dtype).requires_grad_(), weight.to(dtype).requires_grad_()]
+    lp, ent = fn(*leaves)
+    return torch.autograd.grad((lp * g_lp).sum() + (ent * g_h).sum(), leaves)
+
+
 def rel_err(actual, expected):
     """Relative L2 error ||a - e|| / ||e|| in float64 (0 when both are 0)."""
     if actual.shape != expected.shape:  # broadcasting would compare the wrong elements

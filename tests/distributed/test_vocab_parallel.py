@@ -12,7 +12,8 @@ import torch.multiprocessing as mp
 import torch_fce
 from torch_fce.distributed import (vocab_parallel_linear_cross_entropy,
                                    vocab_parallel_linear_logprobs)
-from torch_fce.testing import LOSS_TOL, grad_tol, make_inputs, rel_err
+from torch_fce.testing import (LOSS_TOL, confident_grads, confident_inputs, grad_tol,
+                               logprob_composition, make_inputs, rel_err)
 
 V = 37
 FAMILIES = [
@@ -202,6 +203,20 @@ def _check_logprobs(rank, world):
     assert rel_err(grads[0], ref_grads[0]) <= tol
     assert rel_err(grads[1], ref_grads[1][start:end]) <= tol
     assert rel_err(grads[2], ref_grads[2][start:end]) <= tol
+
+    # Confident rows at large magnitudes: as close to float64 as torch's float32
+    # log_softmax (docs/numerics.md), as on one device.
+    c = confident_inputs(24, 8, V)
+    Vs = SPLITS[world][rank + 1] - start
+    ref64, ref32 = (confident_grads(logprob_composition(c[2]), dt, c)
+                    for dt in (torch.float64, torch.float32))
+    with torch_fce.workspace(3 * -(-V // world) * 4):
+        got = confident_grads(lambda h, w: vocab_parallel_linear_logprobs(
+            h, w.narrow(0, start, Vs), c[2], vocab_start=start, vocab_size=V,
+            entropy=True)[:2], torch.float32, c)
+    assert rel_err(got[0], ref64[0]) <= 2 * rel_err(ref32[0], ref64[0]) + 1e-7
+    assert rel_err(got[1][start:end], ref64[1][start:end]) <= \
+        2 * rel_err(ref32[1][start:end], ref64[1][start:end]) + 1e-7
 
     mesh = init_device_mesh("cpu", (world,))
     h = x["hidden"].clone().requires_grad_()

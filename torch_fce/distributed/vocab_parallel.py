@@ -178,7 +178,8 @@ class _VocabParallelLogProbs(torch.autograd.Function):
     ops/logprob_rows.py): per chunk each rank reduces its shard's logits to the shard's
     max, sum of exp, sum of exp * z, target logit and argmax; one max and one stacked sum
     all-reduce give the global values. The backward recomputes the shard's logits with
-    the global lse and mu = sum_v p_v z_v. The row math is PyTorch's on every device."""
+    the global statistics relative to the global max M (log s and d = mu - M, as
+    ops/logprob_rows.py keeps them). The row math is PyTorch's on every device."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, target, inv_t, group, start, V, opts, entropy,
@@ -186,7 +187,8 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         w, b, _, _, col = _shard(hidden, weight, bias, target, None, start, V, opts)
         mdt = math_dtype_for(hidden.dtype)
         N = hidden.shape[0]
-        lse, mu, z_y, ent = (hidden.new_empty(N, dtype=mdt) for _ in range(4))
+        lse, z_y, ent = (hidden.new_empty(N, dtype=mdt) for _ in range(3))
+        row_stats = hidden.new_empty(N, 3, dtype=mdt)  # (M, log s, d)
         argmax = hidden.new_empty(N, dtype=torch.int64)
         for a, e in _row_math(hidden, V, group)[2]:
             c, _ = softcapped(F.linear(hidden[a:e], w, b), opts.softcap, mdt)
@@ -205,8 +207,9 @@ class _VocabParallelLogProbs(torch.autograd.Function):
             ez_here = torch.where(ex > 0, ex * (z - m[:, None]), 0.0).sum(-1)
             sums = funcol.all_reduce(torch.stack(
                 [s_here * scale, (ez_here + (m - M) * s_here) * scale, zy]), "sum", group)
-            lse[a:e], z_y[a:e] = M + sums[0].log(), sums[2]
-            mu[a:e], ent[a:e] = M + sums[1] / sums[0], sums[0].log() - sums[1] / sums[0]
+            log_s, d = sums[0].log(), sums[1] / sums[0]
+            lse[a:e], z_y[a:e], ent[a:e] = M + log_s, sums[2], log_s - d
+            row_stats[a:e] = torch.stack([M, log_s, d], 1)
             # The first most likely class overall: the lowest index among the ranks
             # holding the maximum.
             top = funcol.all_reduce(best, "max", group)
@@ -219,7 +222,7 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         ent = torch.where(valid, ent, 0.0) if entropy else hidden.new_empty(0, dtype=mdt)
         ctx.mark_non_differentiable(lse, argmax)
         ctx.set_materialize_grads(False)  # an unused output costs no gradient pass
-        ctx.save_for_backward(hidden, weight, bias, target, inv_t, lse, mu)
+        ctx.save_for_backward(hidden, weight, bias, target, inv_t, row_stats)
         ctx.args = (group, start, V, opts, accumulator)
         ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
         return logprob, ent, lse, argmax
@@ -227,22 +230,23 @@ class _VocabParallelLogProbs(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, g_lp, g_h, *_):
-        hidden, weight, bias, target, inv_t, lse, mu = ctx.saved_tensors
+        hidden, weight, bias, target, inv_t, row_stats = ctx.saved_tensors
+        M, log_s, d = row_stats.unbind(1)
         group, start, V, opts, accumulator = ctx.args
         if g_lp is None and (g_h is None or g_h.numel() == 0):
             return (None,) * 11
         w, b, _, _, col = _shard(hidden, weight, bias, target, None, start, V, opts)
         mdt = math_dtype_for(hidden.dtype)
         valid = (target != opts.ignore_index)[:, None]
-        g = torch.zeros_like(lse) if g_lp is None else g_lp.to(mdt)
+        g = torch.zeros_like(M) if g_lp is None else g_lp.to(mdt)
         h = None if g_h is None or g_h.numel() == 0 else g_h.to(mdt)
         grads = _ShardGrads(hidden, weight, accumulator, ctx.needs_input_grad[:3], mdt)
         for a, e in _row_math(hidden, V, group)[2]:
             c, tanh = softcapped(F.linear(hidden[a:e], w, b), opts.softcap, mdt)
-            z = c.mul_(inv_t[a:e, None])
-            p = (z - lse[a:e, None]).exp_()
+            z = c.mul_(inv_t[a:e, None]).sub_(M[a:e, None])  # z - M: exact near the max
+            p = (z - log_s[a:e, None]).exp_()
             ent_term = None if h is None else torch.where(
-                p > 0, p * h[a:e, None] * (z - mu[a:e, None]), 0.0)
+                p > 0, p * h[a:e, None] * (z - d[a:e, None]), 0.0)
             dz = p.mul_(-g[a:e, None])
             if ent_term is not None:
                 dz.sub_(ent_term)

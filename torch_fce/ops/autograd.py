@@ -83,16 +83,13 @@ torch.library.register_autograd("fce::linear_ce_fwd", _backward_fwd, setup_conte
 def _setup_logprobs(ctx, inputs, output):
     hidden, weight, target, bias, temperature, softcap, ignore_index, entropy, \
         accumulator = inputs
-    ctx.mark_non_differentiable(output[2], output[3])  # lse, argmax
+    ctx.mark_non_differentiable(*output[2:])  # lse, argmax, row_stats
     ctx.set_materialize_grads(False)
     ctx.options = (softcap, ignore_index, accumulator)
     ctx.entropy = entropy
-    # The forward's lse and mu = sum_c p_c z_c = lse - entropy spare the backward a
-    # statistics pass over the logits; copies (N floats), so that the user may edit the
-    # outputs in place.
-    lse = output[2].detach()
-    ctx.save_for_backward(hidden, weight, target, bias, temperature, lse.clone(),
-                          lse - output[1].detach() if entropy else None)
+    # The forward's row statistics spare the backward a statistics pass over the logits
+    # (an internal output: the user cannot edit it in place).
+    ctx.save_for_backward(hidden, weight, target, bias, temperature, output[4])
 
 
 def _backward_logprobs(ctx, grad_logprob, grad_entropy, *_):
@@ -102,7 +99,7 @@ def _backward_logprobs(ctx, grad_logprob, grad_entropy, *_):
         grad_entropy = None
     if grad_logprob is None and grad_entropy is None:
         return (None,) * 9
-    *saved, lse, mu = ctx.saved_tensors  # raises if an input was modified in place since
+    *saved, row_stats = ctx.saved_tensors  # raises if an input was modified in place since
     hidden, weight, target, bias, temperature = saved
     needs = list(ctx.needs_input_grad[:2]) + [ctx.needs_input_grad[3]]
     create_graph = torch.is_grad_enabled()
@@ -110,8 +107,8 @@ def _backward_logprobs(ctx, grad_logprob, grad_entropy, *_):
         if grad_logprob is None:
             grad_logprob = torch.zeros_like(target, dtype=grad_entropy.dtype)
         grads = torch.ops.fce.linear_logprobs_bwd(
-            grad_logprob, grad_entropy, lse, None if grad_entropy is None else mu, hidden,
-            weight, target, bias, temperature, *ctx.options, needs)
+            grad_logprob, grad_entropy, row_stats, hidden, weight, target, bias, temperature,
+            *ctx.options, needs)
     grads = [g if need else None for g, need in zip(grads, needs)]
     if create_graph:
         grads = _first_order(grads, (grad_logprob, grad_entropy, *saved))

@@ -108,13 +108,13 @@ def linear_ce_bwd(grad_loss, hidden, weight, target, bias, class_weight, ignore_
 
 def linear_logprobs_fwd(hidden, weight, target, bias, temperature, softcap, ignore_index,
                         entropy, *, rows, chunk_rows):
-    """fce::linear_logprobs_fwd on one device: (logprob, entropy, lse, argmax), each (N,);
-    entropy is (0,) unless asked for."""
+    """fce::linear_logprobs_fwd on one device: (logprob, entropy, lse, argmax), each (N,),
+    and row_stats (N, 3); entropy is (0,) unless asked for."""
     N, mdt = hidden.shape[0], math_dtype_for(hidden.dtype)
     inv_t = inverse_temperature(temperature, N, hidden.device, mdt)
     opts = RowOptions(ignore_index, 0.0, softcap)
     out = [hidden.new_empty(N, dtype=mdt) for _ in range(3)] + [
-        hidden.new_empty(N, dtype=torch.int64)]
+        hidden.new_empty(N, dtype=torch.int64), hidden.new_empty(N, 3, dtype=mdt)]
 
     def row_fn(logits, s, e):
         *terms, _ = rows(logits, target[s:e], inv_t[s:e], opts, entropy, None, mdt)
@@ -122,20 +122,21 @@ def linear_logprobs_fwd(hidden, weight, target, bias, temperature, softcap, igno
 
     with torch.autocast(hidden.device.type, enabled=False):
         run_chunks(hidden, weight, bias, row_fn, out, (False,) * 3, "fp32", chunk_rows)
-    logprob, ent, lse, argmax = out
-    return logprob, ent if entropy else hidden.new_empty(0, dtype=mdt), lse, argmax
+    logprob, ent, lse, argmax, row_stats = out
+    return (logprob, ent if entropy else hidden.new_empty(0, dtype=mdt), lse, argmax,
+            row_stats)
 
 
-def linear_logprobs_bwd(grad_logprob, grad_entropy, lse, mu, hidden, weight, target, bias,
-                        temperature, softcap, ignore_index, accumulator, needs_grad, *,
+def linear_logprobs_bwd(grad_logprob, grad_entropy, row_stats, hidden, weight, target,
+                        bias, temperature, softcap, ignore_index, accumulator, needs_grad, *,
                         rows, chunk_rows):
     """fce::linear_logprobs_bwd on one device: recomputes the logits chunk by chunk and,
-    with the forward's lse and mu (mu only with an entropy gradient), forms the logits
-    gradient in one pass over them."""
+    with the forward's row statistics, forms the logits gradient in one pass over them."""
     N, mdt = hidden.shape[0], math_dtype_for(hidden.dtype)
     inv_t = inverse_temperature(temperature, N, hidden.device, mdt)
     opts = RowOptions(ignore_index, 0.0, softcap)
-    per_token = [None if t is None else t.to(mdt) for t in (grad_logprob, grad_entropy, lse, mu)]
+    per_token = [None if t is None else t.to(mdt)
+                 for t in (grad_logprob, grad_entropy, row_stats)]
 
     def row_fn(logits, s, e):
         grad = tuple(None if t is None else t[s:e] for t in per_token)

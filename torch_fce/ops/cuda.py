@@ -47,10 +47,10 @@ def linear_logprobs_fwd(hidden, weight, target, bias, temperature, softcap, igno
 
 
 @torch.library.impl("fce::linear_logprobs_bwd", "CUDA")
-def linear_logprobs_bwd(grad_logprob, grad_entropy, lse, mu, hidden, weight, target,
+def linear_logprobs_bwd(grad_logprob, grad_entropy, row_stats, hidden, weight, target,
                         *options):
     return chunked.linear_logprobs_bwd(
-        grad_logprob, grad_entropy, lse, mu, hidden, weight, target, *options,
+        grad_logprob, grad_entropy, row_stats, hidden, weight, target, *options,
         rows=_logprob_rows(hidden.dtype), chunk_rows=_chunk_rows_for(hidden, weight))
 
 

@@ -48,11 +48,12 @@ def _linear_logprobs_fwd_fake(hidden, weight, target, bias, temperature, softcap
                               ignore_index, entropy, accumulator):
     N, mdt = target.shape[0], torch.promote_types(hidden.dtype, torch.float32)
     return (hidden.new_empty(N, dtype=mdt), hidden.new_empty(N if entropy else 0, dtype=mdt),
-            hidden.new_empty(N, dtype=mdt), hidden.new_empty(N, dtype=torch.int64))
+            hidden.new_empty(N, dtype=mdt), hidden.new_empty(N, dtype=torch.int64),
+            hidden.new_empty(N, 3, dtype=mdt))
 
 
 @torch.library.register_fake("fce::linear_logprobs_bwd")
-def _linear_logprobs_bwd_fake(grad_logprob, grad_entropy, lse, mu, hidden, weight, target,
+def _linear_logprobs_bwd_fake(grad_logprob, grad_entropy, row_stats, hidden, weight, target,
                               bias, temperature, softcap, ignore_index, accumulator,
                               needs_grad):
     return _grads(hidden, weight, bias, needs_grad, keep_f32=False)

@@ -9,7 +9,10 @@ temperature) and p = softmax(z):
   argmax  = argmax_c z_c (the first one), as an index
 and for upstream gradients g (of logprob) and h (of entropy), zero where ignored:
   dl_c = (g * ([c == y] - p_c) - h * p_c * (z_c - mu)) * softcap'(l_c) / T
-The backward takes lse and mu from the forward, so it reads each recomputed logit once.
+The backward takes the forward's row statistics relative to the row max m, (m, log s,
+d) with s = sum_c exp(z_c - m) and d = mu - m, so it reads each recomputed logit once
+and forms p_c = exp((z_c - m) - log s) and z_c - mu = (z_c - m) - d: z_c - m is exact
+near the max, where z_c - lse at large magnitudes would lose 1 - p of confident rows.
 """
 
 import torch
@@ -18,14 +21,14 @@ from .rows import softcapped
 
 
 def torch_logprob_rows(logits, target, inv_t, opts, entropy, grad, math_dtype):
-    """Returns (logprob, entropy, lse, argmax, dz) for logits (n, V).
+    """Returns (logprob, entropy, lse, argmax, row_stats, dz) for logits (n, V).
 
     logits is the backend's chunk buffer and is overwritten. inv_t (n,) is 1/T (NaN for
-    a temperature that is not > 0). Without grad (the forward): the per-token terms, dz
-    None; entropy says whether to form it (else its slot is not meant to be read). With
-    grad = (g_lp, g_h, lse, mu) (the backward): the upstream gradients and the forward's
-    lse and mu, (n,) each (g_h and mu None without an entropy gradient); only dz, in
-    logits' dtype, the other slots None.
+    a temperature that is not > 0). Without grad (the forward): the per-token terms and
+    row_stats (n, 3) = (m, log s, d), dz None; entropy says whether to form it (else its
+    slot and d are not meant to be read). With grad = (g_lp, g_h, row_stats) (the
+    backward): the upstream gradients, (n,) each (g_h None without an entropy gradient),
+    and the forward's row_stats; only dz, in logits' dtype, the other slots None.
     """
     n, V = logits.shape
     z, tanh = softcapped(logits, opts.softcap, math_dtype)
@@ -39,25 +42,27 @@ def torch_logprob_rows(logits, target, inv_t, opts, entropy, grad, math_dtype):
         m = z.amax(-1, keepdim=True).clamp_min(torch.finfo(math_dtype).min)
         e = (z - m).exp()
         total = e.sum(-1)
-        lse = m.squeeze(1) + total.log()
+        log_s = total.log()
+        lse = m.squeeze(1) + log_s
         # A counted target outside [0, V) poisons its row with NaN (as the loss does).
         logprob = torch.where(valid, torch.where(in_range, z_y - lse, float("nan")), 0.0)
-        ent = torch.zeros_like(lse)
+        ent, d = torch.zeros_like(lse), torch.zeros_like(lse)
         if entropy:
-            # ez = sum_c p_c (z_c - m): entropy = log(total) - ez, with no 0 * -inf at
+            # d = sum_c p_c (z_c - m): entropy = log(total) - d, with no 0 * -inf at
             # -inf logits and no cancellation against m for confident rows.
-            ez = torch.where(e > 0, e * (z - m), 0.0).sum(-1) / total
-            ent = torch.where(valid, total.log() - ez, 0.0)
-        return logprob, ent, lse, argmax, None
-    g_lp, g_h, lse, mu = grad
-    z.mul_(inv_t[:, None])
+            d = torch.where(e > 0, e * (z - m), 0.0).sum(-1) / total
+            ent = torch.where(valid, log_s - d, 0.0)
+        return logprob, ent, lse, argmax, torch.stack([m.squeeze(1), log_s, d], 1), None
+    g_lp, g_h, row_stats = grad
+    m, log_s, d = row_stats.unbind(1)
+    z.mul_(inv_t[:, None]).sub_(m[:, None])  # z - m
     g = torch.where(valid, g_lp, 0.0)
-    p = z.sub(lse[:, None]).exp_()
+    p = z.sub(log_s[:, None]).exp_()
     if g_h is None:
         dz = p.mul_(-g[:, None])
     else:
         h = torch.where(valid, g_h, 0.0)
-        ent_term = torch.where(p > 0, p * h[:, None] * (z - mu[:, None]), 0.0)
+        ent_term = torch.where(p > 0, p * h[:, None] * (z - d[:, None]), 0.0)
         dz = p.mul_(-g[:, None]).sub_(ent_term)
     # A counted target outside [0, V) adds nothing (its outputs are NaN).
     dz.scatter_add_(1, tgt[:, None], torch.where(in_range, g, 0.0)[:, None])
@@ -66,4 +71,4 @@ def torch_logprob_rows(logits, target, inv_t, opts, entropy, grad, math_dtype):
         dz.mul_(1.0 - tanh * tanh)
     # Ignored rows get exactly 0, whatever their logits (a NaN hidden state).
     dz.masked_fill_((~valid)[:, None], 0.0)
-    return None, None, None, None, dz.to(logits.dtype)
+    return None, None, None, None, None, dz.to(logits.dtype)

@@ -73,13 +73,16 @@ LIB.define(
 LIB.define(
     "linear_logprobs_fwd(Tensor hidden, Tensor weight, Tensor target, Tensor? bias, "
     "Tensor? temperature, float? softcap, SymInt ignore_index, bool entropy, "
-    "str accumulator) -> (Tensor logprob, Tensor entropy, Tensor lse, Tensor argmax)"
+    "str accumulator) -> (Tensor logprob, Tensor entropy, Tensor lse, Tensor argmax, "
+    "Tensor row_stats)"
 )
 
-# lse and mu (sum_c p_c z_c, needed with grad_entropy) are the forward's per-token
-# statistics: the backward recomputes the logits but not these.
+# row_stats (N, 3) are the forward's per-token statistics, relative to the row's max m
+# of z: (m, log sum_c exp(z_c - m), sum_c p_c (z_c - m)) (the last 0 unless entropy).
+# The backward recomputes the logits but not these, and forms p_c and z_c - mu from
+# z_c - m, which is exact near the max: lse alone would lose 1 - p on confident rows.
 LIB.define(
-    "linear_logprobs_bwd(Tensor grad_logprob, Tensor? grad_entropy, Tensor lse, Tensor? mu, "
+    "linear_logprobs_bwd(Tensor grad_logprob, Tensor? grad_entropy, Tensor row_stats, "
     "Tensor hidden, Tensor weight, Tensor target, Tensor? bias, Tensor? temperature, "
     "float? softcap, SymInt ignore_index, str accumulator, bool[3] needs_grad) "
     "-> (Tensor grad_hidden, Tensor grad_weight, Tensor grad_bias)"

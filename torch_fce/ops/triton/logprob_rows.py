@@ -2,8 +2,8 @@
 logits gradient of a logits chunk (the math of logprob_rows.torch_logprob_rows).
 
 One program per token row. The forward sweeps a row once, forming the logsumexp, the
-entropy's sum_c p_c z_c and the argmax online; the backward, given the forward's lse and
-mu, sweeps it once more, writing the logits gradient over the recomputed logits in
+entropy's sum_c p_c z_c and the argmax online; the backward, given the forward's row
+statistics relative to the row max (logprob_rows.py), sweeps it once more, writing the logits gradient over the recomputed logits in
 place: each pass reads a chunk once (and the backward writes it once), in its own dtype.
 """
 
@@ -17,12 +17,12 @@ from .rows import _NEG_BIG, _argmax_update, _block_v, _load_z
 @triton.jit
 def _stats_sweep(row_ptr, V, inv_t, softcap, HAS_SOFTCAP: tl.constexpr,
                  WANT_ENTROPY: tl.constexpr, BLOCK_V: tl.constexpr):
-    """(lse, entropy, argmax) of one row of z = softcap(l) * inv_t (entropy 0 unless
-    WANT_ENTROPY).
+    """(m, log s, d, argmax) of one row of z = softcap(l) * inv_t: the max, the log of
+    s = sum_c exp(z_c - m) and d = sum_c p_c (z_c - m) (0 unless WANT_ENTROPY), so
+    lse = m + log s and entropy = log s - d.
 
-    With m the running max, s = sum_c exp(z_c - m) and ez = sum_c exp(z_c - m) (z_c - m):
-    entropy = log(s) - ez / s. No 0 * -inf for masked or -inf logits, and no
-    cancellation against m for confident rows."""
+    With ez = sum_c exp(z_c - m) (z_c - m) kept online, d = ez / s: no 0 * -inf for
+    masked or -inf logits, and no cancellation against m for confident rows."""
     cols = tl.arange(0, BLOCK_V)
     m = tl.max(tl.full([BLOCK_V], _NEG_BIG, tl.float32), axis=0)
     s = tl.sum(tl.zeros([BLOCK_V], tl.float32), axis=0)
@@ -44,13 +44,13 @@ def _stats_sweep(row_ptr, V, inv_t, softcap, HAS_SOFTCAP: tl.constexpr,
                 tl.where(ex > 0.0, ex * (z - m_new), 0.0), axis=0)
         s = s * scale + tl.sum(ex, axis=0)
         m = m_new
-    return m + tl.log(s), tl.log(s) - ez / s, best_i
+    return m, tl.log(s), ez / s, best_i
 
 
 @triton.jit
 def _linear_logprobs_rows_kernel(
     # pointers
-    logits_ptr, target_ptr, inv_t_ptr, g_lp_ptr, g_h_ptr, mu_ptr,
+    logits_ptr, target_ptr, inv_t_ptr, g_lp_ptr, g_h_ptr, stats_ptr,
     logprob_ptr, entropy_ptr, lse_ptr, argmax_ptr,
     # sizes and options
     V, ignore_index, softcap,
@@ -61,8 +61,9 @@ def _linear_logprobs_rows_kernel(
     HAS_SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     """Without HAS_GRAD (the forward): logits (n, V) -> logprob, entropy, lse (n,)
-    float32, argmax (n,) int64. With HAS_GRAD (the backward): logits <- dl for upstream
-    g_lp (and, with HAS_ENTROPY_GRAD, g_h and the forward's mu), from the forward's lse."""
+    float32, argmax (n,) int64 and the row statistics (n, 3) (m, log s, d). With HAS_GRAD
+    (the backward): logits <- dl for upstream g_lp (and, with HAS_ENTROPY_GRAD, g_h),
+    from the forward's row statistics."""
     # int64: row * stride_ln passes 2^31 for chunks of large vocabularies.
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * stride_ln
@@ -71,8 +72,9 @@ def _linear_logprobs_rows_kernel(
     valid = t != ignore_index
     if not HAS_GRAD:
         in_range = (t >= 0) & (t < V)
-        lse, ent, best = _stats_sweep(row_ptr, V, inv_t, softcap, HAS_SOFTCAP,
-                                      WANT_ENTROPY, BLOCK_V)
+        m, log_s, d, best = _stats_sweep(row_ptr, V, inv_t, softcap, HAS_SOFTCAP,
+                                         WANT_ENTROPY, BLOCK_V)
+        lse = m + log_s
         z_y = _load_z(row_ptr + tl.where(valid & in_range, t, 0), True, softcap,
                       HAS_SOFTCAP) * inv_t
         # Out-of-range targets never read out of bounds: they poison the row with NaN.
@@ -80,23 +82,27 @@ def _linear_logprobs_rows_kernel(
         tl.store(logprob_ptr + row, tl.where(valid, lp, 0.0))
         tl.store(lse_ptr + row, lse)
         tl.store(argmax_ptr + row, best)
+        tl.store(stats_ptr + row * 3, m)
+        tl.store(stats_ptr + row * 3 + 1, log_s)
+        tl.store(stats_ptr + row * 3 + 2, d)
         if WANT_ENTROPY:
-            tl.store(entropy_ptr + row, tl.where(valid, ent, 0.0))
+            tl.store(entropy_ptr + row, tl.where(valid, log_s - d, 0.0))
     else:
-        lse = tl.load(lse_ptr + row)
+        m = tl.load(stats_ptr + row * 3)
+        log_s = tl.load(stats_ptr + row * 3 + 1)
         g = tl.where(valid, tl.load(g_lp_ptr + row), 0.0)
         if HAS_ENTROPY_GRAD:
             h = tl.where(valid, tl.load(g_h_ptr + row), 0.0)
-            mu = tl.load(mu_ptr + row)
+            d = tl.load(stats_ptr + row * 3 + 2)
         cols = tl.arange(0, BLOCK_V)
         for v0 in range(0, V, BLOCK_V):
             offs = v0 + cols
             mask = offs < V
             c = _load_z(row_ptr + offs, mask, softcap, HAS_SOFTCAP)
-            z = c * inv_t
-            p = tl.exp(z - lse)
+            zm = c * inv_t - m  # exact near the max
+            p = tl.exp(zm - log_s)
             if HAS_ENTROPY_GRAD:  # p = 0 where z = -inf: no 0 * -inf
-                dz = -p * g - tl.where(p > 0.0, p * h * (z - mu), 0.0)
+                dz = -p * g - tl.where(p > 0.0, p * h * (zm - d), 0.0)
             else:
                 dz = -p * g
             dz += tl.where(offs == t, g, 0.0)
@@ -110,9 +116,10 @@ def _linear_logprobs_rows_kernel(
 
 def triton_logprob_rows(logits, target, inv_t, opts, entropy, grad, math_dtype):
     """Row function for chunked.linear_logprobs_*, as logprob_rows.torch_logprob_rows:
-    without grad (logprob, entropy, lse, argmax, None) (entropy undefined unless asked
-    for); with grad = (g_lp, g_h, lse, mu), (None,) * 4 + (dz,), dz written over logits.
-    logits (n, V) with unit stride along V; target, inv_t and grad's tensors (n,)."""
+    without grad (logprob, entropy, lse, argmax, row_stats, None) (entropy undefined
+    unless asked for); with grad = (g_lp, g_h, row_stats), (None,) * 5 + (dz,), dz
+    written over logits. logits (n, V) with unit stride along V; target, inv_t, g_lp and
+    g_h (n,), row_stats (n, 3)."""
     n, V = logits.shape
     assert math_dtype == torch.float32 and logits.stride(1) == 1
     # Unit-stride indexing in the kernel: views (an expanded temperature) are copied.
@@ -120,18 +127,19 @@ def triton_logprob_rows(logits, target, inv_t, opts, entropy, grad, math_dtype):
     if grad is None:
         logprob, ent, lse = (logits.new_empty(n, dtype=torch.float32) for _ in range(3))
         argmax = logits.new_empty(n, dtype=torch.int64)
-        g_lp = g_h = mu = lse
+        stats = logits.new_empty(n, 3, dtype=torch.float32)
+        g_lp = g_h = lse
     else:
-        g_lp, g_h, lse, mu = (None if t is None else t.float().contiguous() for t in grad)
-        logprob = ent = argmax = g_lp
+        g_lp, g_h, stats = (None if t is None else t.float().contiguous() for t in grad)
+        logprob = ent = lse = argmax = g_lp
     entropy_grad = grad is not None and g_h is not None
     _linear_logprobs_rows_kernel[(n,)](
-        logits, target, inv_t, g_lp, g_h if entropy_grad else lse,
-        mu if entropy_grad else lse, logprob, ent, lse, argmax,
+        logits, target, inv_t, g_lp, g_h if entropy_grad else g_lp, stats, logprob, ent,
+        lse, argmax,
         V, opts.ignore_index, opts.softcap if opts.softcap is not None else 1.0,
         logits.stride(0), HAS_GRAD=grad is not None, HAS_ENTROPY_GRAD=entropy_grad,
         WANT_ENTROPY=entropy, HAS_SOFTCAP=opts.softcap is not None,
         BLOCK_V=_block_v(V), num_warps=8)
     if grad is not None:
-        return None, None, None, None, logits
-    return logprob, ent, lse, argmax, None
+        return None, None, None, None, None, logits
+    return logprob, ent, lse, argmax, stats, None
