@@ -11,6 +11,8 @@ from torch_fce.integrations import transformers as fce_hf  # noqa: E402
 from torch_fce.testing import grad_tol, rel_err  # noqa: E402
 
 pytestmark = pytest.mark.integration
+# The GPU tier runs this module on CUDA (README); CI on the CPU.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 V = 128
 COMMON = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
               num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
@@ -29,6 +31,10 @@ FAMILIES = {
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
     "granite": ("GraniteConfig", "GraniteForCausalLM", dict(logits_scaling=4.0)),
     "cohere": ("CohereConfig", "CohereForCausalLM", dict(logit_scale=0.5)),
+    # logits_scaling divides the hidden states before the head (Granite's the logits).
+    "minicpm3": ("MiniCPM3Config", "MiniCPM3ForCausalLM",
+                 dict(dim_model_base=8, qk_nope_head_dim=8, qk_rope_head_dim=8,
+                      v_head_dim=8, kv_lora_rank=16, q_lora_rank=16)),
     # MoE: the router load-balancing loss joins the loss when labels are given.
     "mixtral": ("MixtralConfig", "MixtralForCausalLM",
                 dict(num_local_experts=4, num_experts_per_tok=2, output_router_logits=True)),
@@ -39,7 +45,7 @@ def make(family, seed=0):
     config_cls, model_cls, extra = FAMILIES[family]
     torch.manual_seed(seed)
     config = getattr(transformers, config_cls)(**COMMON, **extra)
-    return getattr(transformers, model_cls)(config).train()
+    return getattr(transformers, model_cls)(config).train().to(DEVICE)
 
 
 def batch(seed=0):
@@ -48,7 +54,7 @@ def batch(seed=0):
     labels = ids.clone()
     labels[0, :3] = -100
     labels[1, 7] = -100
-    return ids, labels
+    return ids.to(DEVICE), labels.to(DEVICE)
 
 
 def loss_and_grads(model, **kwargs):
@@ -178,7 +184,7 @@ def _custom(post=None, loss_of=None, init=None):
     model = cls(transformers.LlamaConfig(**COMMON))
     if init:
         init(model)
-    return model
+    return model.to(DEVICE)
 
 
 REFUSED = {
@@ -197,9 +203,10 @@ REFUSED = {
 @pytest.mark.parametrize("case", REFUSED)
 def test_transformers_family_it_cannot_reproduce_is_refused(case):
     model = _custom(**REFUSED[case])
+    before = fingerprint(model)
     with pytest.raises(ValueError, match="cannot serve"):
         fce_hf.apply(model)
-    assert "forward" not in vars(model.lm_head)  # left as it was
+    assert fingerprint(model) == before  # left as it was
 
 
 def test_transformers_standard_custom_family_is_served():
@@ -210,14 +217,175 @@ def test_transformers_standard_custom_family_is_served():
     assert rel_err(model(input_ids=ids, labels=labels).loss, ref.loss) <= 1e-5
 
 
-def test_transformers_apply_leaves_modes_and_config_as_they_were():
+_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
+          "_forward_hooks_with_kwargs", "_state_dict_hooks", "_load_state_dict_pre_hooks")
+
+
+PATCH_ATTRIBUTES = {"forward", "_old_forward", "_torch_fce_original_forward",
+                    "_torch_fce_options"}
+
+
+def fingerprint(model, skip=()):
+    """What apply() must leave as it was: per module its identity, type, mode, every
+    attribute (by value for plain values, else by identity; but those in skip) and
+    every parameter, buffer, submodule and hook; buffer values; the config."""
+    def key(v):
+        return v if isinstance(v, (str, int, float, bool, type(None))) else id(v)
+
+    modules = [(name, id(m), type(m), m.training,
+                {k: key(v) for k, v in vars(m).items() if k not in skip},
+                *({k: id(v) for k, v in getattr(m, d).items()}
+                  for d in ("_parameters", "_buffers", "_modules") + _HOOKS))
+               for name, m in model.named_modules()]
+    buffers = [(n, b.detach().cpu().clone()) for n, b in model.named_buffers()]
+    return modules, _Values(buffers), model.config.to_dict()
+
+
+def fingerprint_of(saved, skip):
+    """A saved fingerprint without the attributes in skip."""
+    modules, buffers, config = saved
+    return ([(*m[:4], {k: v for k, v in m[4].items() if k not in skip}, *m[5:])
+             for m in modules], buffers, config)
+
+
+class _Values(list):
+    def __eq__(self, other):
+        return len(self) == len(other) and all(
+            n == m and torch.equal(a, b) for (n, a), (m, b) in zip(self, other))
+
+
+def _bigbird():
+    torch.manual_seed(0)
+    config = transformers.BigBirdConfig(
+        vocab_size=V, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=64, max_position_embeddings=128, attention_type="block_sparse",
+        block_size=2, num_random_blocks=2, is_decoder=True)
+    return transformers.BigBirdForCausalLM(config).train().to(DEVICE)
+
+
+def _mixed_modes():
     model = make("llama")
-    model.model.layers[0].eval()  # mixed modes: only this layer in eval
-    config = dict(vars(model.config))
-    modes = [m.training for m in model.modules()]
+    model.model.layers[0].eval()  # only this layer in eval
+    return model
+
+
+@pytest.mark.parametrize("build", [_mixed_modes, _bigbird, lambda: make("mixtral")],
+                         ids=["llama_mixed_modes", "bigbird_block_sparse", "mixtral"])
+def test_transformers_apply_leaves_the_model_exactly_as_it_was(build):
+    # BigBird switches to full attention for good on a short input and builds new
+    # attention modules (in eval mode, during the check's forward): all undone.
+    model = build()
+    before = fingerprint(model)
     fce_hf.apply(model)
-    assert [m.training for m in model.modules()] == modes
-    assert vars(model.config) == config
+    # apply()'s own attributes aside (the model's forward and its marks, the head's
+    # capture), everything is as it was
+    assert fingerprint(model, skip=PATCH_ATTRIBUTES) == fingerprint_of(before, PATCH_ATTRIBUTES)
+    fce_hf.revert(model)
+    assert fingerprint(model) == before
+
+
+def test_transformers_apply_keeps_the_rng_streams():
+    model = make("llama")
+    torch.manual_seed(5)
+    fce_hf.apply(model)
+    got = torch.rand(4)
+    torch.manual_seed(5)
+    assert torch.equal(torch.rand(4), got)
+
+
+class _Doubled(torch.nn.Linear):
+    def forward(self, x):
+        return 2 * super().forward(x)
+
+
+def _with_head(head_fn):
+    def build():
+        model = make("llama")
+        head_fn(model)
+        return model
+    return build
+
+
+def _extra_parameter(model):
+    model.lm_head.register_parameter("offset", torch.nn.Parameter(torch.zeros(V, device=DEVICE)))
+
+
+def _dory():
+    torch.manual_seed(0)
+    config = transformers.DoryConfig(**{k: v for k, v in COMMON.items()})
+    return transformers.DoryForCausalLM(config).train().to(DEVICE)
+
+
+HEADS = {
+    "subclass with its own forward": _with_head(lambda m: setattr(
+        m, "lm_head", _Doubled(32, V, bias=False, device=DEVICE))),
+    "dory per-class logit scale": _dory,
+    "extra parameter": _with_head(_extra_parameter),
+    "extra buffer": _with_head(lambda m: m.lm_head.register_buffer(
+        "mask", torch.ones(V, device=DEVICE))),
+    "forward hook": _with_head(lambda m: m.lm_head.register_forward_hook(
+        lambda mod, args, out: out * 2)),
+    "forward pre-hook": _with_head(lambda m: m.lm_head.register_forward_pre_hook(
+        lambda mod, args: (args[0] * 2,))),
+    "instance forward": _with_head(lambda m: setattr(
+        m.lm_head, "forward", lambda x: torch.nn.Linear.forward(m.lm_head, x) * 2)),
+}
+
+
+@pytest.mark.parametrize("case", HEADS)
+def test_transformers_head_that_is_not_a_plain_linear_is_refused(case):
+    model = HEADS[case]()
+    before = fingerprint(model)
+    with pytest.raises(ValueError, match="cannot serve .*lm_head|output embeddings"):
+        fce_hf.apply(model)
+    assert fingerprint(model) == before
+
+
+def test_transformers_apply_refuses_bad_options_naming_them():
+    model = make("llama")
+    with pytest.raises(ValueError, match="label_smoothing"):
+        fce_hf.apply(model, label_smoothing=2.0)
+    with pytest.raises(ValueError, match="accumulator"):
+        fce_hf.apply(model, accumulator="bf16")
+    assert "forward" not in vars(model)
+
+
+def _dispatched(offload=False):
+    """llama dispatched by accelerate with hooks on every module: the head on the GPU
+    and the body on the CPU under the GPU tier, all on the CPU otherwise."""
+    from accelerate import cpu_offload, dispatch_model
+
+    model = make("llama").cpu()
+    if offload:
+        return cpu_offload(model, execution_device=DEVICE)
+    return dispatch_model(model, device_map={"model": "cpu", "lm_head": DEVICE},
+                          force_hooks=True)
+
+
+def test_transformers_accelerate_dispatched_model_trains_with_its_hooks():
+    model = _dispatched()
+    ids, labels = (t.cpu() for t in batch())
+    assert hasattr(model.lm_head, "_hf_hook") and "forward" in vars(model)
+    ref, ref_grads = loss_and_grads(model, input_ids=ids, labels=labels)
+    before = fingerprint(model)
+    fce_hf.apply(model)
+    out, grads = loss_and_grads(model, input_ids=ids, labels=labels)
+    assert out.logits is None and rel_err(out.loss, ref.loss) <= 1e-5
+    assert grads.keys() == ref_grads.keys()
+    for k in grads:
+        assert rel_err(grads[k], ref_grads[k]) <= grad_tol(torch.float32, V), k
+    fce_hf.revert(model)
+    assert fingerprint(model) == before  # accelerate's hooks and wrappers included
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, ref.logits.detach())
+
+
+def test_transformers_accelerate_offloaded_head_is_refused():
+    model = _dispatched(offload=True)
+    before = fingerprint(model)
+    with pytest.raises(ValueError, match="offloaded"):
+        fce_hf.apply(model)
+    assert fingerprint(model) == before
 
 
 def test_transformers_labels_passed_positionally():

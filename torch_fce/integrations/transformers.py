@@ -9,15 +9,21 @@ Generic over the standard CausalLM template: the model's own forward runs with i
 head replaced, for that call only, by a capture of the head's input, so the logits are
 never formed; the loss is then fce::linear_ce of those hidden states and the head's
 weight (and bias), with the family's logit scaling and final softcapping. Without
-labels, or in eval mode, the model runs exactly as unpatched. `apply` checks on a tiny
-input, with designed logits injected at the head, that it reproduces the family's loss
-and that no parameter acts after the head, and refuses a family it cannot serve; the
-check leaves the model's modes and config as they were.
-Mixture-of-experts families get their router load-balancing loss added, as they add it
-themselves when given labels.
+labels, or in eval mode, the model runs exactly as unpatched.
+
+`apply` serves a plain nn.Linear head only (no forward of its own, no other parameters,
+buffers, submodules or torch hooks) and refuses anything else. It checks on a tiny input,
+with designed logits injected at the head, that it reproduces the family's logits, loss
+and gradients, and refuses a family it cannot serve; the model is left exactly as it
+was (every module's attributes, mode, submodules, parameters, buffers and hooks, the
+configs and the RNG streams). Models dispatched by accelerate (device_map) keep their
+hooks: the capture goes inside the head's hook; a head whose weights accelerate offloads
+is refused. Mixture-of-experts families get their router load-balancing loss added, as
+they add it themselves when given labels.
 """
 
 import contextlib
+import copy
 import inspect
 import types
 
@@ -25,6 +31,7 @@ import torch
 from torch import nn
 
 from ..functional import linear_cross_entropy
+from ..ops.checks import check_options
 
 try:
     from torch.distributed.tensor import DTensor
@@ -35,26 +42,42 @@ _ORIGINAL = "_torch_fce_original_forward"
 _OPTIONS = "_torch_fce_options"
 
 
-def _logit_transform(config):
-    """(scale, softcap) with logits = softcap(scale * (hidden @ W.T + b)) for a family."""
-    scale = getattr(config, "logit_scale", None)  # cohere: logits * logit_scale
-    if getattr(config, "logits_scaling", None):  # granite: logits / logits_scaling
-        scale = 1.0 / config.logits_scaling
-    return scale, getattr(config, "final_logit_softcapping", None)
+# How a family scales its logits after the head: logits = scale * lm_head(hidden), with
+# scale read from the config at every call. apply() picks the rule that reproduces the
+# family's logits (MiniCPM3's logits_scaling divides the hidden states before the head,
+# Granite's the logits after it: the name alone does not tell).
+_SCALES = {
+    "none": lambda config: None,
+    "logit_scale": lambda config: getattr(config, "logit_scale", None),  # cohere: *
+    "logits_scaling": lambda config: 1.0 / config.logits_scaling,  # granite: /
+}
+
+
+def _scale_rules(config):
+    """The rules that could apply to this config, the name-based guess first."""
+    rules = [r for r in ("logit_scale", "logits_scaling") if getattr(config, r, None)]
+    return rules + ["none"]
+
+
+def _logit_transform(config, rule):
+    """(scale, softcap) with logits = softcap(scale * (hidden @ W.T + b))."""
+    return _SCALES[rule](config), getattr(config, "final_logit_softcapping", None)
 
 
 class _Capture:
-    """Installed as the head's forward: while active it keeps its input (the hidden
-    states) and returns `replace(hidden)` (default: the hidden states themselves)
-    instead of computing the logits; otherwise it is the head itself. A flag rather
-    than swapping forwards per call, so torch.compile can trace it."""
+    """Installed as the head's forward (inside an accelerate hook, if the head has
+    one): while active it keeps its input (the hidden states) and returns
+    `replace(hidden)` (default: the hidden states themselves) instead of computing the
+    logits; otherwise it is the head's own forward. A flag rather than swapping
+    forwards per call, so torch.compile can trace it."""
 
-    def __init__(self, head):
-        self.head, self.active, self.hidden, self.replace = head, False, None, None
+    def __init__(self, head, inner):
+        self.head, self.inner = head, inner
+        self.active, self.hidden, self.replace = False, None, None
 
     def __call__(self, hidden):
         if not self.active:
-            return type(self.head).forward(self.head, hidden)
+            return self.inner(hidden)
         self.hidden = hidden
         return hidden if self.replace is None else self.replace(hidden)
 
@@ -65,6 +88,60 @@ class _Capture:
             yield self
         finally:
             self.active, self.replace = False, None
+
+
+def _check_head(head, name):
+    """Raises unless the head is a plain nn.Linear that apply() reproduces exactly."""
+    why = None
+    if not isinstance(head, nn.Linear):
+        why = f"its output embeddings are a {type(head).__name__}, not an nn.Linear"
+    elif type(head).forward is not nn.Linear.forward:
+        why = f"its lm_head ({type(head).__name__}) has a forward of its own"
+    elif [n for n, _ in head.named_parameters() if n not in ("weight", "bias")]:
+        why = (f"its lm_head holds other parameters ("
+               f"{', '.join(n for n, _ in head.named_parameters() if n not in ('weight', 'bias'))})")
+    elif list(head.buffers()) or list(head.children()):
+        why = "its lm_head holds buffers or submodules"
+    elif any(getattr(head, a) for a in ("_forward_hooks", "_forward_pre_hooks",
+                                        "_backward_hooks", "_backward_pre_hooks")):
+        why = "its lm_head has torch hooks, which would see hidden states, not logits"
+    elif "forward" in vars(head) and not _accelerate_hooked(head):
+        why = "its lm_head's forward was replaced on the instance (not by an accelerate hook)"
+    elif head.weight.is_meta or (head.bias is not None and head.bias.is_meta):
+        why = ("its lm_head's weights are offloaded (on the meta device outside its "
+               "forward, as accelerate's offloading leaves them): dispatch the lm_head to "
+               "a device without offloading")
+    if why:
+        raise ValueError(f"torch_fce cannot serve {name}: {why}; apply() serves a plain "
+                         "nn.Linear head (weight, bias) only")
+
+
+def _accelerate_hooked(module):
+    """An accelerate hook: its forward wrapper calls module._old_forward."""
+    return hasattr(module, "_hf_hook") and "_old_forward" in vars(module)
+
+
+def _install(head):
+    """The capture, as the head's forward or, under an accelerate hook, as the forward
+    the hook calls (so the hook still moves the hidden states to the head's device)."""
+    if _accelerate_hooked(head):
+        capture = _Capture(head, head._old_forward)
+        head._old_forward = capture
+    else:
+        capture = _Capture(head, types.MethodType(type(head).forward, head))
+        head.forward = capture
+    return capture
+
+
+def _uninstall(head):
+    if _accelerate_hooked(head) and isinstance(head._old_forward, _Capture):
+        head._old_forward = head._old_forward.inner
+    else:
+        del head.forward
+
+
+def capture_of(head):
+    return head._old_forward if _accelerate_hooked(head) else head.forward
 
 
 # Attribute names families give the router load-balancing loss's coefficient.
@@ -80,6 +157,18 @@ def _aux_coefficient(model):
     raise ValueError(f"torch_fce cannot serve {type(model).__name__}: it returns a router "
                      f"auxiliary loss, but none of {_AUX_COEF_NAMES} names its coefficient")
 
+def head_operands(model, head, hidden):
+    """(hidden, bias, softcap) for the head's weight, of a model apply() patched: the
+    family's logit scale folded into the hidden states and the bias (the bias is scaled
+    with the product), the hidden states on the head's device (as the head would need)."""
+    scale, softcap = _logit_transform(model.config, getattr(model, _OPTIONS)["scale_rule"])
+    hidden, bias = hidden.to(head.weight.device), head.bias
+    if scale is not None:
+        bias = None if bias is None else bias * scale
+        hidden = hidden * scale
+    return hidden, bias, softcap
+
+
 def _loss(model, head, hidden, labels, shift_labels, num_items_in_batch, options):
     if isinstance(head.weight, DTensor):
         # e.g. fully_shard(lm_head) on its own: resharded as soon as the head returns,
@@ -87,49 +176,49 @@ def _loss(model, head, hidden, labels, shift_labels, num_items_in_batch, options
         # same tokens on every rank. Shard the head with the model instead.
         raise ValueError("torch_fce: the lm_head's weight is a sharded DTensor when the "
                          "loss runs; fully_shard the lm_head together with its model")
-    scale, softcap = _logit_transform(model.config)
-    if scale is not None:  # the bias is scaled with the product, so fold it the same way
-        bias = None if head.bias is None else head.bias * scale
-        hidden = hidden * scale
-    else:
-        bias = head.bias
+    hidden, bias, softcap = head_operands(model, head, hidden)
     target, shift = (labels, True) if shift_labels is None else (shift_labels, False)
     loss = linear_cross_entropy(
         hidden, head.weight, target.to(hidden.device), bias, softcap=softcap, shift=shift,
-        reduction="mean" if num_items_in_batch is None else "sum", **options)
+        reduction="mean" if num_items_in_batch is None else "sum",
+        **{k: v for k, v in options.items() if k != "scale_rule"})
     if num_items_in_batch is not None:
-        loss = loss / num_items_in_batch
+        loss = loss / num_items_in_batch.to(loss.device) \
+            if isinstance(num_items_in_batch, torch.Tensor) else loss / num_items_in_batch
     return loss
 
 
 def _designed_logits(hidden, labels, V):
     """float64 logits whose loss tells every definition apart: each position's logits
     peak by 8 at the next position's label (a shifted loss is small, an unshifted one
-    large), with magnitudes up to 40 (a softcap or a scale shows) and noise."""
+    large), with magnitudes up to 40 (a softcap or a scale shows) and noise. Made on
+    the CPU (whatever the default device), then moved to the hidden states' device."""
     g = torch.Generator(device="cpu").manual_seed(0)
     B, T = hidden.shape[:2]
-    z = torch.randn(B, T, V, generator=g, dtype=torch.float64) * 4.0 \
-        + torch.linspace(-40.0, 40.0, V, dtype=torch.float64)
-    nxt = labels[:, 1:].clamp_min(0)
-    z[:, :-1].scatter_add_(-1, nxt[..., None], torch.full((B, T - 1, 1), 8.0,
-                                                         dtype=torch.float64))
+    cpu = dict(dtype=torch.float64, device="cpu")
+    z = torch.randn(B, T, V, generator=g, **cpu) * 4.0 \
+        + torch.linspace(-40.0, 40.0, V, **cpu)
+    nxt = labels[:, 1:].clamp_min(0).cpu()
+    z[:, :-1].scatter_add_(-1, nxt[..., None], torch.full((B, T - 1, 1), 8.0, **cpu))
     return z.to(hidden.device)
 
 
-def _transformed(model, z):
+def _transformed(model, z, rule):
     """softcap(scale * z): the family's logits as apply() reconstructs them."""
-    scale, softcap = _logit_transform(model.config)
+    scale, softcap = _logit_transform(model.config, rule)
     z = z if scale is None else z * scale
     return z if not softcap else softcap * torch.tanh(z / softcap)
 
 
 def _check_family(model, head, capture, original):
-    """Raises unless apply() reproduces the family's logits, loss and gradients.
+    """Returns the scale rule with which apply() reproduces the family's logits, loss
+    and gradients; raises if there is none.
 
     The head is made to return designed float64 logits, so whatever the family does
     after it (scaling, softcapping, shifting, extra loss terms, learnable parameters)
     acts on known values at float64/float32 precision rather than on a tiny model's
-    near-uniform logits."""
+    near-uniform logits. Compared on the CPU: a dispatched model's outputs may be
+    anywhere."""
     V = head.weight.shape[0]
     ids = torch.arange(8, device=head.weight.device)[None] % V
     labels = ids.roll(-3, 1)
@@ -147,25 +236,29 @@ def _check_family(model, head, capture, original):
         if "z" not in made:
             raise ValueError(f"torch_fce cannot serve {name}: its forward does not call its "
                              "output embeddings module (get_output_embeddings())")
-        z = made["z"].detach()
-        logits = _transformed(model, z)
-        if out.logits is None or out.logits.shape != z.shape or not torch.allclose(
-                out.logits.double(), logits, rtol=1e-5, atol=1e-5):
+        z = made["z"].detach().cpu()
+        got = None if out.logits is None else out.logits.detach().double().cpu()
+        rule = next((r for r in _scale_rules(model.config)
+                     if got is not None and got.shape == z.shape and torch.allclose(
+                         got, _transformed(model, z, r), rtol=1e-5, atol=1e-5)), None)
+        if rule is None:
             raise ValueError(f"torch_fce cannot serve {name}: its logits are not "
                              "softcap(scale * lm_head(hidden)) of a known scale/softcap")
+        logits = _transformed(model, z, rule)
         aux = out.get("aux_loss")
         want = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1),
-                                                 labels[:, 1:].flatten())
+                                                 labels[:, 1:].flatten().cpu())
         if aux is not None:
-            want = want + _aux_coefficient(model) * aux.detach().double()
-        if out.loss is None or not torch.allclose(out.loss.double(), want, rtol=1e-5):
+            want = want + _aux_coefficient(model) * aux.detach().double().cpu()
+        if out.loss is None or not torch.allclose(out.loss.detach().double().cpu(), want,
+                                                  rtol=1e-5):
             raise ValueError(
                 f"torch_fce cannot serve {name}: its loss is not the shifted cross entropy "
                 "of its logits (+ its router loss): it gives "
                 f"{None if out.loss is None else out.loss.item()}, apply() {want.item()}")
         params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if not params or not out.logits.requires_grad:
-            return
+            return rule
         grads = torch.autograd.grad(out.logits.double().sum(), [p for _, p in params],
                                     allow_unused=True)
     after = [n for (n, _), g in zip(params, grads) if g is not None]
@@ -173,49 +266,81 @@ def _check_family(model, head, capture, original):
         raise ValueError(f"torch_fce cannot serve {name}: parameters act on the logits "
                          f"after the lm_head ({', '.join(after[:4])}), which apply() would "
                          "leave without a gradient")
+    return rule
+
+
+_CONTAINERS = (dict, list, set)
+
+
+def _contents(value):
+    return copy.copy(value) if isinstance(value, _CONTAINERS) else None
+
+
+def _put_back(value, contents):
+    """value, its contents (if a container, mutated in place) as when saved."""
+    if contents is not None:
+        value.clear()
+        (value.extend if isinstance(value, list) else value.update)(contents)
+    return value
 
 
 @contextlib.contextmanager
-def _state_kept(model):
-    """Every module's train/eval flag and every config attribute (the attention
-    implementation, say) as they were, whatever the check's forward changes."""
+def _model_kept(model):
+    """The model exactly as it was, whatever the check's forward does to it: every
+    module's attributes (its mode, submodules, parameters, buffers and hooks, with the
+    dicts and lists holding them put back in place), buffer values, every config, and
+    the RNG streams. A parameter modified in place cannot be undone: that refuses."""
     from transformers.configuration_utils import PretrainedConfig
 
-    flags = [(m, m.training) for m in model.modules()]
+    modules = list(model.modules())
+    attrs = [(m, {k: (v, _contents(v)) for k, v in vars(m).items()}) for m in modules]
+    buffers = {id(b): (b, b._version, b.detach().clone()) for b in model.buffers()}
+    versions = [(n, p, p._version) for n, p in model.named_parameters()]
     configs = [model.config] + [v for v in vars(model.config).values()
                                 if isinstance(v, PretrainedConfig)]
-    saved = [(c, dict(vars(c))) for c in configs]
+    saved = [(c, copy.deepcopy(vars(c))) for c in configs]
+    cuda = sorted({t.device.index or 0 for t in model.parameters() if t.is_cuda})
     try:
-        yield
+        with torch.random.fork_rng(devices=cuda):
+            yield
     finally:
-        for m, flag in flags:
-            m.training = flag
-        for c, attrs in saved:
+        for m, kept in attrs:
+            vars(m).clear()
+            vars(m).update({k: _put_back(v, c) for k, (v, c) in kept.items()})
+        for b, version, value in buffers.values():
+            if b._version != version:
+                with torch.no_grad():
+                    b.copy_(value)
+        for c, kept in saved:
             vars(c).clear()
-            vars(c).update(attrs)
+            vars(c).update(kept)
+    changed = [n for n, p, v in versions if p._version != v]
+    if changed:
+        raise ValueError(f"torch_fce cannot serve {type(model).__name__}: its forward "
+                         f"modified parameters in place ({', '.join(changed[:4])})")
 
 
 def apply(model, *, accumulator="fp32", z_loss=0.0, label_smoothing=0.0):
     """Patches a transformers causal LM (in place, reversibly) to train without logits."""
     if hasattr(model, _ORIGINAL):
         raise ValueError("torch_fce is already applied to this model")
+    check_options("mean", label_smoothing, softcap=None, z_loss=z_loss,
+                  accumulator=accumulator)
     head = model.get_output_embeddings()
-    if not isinstance(head, nn.Linear):
-        raise ValueError(f"model's output embeddings must be an nn.Linear, got "
-                         f"{type(head).__name__}")
-    original = model.forward
-    capture = _Capture(head)
-    head.forward = capture
+    _check_head(head, type(model).__name__)
+    original = model.forward  # accelerate's hook wrapper, if dispatched: kept inside
+    capture = _install(head)
     try:
-        with _state_kept(model):
+        with _model_kept(model):
             model.eval()  # no dropout in the check
-            _check_family(model, head, capture, original)
+            rule = _check_family(model, head, capture, original)
     except Exception:
-        del head.forward
+        _uninstall(head)
         raise
     setattr(model, _OPTIONS, dict(accumulator=accumulator, z_loss=z_loss,
-                                  label_smoothing=label_smoothing))
-    setattr(model, _ORIGINAL, original)
+                                  label_smoothing=label_smoothing, scale_rule=rule))
+    # The model's instance forward (an accelerate hook's), restored by revert().
+    setattr(model, _ORIGINAL, (original, vars(model).get("forward")))
 
     # A method reading everything from `self` (no closure), so copy.deepcopy(model) gives
     # a copy that runs its own parameters; Trainer reads the original signature.
@@ -233,7 +358,7 @@ def apply(model, *, accumulator="fp32", z_loss=0.0, label_smoothing=0.0):
 
 
 def _forward(model, args, labels, shift_labels, num_items_in_batch, kwargs):
-    original = getattr(model, _ORIGINAL)
+    original = getattr(model, _ORIGINAL)[0]
     if args:  # positional arguments (labels among them, maybe) by their names
         bound = inspect.signature(original).bind_partial(*args)
         twice = set(bound.arguments) & (set(kwargs) | ({"labels"} if labels is not None
@@ -252,7 +377,7 @@ def _forward(model, args, labels, shift_labels, num_items_in_batch, kwargs):
     if return_dict is None:
         return_dict = getattr(model.config, "return_dict", True)
     head = model.get_output_embeddings()
-    with head.forward.capturing() as capture:
+    with capture_of(head).capturing() as capture:
         out = original(*args, return_dict=True, **kwargs)
     hidden, capture.hidden = capture.hidden, None
     loss = _loss(model, head, hidden, labels, shift_labels, num_items_in_batch,
@@ -267,11 +392,15 @@ def _forward(model, args, labels, shift_labels, num_items_in_batch, kwargs):
 
 
 def revert(model):
-    """Undoes apply(): the model's own forward again."""
+    """Undoes apply(): the model's own forward again (and its accelerate hooks)."""
     if not hasattr(model, _ORIGINAL):
         raise ValueError("torch_fce is not applied to this model")
-    del model.forward
-    del model.get_output_embeddings().forward
+    instance_forward = getattr(model, _ORIGINAL)[1]
+    if instance_forward is None:
+        del model.forward
+    else:
+        model.forward = instance_forward
+    _uninstall(model.get_output_embeddings())
     delattr(model, _ORIGINAL)
     delattr(model, _OPTIONS)
     return model

@@ -13,7 +13,7 @@ it.
 """
 
 from ..functional import linear_logprobs
-from .transformers import _ORIGINAL, _logit_transform
+from .transformers import _ORIGINAL, capture_of, head_operands
 
 
 def _patched(model):
@@ -45,16 +45,12 @@ def per_token_logps_and_entropies(model, input_ids, attention_mask=None, logits_
     head = inner.get_output_embeddings()
     # Without labels the patched forward is the model's own; the head, capturing, hands
     # back its input instead of the logits.
-    with head.forward.capturing() as capture:
+    with capture_of(head).capturing() as capture:
         model(input_ids=input_ids, attention_mask=attention_mask, **model_kwargs)
     hidden, capture.hidden = capture.hidden, None
-    hidden = hidden[:, -K - 1:-1]  # position t predicts token t + 1
-    scale, softcap = _logit_transform(inner.config)
-    bias = head.bias
-    if scale is not None:
-        hidden = hidden * scale
-        bias = None if bias is None else bias * scale
-    out = linear_logprobs(hidden, head.weight, input_ids[:, -K:], bias,
+    # position t predicts token t + 1
+    hidden, bias, softcap = head_operands(inner, head, hidden[:, -K - 1:-1])
+    out = linear_logprobs(hidden, head.weight, input_ids[:, -K:].to(hidden.device), bias,
                           temperature=temperature, softcap=softcap, entropy=compute_entropy,
                           accumulator=accumulator)
     return out.logprob, out.entropy
