@@ -4,8 +4,9 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .ops.checks import _got, check_inputs, check_logprob_options, check_options
+from .ops.checks import check_inputs, check_logprob_options, check_options
 from .ops.linear_ce import int64_if_needed
+from .ops.tokens import temperature_tensor
 
 
 def shift_targets(target, ignore_index):
@@ -61,7 +62,10 @@ def linear_cross_entropy(hidden, weight, target, bias=None, class_weight=None, *
         (loss, LossStats).
     """
     # Checked here too: the dispatcher's own type errors would not name the option.
-    check_options(reduction, label_smoothing, softcap, z_loss, accumulator, ignore_index)
+    # Under torch.compile the op's fake kernel checks them: an error raised here would
+    # reach the caller as Dynamo's "Observed exception", without its message.
+    if not torch.compiler.is_compiling():
+        check_options(reduction, label_smoothing, softcap, z_loss, accumulator, ignore_index)
     target = _shifted(hidden, weight, target, bias, class_weight, ignore_index, shift)
     options = dict(ignore_index=ignore_index, reduction=reduction,
                    label_smoothing=label_smoothing, softcap=softcap, z_loss=z_loss,
@@ -126,9 +130,10 @@ def linear_logprobs(hidden, weight, target, bias=None, *, temperature=1.0, softc
         w.r.t. hidden, weight and bias for any upstream gradients (docs/rl.md). A DTensor
         weight sharded on dim 0 runs the vocab-parallel version (torch_fce.distributed).
     """
-    # Checked here too: the dispatcher's own type errors would not name the option.
-    check_logprob_options(softcap, ignore_index, entropy, accumulator)
-    temperature = _temperature_tensor(temperature, target)
+    # Checked here too, as for linear_cross_entropy (under torch.compile: by the op).
+    if not torch.compiler.is_compiling():
+        check_logprob_options(softcap, ignore_index, entropy, accumulator)
+    temperature = temperature_tensor(temperature, target)
     target = _shifted(hidden, weight, target, bias, None, ignore_index, shift)
     if _is_dtensor(weight):  # sharded by vocabulary: the vocab-parallel log-probs
         from .distributed.dtensor import dtensor_linear_logprobs
@@ -140,28 +145,6 @@ def linear_logprobs(hidden, weight, target, bias=None, *, temperature=1.0, softc
                                         softcap=softcap, ignore_index=ignore_index,
                                         entropy=entropy, accumulator=accumulator)
     return LogProbs(out[0], out[1] if entropy else None, out[2], out[3])
-
-
-def _temperature_tensor(temperature, target):
-    """None for 1.0; a float > 0 as is checked here; a tensor broadcast to target."""
-    if not isinstance(target, torch.Tensor):
-        raise TypeError(f"target must be a Tensor, got {type(target).__name__}")
-    if isinstance(temperature, torch.Tensor):
-        try:
-            return temperature.expand(target.shape)
-        except RuntimeError:
-            raise ValueError(f"temperature of shape {tuple(temperature.shape)} does not "
-                             f"broadcast to target's shape {tuple(target.shape)}") from None
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
-        raise TypeError(f"temperature must be a float or a tensor, got "
-                        f"{type(temperature).__name__}")
-    if not 0.0 < temperature < float("inf"):  # NaN fails too; traceable for SymFloats
-        raise ValueError(f"temperature must be a finite float > 0{_got(temperature)}")
-    if temperature == 1.0:
-        return None
-    # float64 holds the Python float exactly; the kernels take it to their math dtype.
-    # Scaling a tensor keeps a compile-time symbolic float symbolic (no compile per value).
-    return torch.ones(target.shape, device=target.device, dtype=torch.float64) * temperature
 
 
 def _is_dtensor(t):

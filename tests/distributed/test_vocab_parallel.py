@@ -204,6 +204,17 @@ def _check_logprobs(rank, world):
     assert rel_err(grads[1], ref_grads[1][start:end]) <= tol
     assert rel_err(grads[2], ref_grads[2][start:end]) <= tol
 
+    # A float temperature and a per-sequence (B, 1) one, as linear_logprobs takes them.
+    hidden, target = x["hidden"].reshape(4, 6, 8), x["target"].reshape(4, 6)
+    for temperature in (0.7, T.reshape(4, 6)[:, :1].clone()):
+        want = torch_fce.linear_logprobs(hidden, x["weight"], target, x["bias"],
+                                         temperature=temperature, entropy=True)
+        got = vocab_parallel_linear_logprobs(
+            hidden, x["weight"][start:end], target, x["bias"][start:end], vocab_start=start,
+            vocab_size=V, temperature=temperature, entropy=True)
+        assert rel_err(got.logprob, want.logprob) <= LOSS_TOL
+        assert rel_err(got.entropy, want.entropy) <= LOSS_TOL
+
     # Confident rows at large magnitudes: as close to float64 as torch's float32
     # log_softmax (docs/numerics.md), as on one device.
     c = confident_inputs(24, 8, V)

@@ -27,7 +27,7 @@ from ..ops.checks import (check_inputs, check_logprob_options, check_options,
 from ..ops.chunked import inverse_temperature, math_dtype_for
 from ..ops.rows import (RowOptions, grad_coefficients, softcapped, torch_shard_grad,
                         torch_shard_stats)
-from ..ops.tokens import counted_target_weights, grad_scales, reduce_loss
+from ..ops.tokens import counted_target_weights, grad_scales, reduce_loss, temperature_tensor
 from ..ops.workspace import chunk_rows
 
 try:  # the same condition as the op's CUDA backend (ops/__init__.py)
@@ -335,7 +335,8 @@ def vocab_parallel_linear_logprobs(hidden, weight, target, bias=None, *, vocab_s
     """torch_fce.linear_logprobs with the head's rows split across `group`.
 
     Args as vocab_parallel_linear_cross_entropy (hidden and target the same on every
-    rank); temperature: None or a float tensor of target's shape, replicated.
+    rank); temperature: as for linear_logprobs (a float > 0 or a float tensor
+    broadcastable to target's shape), replicated.
 
     Returns:
         LogProbs, identical on every rank.
@@ -344,6 +345,7 @@ def vocab_parallel_linear_logprobs(hidden, weight, target, bias=None, *, vocab_s
 
     check_logprob_options(softcap, ignore_index, entropy, accumulator)
     check_inputs(hidden, weight, target, bias, None)
+    temperature = temperature_tensor(1.0 if temperature is None else temperature, target)
     check_temperature(temperature, target)
     group = group or dist.group.WORLD
     if not torch.compiler.is_compiling():

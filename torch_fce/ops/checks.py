@@ -35,9 +35,10 @@ def _float(name, x):
 
 
 def _got(x):
-    # Under torch.compile(dynamic=True) options are symbolic floats, which Dynamo cannot
-    # format into a message: there the message names the option without its value.
-    return "" if torch.compiler.is_compiling() else f", got {x}"
+    # While Dynamo traces (dynamic=True) options are symbolic floats, which it cannot
+    # format into a message: there the message names the option without its value. The
+    # fake kernels, which check options under torch.compile, are not traced by Dynamo.
+    return "" if torch.compiler.is_dynamo_compiling() else f", got {x}"
 
 
 def check_options(reduction, label_smoothing, softcap, z_loss, accumulator, ignore_index=-100):

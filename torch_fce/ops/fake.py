@@ -2,7 +2,7 @@
 
 import torch
 
-from .checks import check_inputs, check_options
+from .checks import check_inputs, check_logprob_options, check_options, check_temperature
 from .chunked import grad_dtype
 
 
@@ -46,6 +46,9 @@ def _scale_grad_fake(grad, scale, dtype):
 @torch.library.register_fake("fce::linear_logprobs_fwd")
 def _linear_logprobs_fwd_fake(hidden, weight, target, bias, temperature, softcap,
                               ignore_index, entropy, accumulator):
+    check_logprob_options(softcap, ignore_index, entropy, accumulator)
+    check_inputs(hidden, weight, target, bias, None)
+    check_temperature(temperature, target)
     N, mdt = target.shape[0], torch.promote_types(hidden.dtype, torch.float32)
     return (hidden.new_empty(N, dtype=mdt), hidden.new_empty(N if entropy else 0, dtype=mdt),
             hidden.new_empty(N, dtype=mdt), hidden.new_empty(N, dtype=torch.int64),
