@@ -70,3 +70,53 @@ def test_main_job_reports_its_png_truthfully(tmp_path):
     has_png = (tmp_path / "main.png").exists()
     assert has_png == (importlib.util.find_spec("matplotlib") is not None)
     assert ("and main.png" in out.stdout) == has_png
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU build of torch")
+@pytest.mark.parametrize("tool", [("torch_fce",), ("torch_fce.bench", "shapes"),
+                                  ("torch_fce.bench", "lowering")])
+def test_device_cuda_on_a_cpu_build_is_a_usage_error(tool):
+    out = _run(*tool, "--device", "cuda")
+    assert out.returncode == 2 and "--device cuda" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_bench_shapes_fails_when_torch_fce_fails(tmp_path, monkeypatch):
+    from torch_fce.bench import shapes
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("broken on purpose")
+
+    monkeypatch.setattr(shapes.torch_fce, "linear_cross_entropy", broken)
+    png = tmp_path / "plot.png"
+    with pytest.raises(SystemExit, match="torch_fce failed .*fce-fp32 on tiny"):
+        shapes.main(["--device", "cpu", "--shapes", "tiny", "--reps", "1", "--methods",
+                     "torch,fce-fp32", "--plot", str(png)])
+    assert not png.exists()
+
+
+# The GPU tier (README): the main job and every bench subcommand, as a user runs them.
+CUDA_TOOLS = {
+    "main job": ("torch_fce", "--device", "cuda", "--tiny", "--steps", "3"),
+    "bench shapes": ("torch_fce.bench", "shapes", "--device", "cuda", "--shapes", "tiny",
+                     "--reps", "1", "--methods", "torch,fce-fp32,fce-kahan,fce-input"),
+    "bench shapes logprobs": ("torch_fce.bench", "shapes", "--device", "cuda", "--shapes",
+                              "tiny", "--reps", "1", "--objective", "logprobs"),
+    "bench lowering": ("torch_fce.bench", "lowering", "--device", "cuda", "--V", "4096",
+                       "--B", "2", "--T", "128"),
+    "bench transformers": ("torch_fce.bench", "transformers", "--device", "cuda", "--V",
+                           "8192", "--T", "256"),
+    # one GPU: NCCL with one rank (two ranks: tests/distributed/test_vocab_parallel_nccl.py)
+    "bench distributed": ("torch_fce.bench", "distributed", "--world", "1", "--device",
+                          "cuda", "--shapes", "tiny", "--reps", "1"),
+}
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", CUDA_TOOLS)
+def test_tools_run_on_cuda(name, tmp_path):
+    args = CUDA_TOOLS[name] + (("--out", str(tmp_path)) if name == "main job" else ())
+    out = _run(*args)
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert "failed" not in out.stderr, out.stderr[-4000:]
+

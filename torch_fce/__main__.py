@@ -25,7 +25,7 @@ from torch._dynamo.utils import counters
 import torch_fce
 import torch_fce.lowering as lowering
 from torch_fce.bench.shapes import describe, environment
-from torch_fce.bench.measure import peak_extra_bytes
+from torch_fce.bench.measure import check_device, peak_extra_bytes
 from torch_fce.bench.tiny_lm import TinyLM
 
 
@@ -150,6 +150,7 @@ def main(argv=None):
                    help="torch_fce's weight-gradient sums (default: fp32, exact)")
     p.add_argument("--out", default="torch_fce_main", help="folder for main.json and main.png (default: torch_fce_main)")
     args = p.parse_args(argv)
+    check_device(p, args.device)
     size = dict(vocab=8192, dim=32, layers=1, seq=256, batch=8) if args.tiny else \
         dict(vocab=32000, dim=128, layers=2, seq=256, batch=8)
     for k, v in size.items():

@@ -9,6 +9,9 @@ from torch._dynamo.testing import CompileCounterWithBackend
 import torch_fce
 from torch_fce.testing import grad_tol, make_inputs, rel_err
 
+# The GPU tier runs this module on CUDA (README); CI on the CPU.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
 OPTIONS = {
     "mean_all_options": dict(reduction="mean", label_smoothing=0.1, softcap=20.0, z_loss=1e-3),
     "none": dict(reduction="none"),
@@ -59,7 +62,7 @@ def test_compiled_fullgraph_dynamic_bad_option_names_it(fn, option, bad, good):
     # error raised before the op would reach the caller as Dynamo's "Observed exception".
     # (torch 2.13 appends the message to "Observed exception" as debug context; 2.11
     # does not.)
-    x = make_inputs(6, 4, 5)
+    x = make_inputs(6, 4, 5, device=DEVICE)
     step = torch.compile(fn, fullgraph=True, dynamic=True)
     step(x["hidden"], x["weight"], x["target"], option, good)
     for compiled in (step, torch.compile(fn, fullgraph=True, dynamic=True)):
@@ -71,7 +74,7 @@ def test_compiled_fullgraph_dynamic_bad_option_names_it(fn, option, bad, good):
 
 @pytest.mark.parametrize("name", OPTIONS)
 def test_linear_ce_compiled_matches_eager(name):
-    x = make_inputs(24, 8, 37, bias=True, class_weight=True)
+    x = make_inputs(24, 8, 37, bias=True, class_weight=True, device=DEVICE)
     x["hidden"] = x["hidden"].reshape(2, 12, 8)
     x["target"] = x["target"].reshape(2, 12)
     loss, grads = _loss_and_grads(_compiled, x, OPTIONS[name])
@@ -88,8 +91,8 @@ def test_linear_ce_dynamic_batch_no_recompile_storm():
     counter = CompileCounterWithBackend("aot_eager")
     fn = torch.compile(fresh, fullgraph=True, backend=counter)
     for n in (5, 7, 9, 16, 31):
-        x = make_inputs(n, 8, 37)
-        _loss_and_grads(fn, {**x, "bias": torch.zeros(37)}, {})
+        x = make_inputs(n, 8, 37, device=DEVICE)
+        _loss_and_grads(fn, {**x, "bias": torch.zeros(37, device=DEVICE)}, {})
     assert counter.frame_count == 2  # one static compile, then one dynamic graph for all N
 
 
@@ -103,7 +106,7 @@ class TestCapturedGraph(expecttest.TestCase):
 
         fn = torch.compile(_eager, fullgraph=True, dynamic=True,
                            backend=aot_autograd(fw_compiler=capture, bw_compiler=capture))
-        _loss_and_grads(fn, make_inputs(6, 4, 9, dtype, bias=True), options)
+        _loss_and_grads(fn, make_inputs(6, 4, 9, dtype, bias=True, device=DEVICE), options)
         return "\n".join(
             " ".join(sorted({str(n.target).replace("<built-in function getitem>", "getitem")
                              for n in g.graph.nodes if n.op == "call_function"}))

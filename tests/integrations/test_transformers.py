@@ -494,3 +494,54 @@ def test_transformers_logits_to_keep():
     out, grads = loss_and_grads(model, **kwargs)
     assert rel_err(out.loss, ref.loss) <= 1e-5
     assert rel_err(grads["lm_head.weight"], ref_grads["lm_head.weight"]) <= 1e-5
+
+
+@pytest.mark.cuda
+def test_transformers_bf16_cuda_model_with_a_large_vocabulary():
+    # The first GPU run of apply() crashed here (designed logits made on the CPU and
+    # indexed by CUDA labels): a bf16 llama with a 32k vocabulary, against its own loss.
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**{**COMMON, "vocab_size": 32000, "hidden_size": 64})
+    model = transformers.LlamaForCausalLM(config).to("cuda", torch.bfloat16).train()
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 32000, (2, 64), generator=g).cuda()
+    ref, ref_grads = loss_and_grads(model, input_ids=ids, labels=ids)
+    fce_hf.apply(model)
+    out, grads = loss_and_grads(model, input_ids=ids, labels=ids)
+    assert out.logits is None and rel_err(out.loss, ref.loss) <= 1e-3
+    # both round the logits to bf16; the unpatched backward also rounds their gradient
+    assert rel_err(grads["lm_head.weight"], ref_grads["lm_head.weight"]) <= 2e-2
+
+
+@pytest.mark.cuda
+def test_transformers_default_device_cuda():
+    torch.set_default_device("cuda")
+    try:
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**COMMON)).train()
+        ids, labels = batch()
+        ref, ref_grads = loss_and_grads(model, input_ids=ids, labels=labels)
+        fce_hf.apply(model)
+        out, grads = loss_and_grads(model, input_ids=ids, labels=labels)
+    finally:
+        torch.set_default_device(None)
+    assert rel_err(out.loss, ref.loss) <= 1e-5
+    assert rel_err(grads["lm_head.weight"], ref_grads["lm_head.weight"]) <= 1e-5
+
+
+@pytest.mark.cuda
+def test_transformers_moe_aux_loss_and_head_on_different_devices():
+    # mixtral's body (and so its router loss) on the CPU, its head on the GPU, by
+    # accelerate: the loss joins them on the head's device, as the unpatched model does.
+    from accelerate import dispatch_model
+
+    model = dispatch_model(make("mixtral").cpu(), device_map={"model": "cpu",
+                                                               "lm_head": "cuda"})
+    ids, labels = (t.cpu() for t in batch())
+    ref, ref_grads = loss_and_grads(model, input_ids=ids, labels=labels)
+    fce_hf.apply(model)
+    out, grads = loss_and_grads(model, input_ids=ids, labels=labels)
+    assert rel_err(out.loss.cpu(), ref.loss.cpu()) <= 1e-5
+    for k in grads:
+        assert rel_err(grads[k], ref_grads[k]) <= grad_tol(torch.float32, V), k
+

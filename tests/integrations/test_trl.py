@@ -15,26 +15,29 @@ from torch_fce.integrations import trl as fce_trl  # noqa: E402
 from torch_fce.testing import rel_err  # noqa: E402
 
 pytestmark = pytest.mark.integration
+# The GPU tier runs this module on CUDA (README); CI on the CPU.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 V, K, TEMPERATURE = 96, 7, 0.7
 
 
-def _model(family="llama"):
+def _model(family="llama", device=DEVICE):
     torch.manual_seed(0)
     common = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                   num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
     if family == "gemma2":
         config = transformers.Gemma2Config(**common, head_dim=16, final_logit_softcapping=3.0)
-        return transformers.Gemma2ForCausalLM(config).double().train()
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common)).double().train()
+        return transformers.Gemma2ForCausalLM(config).double().train().to(device)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
+    return model.double().train().to(device)
 
 
-def _batch():
+def _batch(device=DEVICE):
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, V, (3, 12), generator=g)
     mask = torch.ones_like(ids)
     completion_mask = torch.ones(3, K)
     completion_mask[2, 4:] = 0  # a completion that ended early
-    return ids, mask, completion_mask
+    return ids.to(device), mask.to(device), completion_mask.to(device)
 
 
 def _trl_logps_and_entropies(model, ids, mask):
@@ -63,9 +66,9 @@ def test_trl_logps_entropies_and_grpo_gradients_match(family):
     assert rel_err(logps, ref_logps) <= 1e-12 and rel_err(ent, ref_ent) <= 1e-12
 
     # old log-probs off by up to 0.3 nats, so some ratios are clipped
-    old = ref_logps.detach() + 0.3 * torch.randn(ref_logps.shape,
-                                                 generator=torch.Generator().manual_seed(2))
-    advantages = torch.tensor([1.0, -0.5, 2.0], dtype=torch.float64)
+    old = ref_logps.detach() + 0.3 * torch.randn(
+        ref_logps.shape, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    advantages = torch.tensor([1.0, -0.5, 2.0], dtype=torch.float64, device=DEVICE)
     for m, lp in ((ref_model, ref_logps), (model, logps)):
         _grpo_loss(lp, old, advantages, completion_mask).backward()
     for (name, p), (_, q) in zip(ref_model.named_parameters(), model.named_parameters()):
@@ -97,11 +100,11 @@ def test_trl_through_a_ddp_wrapper(tmp_path):
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    ids, mask, _ = _batch()
+    ids, mask, _ = _batch("cpu")
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0,
                             world_size=1)
     try:
-        model = fce_hf.apply(_model())
+        model = fce_hf.apply(_model(device="cpu"))
         want, _ = fce_trl.per_token_logps_and_entropies(model, ids, mask, K)
         ddp = DistributedDataParallel(model)
         logps, _ = fce_trl.per_token_logps_and_entropies(ddp, ids, mask, K)

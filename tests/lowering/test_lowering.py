@@ -13,6 +13,8 @@ from torch._dynamo.utils import counters
 import torch_fce.lowering as lowering
 from torch_fce.testing import grad_tol, rel_err
 
+# The GPU tier runs the pass under Inductor's CUDA backend (README); CI on the CPU.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 D, V = 16, 37
 
 
@@ -36,6 +38,7 @@ class Head(nn.Module):
         self.padded = nn.Linear(D, V + 11)  # a vocabulary padded for speed: V real rows
         self.loss = loss
         self.register_buffer("class_weight", torch.rand(V) + 0.5)
+        self.to(DEVICE)
 
     def forward(self, x, labels, n=None):
         return self.loss(self, torch.tanh(self.proj(x)), labels, n)
@@ -189,7 +192,7 @@ def _inputs(B=2, T=6, seed=0):
     x = torch.randn(B, T, D, generator=g)
     y = torch.randint(0, V, (B, T), generator=g)
     y[0, 2] = -100
-    return x, y, torch.tensor(float((y != -100).sum()))
+    return x.to(DEVICE), y.to(DEVICE), torch.tensor(float((y != -100).sum()), device=DEVICE)
 
 
 def _loss_and_grads(model, fn, *args):
@@ -270,7 +273,8 @@ def test_lowering_leaves_other_uses_unfused(name):
 def test_lowering_skips_grad_mode_and_autocast_switches():
     # The fused op would run where the cross entropy ran: in a different grad mode or
     # autocast state than the linear.
-    w, y = torch.randn(V, D, requires_grad=True), torch.randint(0, V, (12,))
+    w = torch.randn(V, D, device=DEVICE, requires_grad=True)
+    y = torch.randint(0, V, (12,), device=DEVICE)
 
     def no_grad_linear(h):
         with torch.no_grad():
@@ -278,11 +282,11 @@ def test_lowering_skips_grad_mode_and_autocast_switches():
         return F.cross_entropy(logits, y)
 
     def autocast_linear(h):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast(DEVICE, dtype=torch.bfloat16):
             logits = F.linear(h, w)
         return F.cross_entropy(logits.float(), y)
 
-    h = torch.randn(12, D)
+    h = torch.randn(12, D, device=DEVICE)
     for fn in (no_grad_linear, autocast_linear):
         with lowering.auto_fuse():
             torch.compile(fn, fullgraph=True)(h)
@@ -292,8 +296,9 @@ def test_lowering_skips_grad_mode_and_autocast_switches():
 
 
 def test_lowering_keeps_a_bf16_loss_bf16():
-    h, w = torch.randn(12, D).bfloat16(), torch.randn(V, D).bfloat16()
-    y = torch.randint(0, V, (12,))
+    h = torch.randn(12, D, device=DEVICE).bfloat16()
+    w = torch.randn(V, D, device=DEVICE).bfloat16()
+    y = torch.randint(0, V, (12,), device=DEVICE)
 
     def fn(h, w):
         return F.cross_entropy(F.linear(h, w), y)
@@ -400,14 +405,14 @@ def test_lowering_tiny_lm_trains_like_unfused(tied):
 
     def train(fuse):
         torch.manual_seed(0)
-        model = TinyLM(97, dim=32, layers=1, heads=2, max_len=16, tied=tied)
+        model = TinyLM(97, dim=32, layers=1, heads=2, max_len=16, tied=tied).to(DEVICE)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         step = torch.compile(model, fullgraph=True)
         g = torch.Generator().manual_seed(1)
         losses = []
         with lowering.auto_fuse() if fuse else contextlib.nullcontext():
             for _ in range(5):
-                ids = torch.randint(0, 97, (2, 16), generator=g)
+                ids = torch.randint(0, 97, (2, 16), generator=g).to(DEVICE)
                 loss = step(ids, ids)
                 loss.backward()
                 opt.step()

@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 import torch_fce
 from torch_fce.bench.shapes import SHAPES, Shape, describe, environment, shape_inputs
 from torch_fce.distributed import vocab_parallel_linear_cross_entropy
-from torch_fce.bench.measure import median_time, peak_extra_bytes
+from torch_fce.bench.measure import check_device, median_time, peak_extra_bytes
 
 
 def _step(fn, h, w, t):
@@ -82,6 +82,7 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=5, help="timed repetitions (default: 5)")
     p.add_argument("--json", default=None, help="write rows + environment to this file")
     args = p.parse_args(argv)
+    check_device(p, args.device)
     shapes = [SHAPES[n] if n in SHAPES else Shape(n, *map(int, n.split(":")))
               for n in args.shapes.split(",")]
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")

@@ -11,7 +11,7 @@ import torch
 
 from torch_fce.bench.shapes import describe, environment
 from torch_fce.integrations import transformers as fce_hf
-from torch_fce.bench.measure import median_time, peak_extra_bytes
+from torch_fce.bench.measure import check_device, median_time, peak_extra_bytes
 
 
 def main(argv=None):
@@ -26,6 +26,7 @@ def main(argv=None):
     p.add_argument("--T", type=int, default=2048, help="tokens per sequence (default: 2048)")
     p.add_argument("--B", type=int, default=1, help="sequences per batch (default: 1)")
     args = p.parse_args(argv)
+    check_device(p, args.device)
     config = transformers.LlamaConfig(
         vocab_size=args.V, hidden_size=args.D, intermediate_size=2 * args.D,
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,

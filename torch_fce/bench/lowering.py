@@ -15,7 +15,7 @@ from torch._dynamo.utils import counters
 import torch_fce
 import torch_fce.lowering as lowering
 from torch_fce.bench.shapes import describe, environment
-from torch_fce.bench.measure import median_time, peak_extra_bytes
+from torch_fce.bench.measure import check_device, median_time, peak_extra_bytes
 from torch_fce.bench.tiny_lm import TinyLM
 
 
@@ -58,6 +58,7 @@ def main(argv=None):
                    help="comma-separated logits workspaces for the fused step, in MiB or "
                         "'default' (torch_fce.set_workspace; default: default)")
     args = p.parse_args(argv)
+    check_device(p, args.device)
     N = args.B * args.T
     print(f"# {describe(environment())}")
     copy = N * args.V * torch.empty((), dtype=getattr(torch, args.dtype)).element_size()

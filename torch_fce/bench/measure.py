@@ -17,6 +17,16 @@ import torch
 _M_MMAP_THRESHOLD = -3
 
 
+def check_device(parser, device):
+    """Exits with a usage error naming --device unless torch can run on it."""
+    try:
+        torch.empty(0, device=device)
+    except (RuntimeError, AssertionError) as e:  # a CPU build raises AssertionError
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        parser.error(f"--device {device}: this torch ({torch.__version__}) cannot use it "
+                     f"({why})")
+
+
 def _pin_mmap_threshold():
     try:
         ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, 1 << 16)
@@ -53,16 +63,21 @@ def peak_extra_bytes(fn, device):
     return (_status_kib("VmHWM") - base) * 1024
 
 
-def median_time(fn, device, reps=5, warmup=1):
-    """Median wall time of fn() in seconds (device-synchronised)."""
+def times(fn, device, reps=5, warmup=1):
+    """Wall times of reps calls of fn() in seconds (device-synchronised), after warmup."""
     sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
     for _ in range(warmup):
         fn()
-    times = []
+    out = []
     for _ in range(reps):
         sync()
         t0 = time.perf_counter()
         fn()
         sync()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def median_time(fn, device, reps=5, warmup=1):
+    """Median wall time of fn() in seconds (device-synchronised)."""
+    return statistics.median(times(fn, device, reps, warmup))

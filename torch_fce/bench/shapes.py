@@ -12,6 +12,7 @@ import os
 import dataclasses
 import json
 import platform
+import statistics
 import subprocess
 import sys
 
@@ -19,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 import torch_fce
-from torch_fce.bench.measure import median_time, peak_extra_bytes
+from torch_fce.bench.measure import check_device, median_time, peak_extra_bytes, times
 from torch_fce.testing import make_inputs, rel_err
 
 
@@ -55,6 +56,9 @@ class Result:
     loss_err: float
     dE_err: float
     dW_err: float
+    # the spread of the timed repetitions (ms): timings move between runs
+    ms_min: float = float("nan")
+    ms_max: float = float("nan")
 
 
 def _torch_unfused(h, w, t):
@@ -212,7 +216,9 @@ def shape_inputs(shape, dtype=torch.bfloat16, device="cuda"):
     return make_inputs(shape.N, shape.D, shape.V, dtype, device=device, weight_scale=2.0)
 
 
-def bench_shape(shape, dtype, device, fns, reps, progress, objective="ce"):
+def bench_shape(shape, dtype, device, fns, reps, progress, objective="ce", failed=None):
+    """Rows of every method on one shape; the methods that raised are appended to
+    failed."""
     x = shape_inputs(shape, dtype, device)
     old_tf32 = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -227,17 +233,21 @@ def bench_shape(shape, dtype, device, fns, reps, progress, objective="ce"):
             continue
         try:
             out = _run(fn, x)  # warm-up (compiles) and the error sample
-            t = median_time(lambda: _run(fn, x), device, reps=reps, warmup=1)
+            ts = times(lambda: _run(fn, x), device, reps=reps, warmup=1)
+            t = statistics.median(ts)
             # Gradients are the caller's; what a method holds beyond them is its cost.
             grads = x["hidden"].numel() + x["weight"].numel()
             mem = peak_extra_bytes(lambda: _run(fn, x), device)
             mem -= grads * x["hidden"].element_size()
         except Exception as e:  # a peer failing on a shape is a result, not a crash
             print(f"  {name} failed on {shape.name}: {type(e).__name__}: {e}", file=sys.stderr)
+            if failed is not None:
+                failed.append(f"{name} on {shape.name}")
             continue
         errs = [rel_err(a, b) for a, b in zip(out, ref)]
         rows.append(Result(shape.name, shape.N, shape.D, shape.V, str(dtype).split(".")[-1],
-                           name, t * 1e3, mm * 1e3, t / mm, max(mem, 0) / 2**20, *errs))
+                           name, t * 1e3, mm * 1e3, t / mm, max(mem, 0) / 2**20, *errs,
+                           min(ts) * 1e3, max(ts) * 1e3))
         progress(f"  -> {t / mm:.2f} x mm, {max(mem, 0) / 2**20:.0f} MiB extra", step=False)
         del out
     return rows
@@ -319,16 +329,19 @@ def describe(env):
 
 
 def print_table(rows):
-    head = f"{'shape':6} {'method':14} {'ms':>9} {'x mm':>6} {'extra MiB':>10} " \
-           f"{'loss err':>9} {'dE err':>8} {'dW err':>8}"
+    head = f"{'shape':6} {'method':14} {'ms':>9} {'min-max ms':>17} {'x mm':>6} " \
+           f"{'extra MiB':>10} {'loss err':>9} {'dE err':>8} {'dW err':>8}"
     print(head)
     print("-" * len(head))
     for r in rows:
-        print(f"{r.shape:6} {r.method:14} {r.ms:9.2f} {r.x_mm:6.2f} {r.extra_mib:10.1f} "
-              f"{r.loss_err:9.2e} {r.dE_err:8.2e} {r.dW_err:8.2e}")
+        spread = f"{r.ms_min:.2f}-{r.ms_max:.2f}"
+        print(f"{r.shape:6} {r.method:14} {r.ms:9.2f} {spread:>17} {r.x_mm:6.2f} "
+              f"{r.extra_mib:10.1f} {r.loss_err:9.2e} {r.dE_err:8.2e} {r.dW_err:8.2e}")
 
 
-def plot(rows, acc_rows, path):
+def plot(rows, acc_rows, path, header):
+    """Bar charts of rows (and the accuracy study's lines), each figure headed by the
+    run's machine and versions."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -341,6 +354,7 @@ def plot(rows, acc_rows, path):
             ax.plot(*zip(*pts), marker="o", label=m)
         ax.set(xscale="log", yscale="log", xlabel="N (tokens)", ylabel="dW rel. error vs float64")
         ax.legend(fontsize=7)
+        fig.suptitle(header, fontsize=7)
         fig.tight_layout()
         fig.savefig(path.replace(".png", "_accuracy.png"), dpi=120)
     if not rows:
@@ -360,6 +374,7 @@ def plot(rows, acc_rows, path):
         if field != "x_mm":
             ax.set_yscale("log")
     axes[0].legend(fontsize=7)
+    fig.suptitle(header, fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -373,7 +388,7 @@ def _family(method):
     return method
 
 
-def plot_tradeoff(rows, path):
+def plot_tradeoff(rows, path, header):
     """Time vs peak extra memory, one panel per shape, each sweep a labelled curve."""
     import matplotlib
 
@@ -406,6 +421,7 @@ def plot_tradeoff(rows, path):
                title=f"{shape} {r0.N}x{r0.D}x{r0.V}")
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=7)
+    fig.suptitle(header, fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -464,6 +480,7 @@ def main(argv=None):
     p.add_argument("--json", default=None, help="write rows + environment here")
     p.add_argument("--plot", default=None, help="write a PNG here (needs matplotlib)")
     args = p.parse_args(argv)
+    check_device(p, args.device)
     cuda = args.device == "cuda"
     dtype = getattr(torch, args.dtype or ("bfloat16" if cuda else "float32"))
     names = [n for n in (args.shapes or ("A,B,C" if cuda else "cpu")).split(",") if n]
@@ -487,13 +504,15 @@ def main(argv=None):
                                accuracy=[dataclasses.asdict(r) for r in acc_rows]), f,
                           indent=1)
 
-    rows = []
+    rows, failed = [], []
     if args.isolate:
         rows = _isolated(args, names, list(fns))
+        failed = [f"{n} on {s}" for n in fns for s in names
+                  if not any(r.method == n and r.shape == s for r in rows)]
     else:
         for shape in shapes:
             rows += bench_shape(shape, dtype, args.device, fns, args.reps, progress,
-                                args.objective)
+                                args.objective, failed)
             save(rows)  # a run cut short keeps the shapes it finished
     acc_rows = []
     if args.accuracy:
@@ -506,9 +525,13 @@ def main(argv=None):
     if acc_rows:
         print_accuracy(acc_rows)
     save(rows, acc_rows)
+    # A peer failing is a result; torch_fce failing is this tool's failure: no plot.
+    ours = [f for f in failed if f.startswith("fce")]
+    if ours:
+        sys.exit(f"error: torch_fce failed ({', '.join(ours)}); see the messages above")
     if args.plot:
-        plot(rows, acc_rows, args.plot)
+        plot(rows, acc_rows, args.plot, describe(env))
         if args.sweep and rows:
-            plot_tradeoff(rows, args.plot.replace(".png", "_tradeoff.png"))
+            plot_tradeoff(rows, args.plot.replace(".png", "_tradeoff.png"), describe(env))
     return rows, acc_rows
 
