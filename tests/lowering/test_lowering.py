@@ -2,6 +2,7 @@
 
 import collections
 import contextlib
+import warnings
 
 import expecttest
 import pytest
@@ -309,10 +310,27 @@ def test_lowering_keeps_a_bf16_loss_bf16():
     assert loss.dtype == torch.bfloat16 and rel_err(loss, fn(h, w)) <= 2 ** -7
 
 
+def test_lowering_auto_fuse_warns_when_nothing_compiled_inside():
+    # torch.compile is lazy: made inside the block, first called after it, it runs
+    # unfused; the block says so instead of fusing nothing silently.
+    model, args = Head(PATTERNS["hf_causal_lm"]), _inputs()
+    with pytest.warns(UserWarning, match="nothing was compiled inside the block"):
+        with lowering.auto_fuse():
+            step = torch.compile(model, fullgraph=True)
+    step(*args)
+    assert counters["inductor"][lowering.FUSED] == 0
+    torch._dynamo.reset()  # else the unfused compile above is reused (and warned about)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        with lowering.auto_fuse():
+            torch.compile(model, fullgraph=True)(*_inputs(seed=1))
+    assert counters["inductor"][lowering.FUSED] == 1
+
+
 def test_lowering_auto_fuse_restores_the_accumulator():
     lowering.enable("kahan")
     try:
-        with lowering.auto_fuse():
+        with pytest.warns(UserWarning, match="nothing was compiled"), lowering.auto_fuse():
             pass
         assert lowering._PASS.accumulator == "kahan"
         with pytest.raises(ValueError, match="accumulator"):
@@ -357,7 +375,9 @@ def test_lowering_chains_with_an_installed_pass():
     other = Other()
     with torch._inductor.config.patch(pre_grad_custom_pass=other):
         lowering.enable()
-        assert torch._inductor.config.pre_grad_custom_pass == (other, lowering._PASS)
+        # one callable, as Inductor takes it on every torch version
+        assert isinstance(torch._inductor.config.pre_grad_custom_pass, lowering.Chain)
+        assert lowering.installed() == (other, lowering._PASS)
         torch.compile(Head(PATTERNS["slice_shift"]))(*_inputs())
         lowering.disable()
         assert torch._inductor.config.pre_grad_custom_pass is other
@@ -378,8 +398,8 @@ class TestFusedGraph(expecttest.TestCase):
 
         torch._dynamo.reset()
         with lowering.auto_fuse():
-            passes = torch._inductor.config.pre_grad_custom_pass
-            with torch._inductor.config.patch(pre_grad_custom_pass=(passes, Capture())):
+            chain = lowering.Chain(lowering.installed() + (Capture(),))
+            with torch._inductor.config.patch(pre_grad_custom_pass=chain):
                 torch.compile(Head(PATTERNS[name]), fullgraph=True)(*_inputs())
         return " ".join(f"{k}x{v}" for k, v in sorted(graphs[0].items()))
 

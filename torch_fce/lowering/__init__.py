@@ -13,24 +13,50 @@ them) raises an UnfusedWarning naming the remedy, once per compiled graph.
 """
 
 import contextlib
+import warnings
 
 import torch._functorch.config as functorch_config
 import torch._inductor.config as inductor_config
+from torch._dynamo.utils import counters
+from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from ..ops.checks import check_options
 from .graph_pass import FUSED, SKIPPED, FuseLinearCrossEntropy, UnfusedWarning
 
-__all__ = ["enable", "disable", "auto_fuse", "fresh_compiles", "FUSED", "SKIPPED",
-           "UnfusedWarning"]
+__all__ = ["enable", "disable", "auto_fuse", "fresh_compiles", "installed", "Chain", "FUSED",
+           "SKIPPED", "UnfusedWarning"]
 
 _PASS = FuseLinearCrossEntropy()
 
 
-def _installed():
+class Chain(CustomGraphPass):
+    """Pre-grad passes run in order, as one pass: Inductor takes a single callable
+    (torch 2.11 calls the config's value; only later versions also take a tuple)."""
+
+    def __init__(self, passes):
+        self.passes = tuple(passes)
+
+    def __call__(self, graph):
+        for p in self.passes:
+            p(graph)
+
+    def uuid(self):
+        return "|".join(str(p.uuid() if hasattr(p, "uuid") else p) for p in self.passes)
+
+
+def installed():
+    """The pre-grad passes Inductor runs now, in order."""
     current = inductor_config.pre_grad_custom_pass
     if current is None:
         return ()
+    if isinstance(current, Chain):
+        return current.passes
     return tuple(current) if isinstance(current, (list, tuple)) else (current,)
+
+
+def _install(passes):
+    inductor_config.pre_grad_custom_pass = None if not passes else passes[0] \
+        if len(passes) == 1 else Chain(passes)
 
 
 def enable(accumulator="fp32"):
@@ -38,28 +64,37 @@ def enable(accumulator="fp32"):
     ops it inserts use `accumulator` (see docs/api.md)."""
     check_options("mean", 0.0, None, 0.0, accumulator)
     _PASS.accumulator = accumulator
-    passes = _installed()
+    passes = installed()
     if _PASS not in passes:
-        inductor_config.pre_grad_custom_pass = passes + (_PASS,) if passes else _PASS
+        _install(passes + (_PASS,))
 
 
 def disable():
     """Removes the pass, leaving any other installed pass in place."""
-    rest = tuple(p for p in _installed() if p is not _PASS)
-    inductor_config.pre_grad_custom_pass = None if not rest else rest[0] if len(rest) == 1 \
-        else rest
+    _install(tuple(p for p in installed() if p is not _PASS))
 
 
 @contextlib.contextmanager
 def auto_fuse(accumulator="fp32"):
-    """Enables the pass inside the block (compiles that happen there), restores after."""
+    """Enables the pass inside the block (compiles that happen there), restores after.
+
+    torch.compile compiles at the compiled function's first call: a block inside which
+    nothing compiled warns, since the pass then ran on nothing."""
     was, was_accumulator = inductor_config.pre_grad_custom_pass, _PASS.accumulator
+    compiled = counters["stats"]["unique_graphs"]
     enable(accumulator)
     try:
         yield
     finally:
         inductor_config.pre_grad_custom_pass = was
         _PASS.accumulator = was_accumulator
+    if counters["stats"]["unique_graphs"] == compiled:
+        warnings.warn("torch_fce.lowering.auto_fuse(): nothing was compiled inside the "
+                      "block, so the pass fused nothing. torch.compile compiles at the "
+                      "compiled function's first call (and reuses what it compiled before "
+                      "for the same code until torch._dynamo.reset()): make that first "
+                      "call inside the block, or use torch_fce.lowering.enable()",
+                      UserWarning, stacklevel=3)
 
 
 @contextlib.contextmanager
