@@ -366,20 +366,21 @@ def test_transformers_apply_refuses_bad_options_naming_them():
 
 
 def _dispatched(offload=False):
-    """llama dispatched by accelerate with hooks on every module: the head on the GPU
-    and the body on the CPU under the GPU tier, all on the CPU otherwise."""
+    """llama dispatched by accelerate with hooks on every module, on DEVICE (a body
+    offloaded to the CPU would swap its parameters at every forward: that case is
+    test_transformers_moe_aux_loss_and_head_on_different_devices)."""
     from accelerate import cpu_offload, dispatch_model
 
     model = make("llama").cpu()
     if offload:
         return cpu_offload(model, execution_device=DEVICE)
-    return dispatch_model(model, device_map={"model": "cpu", "lm_head": DEVICE},
+    return dispatch_model(model, device_map={"model": DEVICE, "lm_head": DEVICE},
                           force_hooks=True)
 
 
 def test_transformers_accelerate_dispatched_model_trains_with_its_hooks():
     model = _dispatched()
-    ids, labels = (t.cpu() for t in batch())
+    ids, labels = (t.cpu() for t in batch())  # the hooks move them
     assert hasattr(model.lm_head, "_hf_hook") and "forward" in vars(model)
     ref, ref_grads = loss_and_grads(model, input_ids=ids, labels=labels)
     before = fingerprint(model)
@@ -547,8 +548,8 @@ def test_transformers_default_device_cuda():
 
 @pytest.mark.cuda
 def test_transformers_moe_aux_loss_and_head_on_different_devices():
-    # mixtral's body (and so its router loss) on the CPU, its head on the GPU, by
-    # accelerate: the loss joins them on the head's device, as the unpatched model does.
+    # mixtral's body offloaded to the CPU by accelerate (its weights brought to the GPU
+    # at each forward), its head on the GPU: the same loss and gradients.
     from accelerate import dispatch_model
 
     model = dispatch_model(make("mixtral").cpu(), device_map={"model": "cpu",
