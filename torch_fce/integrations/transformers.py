@@ -93,13 +93,14 @@ class _Capture:
 def _check_head(head, name):
     """Raises unless the head is a plain nn.Linear that apply() reproduces exactly."""
     why = None
+    extra = [n for n, _ in head.named_parameters() if n not in ("weight", "bias")] \
+        if isinstance(head, nn.Module) else []
     if not isinstance(head, nn.Linear):
         why = f"its output embeddings are a {type(head).__name__}, not an nn.Linear"
     elif type(head).forward is not nn.Linear.forward:
         why = f"its lm_head ({type(head).__name__}) has a forward of its own"
-    elif [n for n, _ in head.named_parameters() if n not in ("weight", "bias")]:
-        why = (f"its lm_head holds other parameters ("
-               f"{', '.join(n for n, _ in head.named_parameters() if n not in ('weight', 'bias'))})")
+    elif extra:
+        why = f"its lm_head holds other parameters ({', '.join(extra)})"
     elif list(head.buffers()) or list(head.children()):
         why = "its lm_head holds buffers or submodules"
     elif any(getattr(head, a) for a in ("_forward_hooks", "_forward_pre_hooks",
