@@ -231,6 +231,12 @@ def bench_shape(shape, dtype, device, fns, reps, progress, objective="ce", faile
         if _skip(name, shape):
             print(f"  {name} skipped on {shape.name}: {_skip(name, shape)}", file=sys.stderr)
             continue
+        if name.startswith("quack"):
+            # Its first call per shape autotunes two GEMMs (44 configs x 254 launches
+            # each; about 5 minutes on shape A with an empty cache); results persist in
+            # QUACK_CACHE_DIR, and QUACK_PRINT_AUTOTUNING=1 shows the progress.
+            print(f"  {name}: quack autotunes on its first call per shape (minutes with "
+                  "an empty cache; QUACK_CACHE_DIR keeps the results)", file=sys.stderr)
         try:
             out = _run(fn, x)  # warm-up (compiles) and the error sample
             ts = times(lambda: _run(fn, x), device, reps=reps, warmup=1)
