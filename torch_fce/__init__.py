@@ -4,11 +4,13 @@ Importing the package registers torch.ops.fce.linear_ce and its kernels.
 """
 
 from . import ops  # noqa: F401  (registers the ops)
-from .functional import LogProbs, LossStats, linear_cross_entropy, linear_logprobs
+from .functional import linear_cross_entropy, linear_logprobs, linear_policy_loss
 from .modules import LinearCrossEntropyLoss
 from .ops.workspace import set_workspace, workspace
+from .results import LogProbs, LossStats, PolicyStats
 
-__all__ = ["linear_cross_entropy", "linear_logprobs", "LogProbs", "LossStats",
+__all__ = ["linear_cross_entropy", "linear_logprobs", "linear_policy_loss", "LogProbs",
+           "LossStats", "PolicyStats",
            "LinearCrossEntropyLoss",
            "set_workspace", "workspace"]
 __version__ = "0.1.0"

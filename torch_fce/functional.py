@@ -1,12 +1,11 @@
 """torch_fce.linear_cross_entropy and linear_logprobs: the Python entries to the ops."""
 
-from typing import NamedTuple, Optional
-
 import torch
 
 from .ops.checks import check_inputs, check_logprob_options, check_options
 from .ops.linear_ce import int64_if_needed
 from .ops.tokens import temperature_tensor
+from .results import LogProbs, LossStats, PolicyStats
 
 
 def shift_targets(target, ignore_index):
@@ -26,16 +25,6 @@ def _shifted(hidden, weight, target, bias, class_weight, ignore_index, shift):
     if target.dim() == 0:
         raise ValueError("shift=True needs target with a sequence dimension, got a 0-d tensor")
     return shift_targets(int64_if_needed(target, ignore_index), ignore_index)
-
-
-class LossStats(NamedTuple):
-    """Token statistics of linear_cross_entropy(return_stats=True), from the loss's own
-    pass: lse and argmax (int64, the most likely class) of target's shape, and z_loss,
-    the z-loss term's share of the loss (reduced as the loss; 0 without z_loss). None
-    carries a gradient."""
-    lse: torch.Tensor
-    argmax: torch.Tensor
-    z_loss: torch.Tensor
 
 
 def linear_cross_entropy(hidden, weight, target, bias=None, class_weight=None, *,
@@ -99,16 +88,6 @@ def _z_loss_term(lse, target, ignore_index, reduction, z_loss):
     return term.sum() / valid.sum()
 
 
-class LogProbs(NamedTuple):
-    """linear_logprobs' outputs, each of target's shape (float32; float64 for float64
-    inputs; argmax int64). entropy is None unless asked for; lse and argmax carry no
-    gradient."""
-    logprob: torch.Tensor
-    entropy: Optional[torch.Tensor]
-    lse: torch.Tensor
-    argmax: torch.Tensor
-
-
 def linear_logprobs(hidden, weight, target, bias=None, *, temperature=1.0, softcap=None,
                     ignore_index=-100, entropy=False, accumulator="fp32", shift=False):
     """Per-token log-probs (and entropy) of softcap(F.linear(hidden, weight, bias)) /
@@ -145,6 +124,56 @@ def linear_logprobs(hidden, weight, target, bias=None, *, temperature=1.0, softc
                                         softcap=softcap, ignore_index=ignore_index,
                                         entropy=entropy, accumulator=accumulator)
     return LogProbs(out[0], out[1] if entropy else None, out[2], out[3])
+
+
+def linear_policy_loss(hidden, weight, target, advantages, bias=None, *, old_logprobs=None,
+                       ref_logprobs=None, loss_type="clip", epsilon_low=0.2,
+                       epsilon_high=None, delta=None, sapo_temperature_pos=1.0,
+                       sapo_temperature_neg=1.05, beta=0.0, kl="k3", entropy_coef=0.0,
+                       token_weights=None, temperature=1.0, softcap=None, ignore_index=-100,
+                       shift=False, accumulator="fp32"):
+    """An RL policy loss of softcap(F.linear(hidden, weight, bias)) / temperature at the
+    sampled tokens, without the logits, in three GEMMs (docs/rl.md).
+
+    loss = sum over the tokens not ignored of token_weights * (policy term + beta * KL -
+    entropy_coef * entropy); the policy term per loss_type ("clip": PPO / GRPO / DAPO /
+    Dr.GRPO / BNPO, "cispo", "sapo", "reinforce") is TRL's GRPOTrainer's at token-level
+    importance sampling, with ratio exp(logprob - old_logprobs) (1, with the gradient of
+    logprob, without old_logprobs).
+
+    Args:
+        hidden: (*, D) bfloat16 or float32. weight: (V, D). target: (*) sampled tokens,
+            ignore_index to skip. bias: optional (V,).
+        advantages: (B,) or (B, 1) per sequence of a (B, T) target, or target's shape.
+        old_logprobs, ref_logprobs, token_weights: None or target's shape (token_weights
+            None: 1 / the number of tokens not ignored). beta > 0 needs ref_logprobs.
+        epsilon_low, epsilon_high: the clip range [1 - low, 1 + high] (high defaults to
+            low); cispo: epsilon_high caps the ratio. delta: "clip"'s upper bound of the
+            unclipped ratio. kl: "k1", "k2" or "k3". temperature: as linear_logprobs.
+        shift: pair hidden[..., t, :] with target[..., t + 1]; the per-token tensors stay
+            with the hidden position, as the statistics do.
+
+    Returns:
+        (loss, PolicyStats): the float32 scalar loss (differentiable w.r.t. hidden,
+        weight and bias) and the detached per-token statistics.
+    """
+    if not torch.compiler.is_compiling():  # as linear_cross_entropy: under compile, the op
+        check_logprob_options(softcap, ignore_index, True, accumulator)
+    temperature = temperature_tensor(temperature, target)
+    target = _shifted(hidden, weight, target, bias, None, ignore_index, shift)
+    if _is_dtensor(weight):
+        raise NotImplementedError("linear_policy_loss with a DTensor (vocab-sharded) weight")
+    if isinstance(advantages, torch.Tensor) and target.dim() == 2 and (
+            advantages.dim() == 1 or (advantages.dim() == 2 and advantages.shape[1] == 1)):
+        advantages = advantages.reshape(-1, 1).expand(target.shape)  # per sequence
+    out = torch.ops.fce.linear_policy_loss(
+        hidden, weight, target, advantages, bias, old_logprobs, ref_logprobs, token_weights,
+        temperature, loss_type=loss_type, epsilon_low=epsilon_low, epsilon_high=epsilon_high,
+        delta=delta, sapo_temperature_pos=sapo_temperature_pos,
+        sapo_temperature_neg=sapo_temperature_neg, beta=beta, kl=kl,
+        entropy_coef=entropy_coef, softcap=softcap, ignore_index=ignore_index,
+        accumulator=accumulator)
+    return out[0], PolicyStats(*out[1:])
 
 
 def _is_dtensor(t):

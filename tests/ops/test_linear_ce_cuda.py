@@ -85,14 +85,19 @@ def test_cuda_graph_capture_forward_backward():
 
 
 def _every_entry(h, w, t, b):
-    """One step through every entry: the loss with stats, per-token losses, the module
-    and the log-probs with entropy at a temperature, each with a gradient."""
+    """One step through every entry: the loss with stats, per-token losses, the module,
+    the log-probs with entropy at a temperature and the policy loss, each with a
+    gradient."""
     loss, stats = torch_fce.linear_cross_entropy(h, w, t, b, return_stats=True, z_loss=1e-4,
                                                  label_smoothing=0.1, softcap=30.0)
     per_token = torch_fce.linear_cross_entropy(h, w, t, b, reduction="none")
     module = torch_fce.LinearCrossEntropyLoss(shift=True)(h[None], w, t[None], b)
     lp = torch_fce.linear_logprobs(h, w, t, b, temperature=0.7, entropy=True, softcap=30.0)
-    total = loss + per_token.mean() + module + lp.logprob.mean() + lp.entropy.mean()
+    old = lp.logprob.detach() - 0.1
+    policy, _ = torch_fce.linear_policy_loss(h, w, t, torch.ones_like(old), b,
+                                             old_logprobs=old, ref_logprobs=old, beta=0.04,
+                                             entropy_coef=0.01, temperature=0.7)
+    total = loss + per_token.mean() + module + lp.logprob.mean() + lp.entropy.mean() + policy
     return total, torch.stack([stats.lse.sum(), stats.argmax.sum().float()])
 
 

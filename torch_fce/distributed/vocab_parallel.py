@@ -29,6 +29,7 @@ from ..ops.rows import (RowOptions, grad_coefficients, softcapped, torch_shard_g
                         torch_shard_stats)
 from ..ops.tokens import counted_target_weights, grad_scales, reduce_loss, temperature_tensor
 from ..ops.workspace import chunk_rows
+from ..results import LogProbs
 
 try:  # the same condition as the op's CUDA backend (ops/__init__.py)
     from ..ops.triton.rows import triton_shard_grad, triton_shard_stats
@@ -341,8 +342,6 @@ def vocab_parallel_linear_logprobs(hidden, weight, target, bias=None, *, vocab_s
     Returns:
         LogProbs, identical on every rank.
     """
-    from ..functional import LogProbs
-
     check_logprob_options(softcap, ignore_index, entropy, accumulator)
     check_inputs(hidden, weight, target, bias, None)
     temperature = temperature_tensor(1.0 if temperature is None else temperature, target)

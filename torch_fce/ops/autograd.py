@@ -117,3 +117,33 @@ def _backward_logprobs(ctx, grad_logprob, grad_entropy, *_):
 
 torch.library.register_autograd("fce::linear_logprobs_fwd", _backward_logprobs,
                                 setup_context=_setup_logprobs)
+
+
+def _setup_policy(ctx, inputs, output):
+    hidden, weight, bias = inputs[0], inputs[1], inputs[4]
+    ctx.mark_non_differentiable(*output[1:])
+    ctx.set_materialize_grads(False)
+    ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
+    # The gradients the forward formed (for a unit upstream gradient), and the inputs, so
+    # that editing one in place before the backward raises.
+    ctx.save_for_backward(hidden, weight, bias, *output[1:4])
+
+
+def _backward_policy(ctx, grad_loss, *_):
+    """The forward's gradients scaled by the upstream gradient, rounded once."""
+    if grad_loss is None:
+        return (None,) * 22
+    *inputs, gh, gw, gb = ctx.saved_tensors
+    needs = [ctx.needs_input_grad[i] for i in (0, 1, 4)]
+    create_graph = torch.is_grad_enabled()
+    with torch.no_grad():
+        grads = [torch.ops.fce.scale_grad(g, grad_loss, dtype) if need else None
+                 for g, dtype, need in zip((gh, gw, gb), ctx.dtypes, needs)]
+    if create_graph:
+        grads = _first_order(grads, (grad_loss, *inputs))
+    return grads[0], grads[1], None, None, grads[2], *(None,) * 17
+
+
+torch.library.register_autograd("fce::linear_policy_loss_fwd", _backward_policy,
+                                setup_context=_setup_policy)
+

@@ -65,23 +65,28 @@ def check_logprob_options(softcap, ignore_index, entropy, accumulator):
 def check_temperature(temperature, target):
     """A float tensor of target's shape on its device, not requiring grad. The kernels
     check its values (check_temperature_values)."""
-    if temperature is None:
+    check_per_token("temperature", temperature, target)
+
+
+def check_per_token(name, t, target):
+    """None, or a float tensor of target's shape on its device that does not require
+    grad (a per-token input that is not differentiated)."""
+    if t is None:
         return
-    _check_tensor("temperature", temperature)
-    if temperature.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"temperature must be a float tensor, got {temperature.dtype}")
-    if temperature.dim() != target.dim():
-        raise ValueError(f"temperature must have target's shape {tuple(target.shape)}, "
-                         f"got {tuple(temperature.shape)}")
-    for a, b in zip(temperature.shape, target.shape):
-        _value(a == b, f"temperature must have target's shape {tuple(target.shape)}, "
-                       f"got {tuple(temperature.shape)}")
-    if temperature.device != target.device:
-        raise ValueError(f"temperature is on {temperature.device} but target is on "
-                         f"{target.device}")
-    if temperature.requires_grad and torch.is_grad_enabled():
-        raise ValueError("temperature must not require grad: it is not differentiated; "
-                         "pass temperature.detach()")
+    _check_tensor(name, t)
+    if t.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be a float tensor, got {t.dtype}")
+    if t.dim() != target.dim():
+        raise ValueError(f"{name} must have target's shape {tuple(target.shape)}, "
+                         f"got {tuple(t.shape)}")
+    for a, b in zip(t.shape, target.shape):
+        _value(a == b, f"{name} must have target's shape {tuple(target.shape)}, "
+                       f"got {tuple(t.shape)}")
+    if t.device != target.device:
+        raise ValueError(f"{name} is on {t.device} but target is on {target.device}")
+    if t.requires_grad and torch.is_grad_enabled():
+        raise ValueError(f"{name} must not require grad: it is not differentiated; "
+                         f"pass {name}.detach()")
 
 
 def check_temperature_values(temperature):

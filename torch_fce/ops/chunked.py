@@ -14,6 +14,7 @@ are two row functions on the same loop.
 import torch
 import torch.nn.functional as F
 
+from . import policy
 from .accumulate import GradAccumulator
 from .rows import RowOptions
 from .tokens import grad_scales, reduce_loss
@@ -147,6 +148,56 @@ def linear_logprobs_bwd(grad_logprob, grad_entropy, row_stats, hidden, weight, t
         grads = run_chunks(hidden, weight, bias, row_fn, (), needs_grad, accumulator,
                            chunk_rows)
     return _grad_outputs(hidden, weight, bias, grads, keep_f32=False)
+
+
+# Where ignore_index sits among fce::linear_policy_loss_fwd's arguments after temperature.
+POLICY_IGNORE_INDEX = 10
+
+
+def linear_policy_loss_fwd(hidden, weight, target, advantages, bias, old_logprobs,
+                           ref_logprobs, token_weights, temperature, loss_type, epsilon_low,
+                           epsilon_high, delta, sapo_temperature_pos, sapo_temperature_neg,
+                           beta, kl, entropy_coef, softcap, ignore_index, accumulator,
+                           needs_grad, *, rows, chunk_rows):
+    """fce::linear_policy_loss_fwd on one device: (loss, grad_hidden, grad_weight,
+    grad_bias, logprob, entropy, ratio, clipped, kl). Per chunk the row function forms
+    the log-probs and entropies, policy.policy_terms their loss terms and upstream
+    gradients, and the row function the logits gradient from the same chunk: the
+    gradients come with the forward's GEMM and the two gradient GEMMs."""
+    opts = policy.check_policy_options(loss_type, epsilon_low, epsilon_high, delta,
+                                       sapo_temperature_pos, sapo_temperature_neg, beta, kl,
+                                       entropy_coef)
+    N, mdt = hidden.shape[0], math_dtype_for(hidden.dtype)
+    inv_t = inverse_temperature(temperature, N, hidden.device, mdt)
+    row_opts = RowOptions(ignore_index, 0.0, softcap)
+    valid = target != ignore_index
+    weights = policy.token_weights(token_weights, valid, mdt)
+    out = [hidden.new_empty(N, dtype=mdt) for _ in range(6)]  # loss_t, logprob, ... kl
+    want = any(needs_grad)
+
+    def row_fn(logits, s, e):
+        terms = []
+
+        def upstream(logprob, entropy):
+            terms.extend(policy.policy_terms(
+                logprob, entropy, valid[s:e], advantages[s:e],
+                None if old_logprobs is None else old_logprobs[s:e],
+                None if ref_logprobs is None else ref_logprobs[s:e], weights[s:e], opts))
+            return terms[1], terms[2] if opts.entropy_coef != 0.0 else None
+
+        lp, ent, *_, dz = rows(logits, target[s:e], inv_t[s:e], row_opts, True,
+                               upstream if want else None, mdt)
+        if not want:
+            upstream(lp, ent)
+        loss_t, _, _, ratio, clipped, kl = terms
+        return (loss_t, lp, ent, ratio, clipped, kl), dz
+
+    with torch.autocast(hidden.device.type, enabled=False):
+        grads = run_chunks(hidden, weight, bias, row_fn, out, needs_grad, accumulator,
+                           chunk_rows)
+    loss_t, *stats = out
+    return (loss_t.sum(), *_grad_outputs(hidden, weight, bias, grads, accumulator == "fp32"),
+            *stats)
 
 
 def inverse_temperature(temperature, N, device, dtype):

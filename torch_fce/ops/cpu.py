@@ -57,6 +57,19 @@ def linear_logprobs_bwd(grad_logprob, grad_entropy, row_stats, hidden, weight, t
         rows=torch_logprob_rows, chunk_rows=_chunk_rows_for(hidden, weight))
 
 
+@torch.library.impl("fce::linear_policy_loss_fwd", "CompositeExplicitAutograd")
+def linear_policy_loss_fwd(hidden, weight, target, advantages, bias, old_logprobs,
+                           ref_logprobs, token_weights, temperature, *options):
+    ignore_index = options[chunked.POLICY_IGNORE_INDEX]
+    _check_targets(target, weight.shape[0], ignore_index)
+    if target.device.type == "cpu" or checks.CHECK_TARGETS:
+        checks.check_temperature_values(temperature)
+    return chunked.linear_policy_loss_fwd(
+        hidden, weight, target, advantages, bias, old_logprobs, ref_logprobs, token_weights,
+        temperature, *options, rows=torch_logprob_rows,
+        chunk_rows=_chunk_rows_for(hidden, weight))
+
+
 @torch.library.impl("fce::scale_grad", "CompositeExplicitAutograd")
 def scale_grad(grad, scale, dtype):
     return torch.mul(grad, scale, out=grad.new_empty(grad.shape, dtype=dtype))

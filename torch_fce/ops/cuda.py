@@ -54,6 +54,19 @@ def linear_logprobs_bwd(grad_logprob, grad_entropy, row_stats, hidden, weight, t
         rows=_logprob_rows(hidden.dtype), chunk_rows=_chunk_rows_for(hidden, weight))
 
 
+@torch.library.impl("fce::linear_policy_loss_fwd", "CUDA")
+def linear_policy_loss_fwd(hidden, weight, target, advantages, bias, old_logprobs,
+                           ref_logprobs, token_weights, temperature, *options):
+    if checks.CHECK_TARGETS:
+        checks.check_target_range(target, weight.shape[0],
+                                  options[chunked.POLICY_IGNORE_INDEX])
+        checks.check_temperature_values(temperature)
+    return chunked.linear_policy_loss_fwd(
+        hidden, weight, target, advantages, bias, old_logprobs, ref_logprobs, token_weights,
+        temperature, *options, rows=_logprob_rows(hidden.dtype),
+        chunk_rows=_chunk_rows_for(hidden, weight))
+
+
 @torch.library.impl("fce::scale_grad", "CUDA")
 def scale_grad(grad, scale, dtype):
     out = grad.new_empty(grad.shape, dtype=dtype)

@@ -3,6 +3,7 @@
 import torch
 
 from .checks import check_inputs, check_logprob_options, check_options, check_temperature
+from .policy import check_policy_inputs
 from .chunked import grad_dtype
 
 
@@ -60,3 +61,20 @@ def _linear_logprobs_bwd_fake(grad_logprob, grad_entropy, row_stats, hidden, wei
                               bias, temperature, softcap, ignore_index, accumulator,
                               needs_grad):
     return _grads(hidden, weight, bias, needs_grad, keep_f32=False)
+
+
+@torch.library.register_fake("fce::linear_policy_loss_fwd")
+def _linear_policy_loss_fwd_fake(hidden, weight, target, advantages, bias, old_logprobs,
+                                 ref_logprobs, token_weights, temperature, loss_type,
+                                 epsilon_low, epsilon_high, delta, sapo_temperature_pos,
+                                 sapo_temperature_neg, beta, kl, entropy_coef, softcap,
+                                 ignore_index, accumulator, needs_grad):
+    check_policy_inputs(hidden, weight, target, advantages, bias, old_logprobs, ref_logprobs,
+                        token_weights, temperature, loss_type, epsilon_low, epsilon_high,
+                        delta, sapo_temperature_pos, sapo_temperature_neg, beta, kl,
+                        entropy_coef, softcap, ignore_index, accumulator)
+    mdt = torch.promote_types(hidden.dtype, torch.float32)
+    return (hidden.new_empty((), dtype=mdt),
+            *_grads(hidden, weight, bias, needs_grad, accumulator == "fp32"),
+            *(hidden.new_empty(target.shape[0], dtype=mdt) for _ in range(5)))
+

@@ -28,14 +28,16 @@ def torch_logprob_rows(logits, target, inv_t, opts, entropy, grad, math_dtype):
     row_stats (n, 3) = (m, log s, d), dz None; entropy says whether to form it (else its
     slot and d are not meant to be read). With grad = (g_lp, g_h, row_stats) (the
     backward): the upstream gradients, (n,) each (g_h None without an entropy gradient),
-    and the forward's row_stats; only dz, in logits' dtype, the other slots None.
+    and the forward's row_stats; only dz, in logits' dtype, the other slots None. With
+    grad a function (logprob, entropy) -> (g_lp, g_h) (a loss formed in the forward):
+    the forward's outputs and dz for the upstream gradients it returns.
     """
     n, V = logits.shape
     z, tanh = softcapped(logits, opts.softcap, math_dtype)
     valid = target != opts.ignore_index
     in_range = (target >= 0) & (target < V)
     tgt = torch.where(valid & in_range, target, 0).long()
-    if grad is None:
+    if grad is None or callable(grad):
         argmax = z.argmax(-1)
         z.mul_(inv_t[:, None])
         z_y = z.gather(1, tgt[:, None]).squeeze(1)
@@ -52,10 +54,20 @@ def torch_logprob_rows(logits, target, inv_t, opts, entropy, grad, math_dtype):
             # -inf logits and no cancellation against m for confident rows.
             d = torch.where(e > 0, e * (z - m), 0.0).sum(-1) / total
             ent = torch.where(valid, log_s - d, 0.0)
-        return logprob, ent, lse, argmax, torch.stack([m.squeeze(1), log_s, d], 1), None
-    g_lp, g_h, row_stats = grad
+        row_stats = torch.stack([m.squeeze(1), log_s, d], 1)
+        if grad is None:
+            return logprob, ent, lse, argmax, row_stats, None
+        del e
+        # The forward with its gradient (a loss of the per-token terms): the upstream
+        # gradients from the terms, then dz from the same z, with no second GEMM.
+        g_lp, g_h = grad(logprob, ent)
+        outputs = (logprob, ent, lse, argmax, row_stats)
+        z.sub_(m)  # z - m
+    else:
+        g_lp, g_h, row_stats = grad
+        outputs = (None,) * 5
+        z.mul_(inv_t[:, None]).sub_(row_stats[:, :1])  # z - m
     m, log_s, d = row_stats.unbind(1)
-    z.mul_(inv_t[:, None]).sub_(m[:, None])  # z - m
     g = torch.where(valid, g_lp, 0.0)
     p = z.sub(log_s[:, None]).exp_()
     if g_h is None:
@@ -71,4 +83,4 @@ def torch_logprob_rows(logits, target, inv_t, opts, entropy, grad, math_dtype):
         dz.mul_(1.0 - tanh * tanh)
     # Ignored rows get exactly 0, whatever their logits (a NaN hidden state).
     dz.masked_fill_((~valid)[:, None], 0.0)
-    return None, None, None, None, None, dz.to(logits.dtype)
+    return (*outputs, dz.to(logits.dtype))

@@ -119,9 +119,23 @@ def triton_logprob_rows(logits, target, inv_t, opts, entropy, grad, math_dtype):
     without grad (logprob, entropy, lse, argmax, row_stats, None) (entropy undefined
     unless asked for); with grad = (g_lp, g_h, row_stats), (None,) * 5 + (dz,), dz
     written over logits. logits (n, V) with unit stride along V; target, inv_t, g_lp and
-    g_h (n,), row_stats (n, 3)."""
+    g_h (n,), row_stats (n, 3). With grad a function (logprob, entropy) -> (g_lp, g_h)
+    (a loss formed in the forward): the forward's outputs and dz for those gradients,
+    from a forward sweep and a gradient sweep over the chunk."""
+    assert math_dtype == torch.float32
+    if not callable(grad):
+        return _rows(logits, target, inv_t, opts, entropy, grad)
+    logprob, ent, lse, argmax, stats, _ = _rows(logits, target, inv_t, opts, entropy, None)
+    g_lp, g_h = grad(logprob, ent)
+    *_, dz = _rows(logits, target, inv_t, opts, False, (g_lp, g_h, stats))
+    return logprob, ent, lse, argmax, stats, dz
+
+
+def _rows(logits, target, inv_t, opts, entropy, grad):
+    """One launch of the kernel: the forward sweep, or the gradient sweep for grad =
+    (g_lp, g_h, row_stats)."""
     n, V = logits.shape
-    assert math_dtype == torch.float32 and logits.stride(1) == 1
+    assert logits.stride(1) == 1
     # Unit-stride indexing in the kernel: views (an expanded temperature) are copied.
     target, inv_t = target.contiguous(), inv_t.float().contiguous()
     if grad is None:

@@ -1,0 +1,260 @@
+"""linear_policy_loss against a float64 reference built from the logits with TRL's
+formulas and autograd: every loss_type, with and without old/ref log-probs, each KL
+estimator, entropy_coef, token_weights, per-token and per-sequence advantages and
+temperatures, softcap, bias, ignored tokens; gradcheck; opcheck; compile; the Triton rows
+under the interpreter; bad input."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, strategies as st
+
+import torch_fce
+from torch_fce.ops import chunked
+from torch_fce.ops.logprob_rows import torch_logprob_rows
+from torch_fce.ops.triton.logprob_rows import triton_logprob_rows
+from torch_fce.testing import LOSS_TOL, grad_tol, make_inputs, rel_err
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def reference(leaves, target, advantages, old=None, ref=None, token_weights=None,
+              temperature=1.0, softcap=None, loss_type="clip", epsilon_low=0.2,
+              epsilon_high=None, delta=None, sapo_temperature_pos=1.0,
+              sapo_temperature_neg=1.05, beta=0.0, kl="k3", entropy_coef=0.0,
+              ignore_index=-100):
+    """(loss, logprob, entropy) in float64 from the logits, as TRL's GRPOTrainer writes
+    the per-token terms, differentiable w.r.t. the leaves (hidden, weight, bias)."""
+    hi = epsilon_low if epsilon_high is None else epsilon_high
+    h, w, b = leaves["hidden"], leaves["weight"], leaves.get("bias")
+    z = F.linear(h, w, b)
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    z = z / torch.as_tensor(temperature, dtype=z.dtype).expand(target.shape)[..., None]
+    logp = z.log_softmax(-1)
+    valid = target != ignore_index
+    lp = logp.gather(-1, torch.where(valid, target, 0)[..., None]).squeeze(-1)
+    ent = -(logp.exp() * logp).sum(-1)
+    A = advantages.double().expand(target.shape)
+    r = torch.exp(lp - (lp.detach() if old is None else old.double()))
+    if loss_type == "clip":
+        coef_2 = torch.clamp(r, 1 - epsilon_low, 1 + hi)
+        coef_1 = r if delta is None else torch.clamp(r, max=delta)
+        per = -torch.min(coef_1 * A, coef_2 * A)
+    elif loss_type == "cispo":
+        per = -torch.clamp(r, max=hi).detach() * A * lp
+    elif loss_type == "sapo":
+        tau = torch.where(A > 0, sapo_temperature_pos, sapo_temperature_neg).double()
+        per = -torch.sigmoid(tau * (r - 1)) * 4 / tau * A
+    else:
+        per = -r * A
+    if ref is not None:
+        d = ref.double() - lp
+        per = per + beta * {"k1": -d, "k2": 0.5 * d * d, "k3": torch.exp(d) - d - 1}[kl]
+    per = per - entropy_coef * ent
+    wt = valid.double() / valid.sum().clamp(min=1) if token_weights is None else \
+        token_weights.double()
+    loss = torch.where(valid, wt * per, 0.0).sum()
+    return loss, torch.where(valid, lp, 0.0), torch.where(valid, ent, 0.0)
+
+
+@st.composite
+def policy_problems(draw):
+    N = draw(st.sampled_from([2, 8, 24]))
+    D = draw(st.sampled_from([1, 4, 17]))
+    V = draw(st.sampled_from([2, 31, 97, 257]))
+    x = make_inputs(N, D, V, torch.float32, ignore_frac=draw(st.sampled_from([0.0, 0.3, 1.0])),
+                    bias=draw(st.booleans()), seed=draw(st.integers(0, 2**16)),
+                    weight_scale=draw(st.sampled_from([1.0, 4.0])))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+    B, T = 2, N // 2
+    target = x["target"].reshape(B, T)
+    options = dict(loss_type=draw(st.sampled_from(["clip", "cispo", "sapo", "reinforce"])),
+                   softcap=draw(st.sampled_from([None, 3.0])),
+                   entropy_coef=draw(st.sampled_from([0.0, 0.01])))
+    if options["loss_type"] == "clip":
+        options.update(epsilon_low=0.2, epsilon_high=draw(st.sampled_from([None, 0.28])),
+                       delta=draw(st.sampled_from([None, 1.5])))
+    if options["loss_type"] == "cispo":
+        options["epsilon_high"] = draw(st.sampled_from([1.1, 5.0]))
+    per = draw(st.sampled_from(["scalar", "token", "sequence"]))
+    options["temperature"] = {"scalar": draw(st.sampled_from([1.0, 0.7])),
+                              "token": torch.rand(B, T, generator=g) + 0.3,
+                              "sequence": torch.rand(B, 1, generator=g) + 0.3}[per]
+    advantages = draw(st.sampled_from(["sequence", "token"]))
+    options["advantages"] = torch.randn(B, generator=g) if advantages == "sequence" else \
+        torch.randn(B, T, generator=g)
+    with torch.no_grad():  # old / ref log-probs near the current ones: some ratios clip
+        leaves = {k: x[k].double() for k in ("hidden", "weight", "bias") if x[k] is not None}
+        leaves["hidden"] = leaves["hidden"].reshape(B, T, D)
+        _, lp, _ = reference(leaves, target, torch.zeros(()), **{
+            k: options[k] for k in ("temperature", "softcap")})
+    if draw(st.booleans()):
+        options["old_logprobs"] = (lp + 0.3 * torch.randn(B, T, generator=g)).float()
+    if draw(st.booleans()):
+        options["ref_logprobs"] = (lp + 0.3 * torch.randn(B, T, generator=g)).float()
+        options.update(beta=draw(st.sampled_from([0.0, 0.04])),
+                       kl=draw(st.sampled_from(["k1", "k2", "k3"])))
+    if draw(st.booleans()):
+        options["token_weights"] = torch.rand(B, T, generator=g)
+    return x, target, options
+
+
+def _run(fn, x, target, options, dtype=torch.float32):
+    leaves = {k: x[k].detach().to(DEVICE, dtype).reshape(
+        *target.shape, -1) if k == "hidden" else x[k].detach().to(DEVICE, dtype)
+        for k in ("hidden", "weight", "bias") if x[k] is not None}
+    for t in leaves.values():
+        t.requires_grad_()
+    out = fn(leaves, target.to(DEVICE), {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v
+                                         for k, v in options.items()})
+    grads = torch.autograd.grad(out[0], list(leaves.values()), allow_unused=True)
+    return out, dict(zip(leaves, grads))
+
+
+def _fce(leaves, target, options):
+    options = dict(options)
+    advantages = options.pop("advantages")
+    loss, stats = torch_fce.linear_policy_loss(leaves["hidden"], leaves["weight"], target,
+                                               advantages, leaves.get("bias"), **options)
+    return loss, stats.logprob, stats.entropy
+
+
+def _ref(leaves, target, options):
+    options = dict(options)
+    old, ref = options.pop("old_logprobs", None), options.pop("ref_logprobs", None)
+    advantages = options.pop("advantages")
+    A = advantages[:, None] if advantages.dim() == 1 else advantages
+    return reference(leaves, target, A, old, ref, **options)
+
+
+@given(policy_problems())
+def test_linear_policy_loss_matches_reference(problem):
+    x, target, options = problem
+    (loss, lp, ent), grads = _run(_fce, x, target, options)
+    (ref_loss, ref_lp, ref_ent), ref_grads = _run(_ref, x, target, options, torch.float64)
+    V = x["weight"].shape[0]
+    scale = max(1.0, float(ref_loss.detach().abs()))
+    assert abs(float(loss) - float(ref_loss)) <= 64 * LOSS_TOL * scale
+    assert rel_err(lp, ref_lp) <= LOSS_TOL * 8 and rel_err(ent, ref_ent) <= LOSS_TOL * 8
+    for k, g in ref_grads.items():
+        assert (grads[k] is None) == (g is None) or float(g.abs().max()) == 0.0, k
+        if g is not None and grads[k] is not None:
+            assert rel_err(grads[k], g) <= 4 * grad_tol(torch.float32, V), k
+
+
+def test_linear_policy_loss_gradcheck_float64():
+    x = make_inputs(6, 4, 9, torch.float64, bias=True)
+    target = x["target"].reshape(2, 3)
+    g = torch.Generator().manual_seed(0)
+    A, old = torch.randn(2, generator=g, dtype=torch.float64), \
+        torch.randn(2, 3, generator=g, dtype=torch.float64) * 0.1 - 2.2
+    ref = old + 0.1
+    # cispo's capped ratio is detached (its gradient is not the loss's derivative)
+    for loss_type in ("clip", "sapo", "reinforce"):
+        def fn(h, w, b):
+            return torch_fce.linear_policy_loss(
+                h, w, target, A, b, old_logprobs=old, ref_logprobs=ref, beta=0.1,
+                entropy_coef=0.05, loss_type=loss_type, epsilon_high=3.0, temperature=0.8,
+                softcap=5.0)[0]
+        torch.autograd.gradcheck(fn, (x["hidden"].reshape(2, 3, 4).requires_grad_(),
+                                      x["weight"].requires_grad_(), x["bias"].requires_grad_()))
+
+
+def test_linear_policy_loss_all_ignored_shift_and_inputs_unchanged():
+    x = make_inputs(8, 4, 11, ignore_frac=1.0)
+    h = x["hidden"].reshape(2, 4, 4).requires_grad_()
+    w = x["weight"].requires_grad_()
+    A = torch.randn(2)
+    loss, stats = torch_fce.linear_policy_loss(h, w, x["target"].reshape(2, 4), A)
+    loss.backward()
+    assert float(loss) == 0.0 and float(h.grad.abs().max()) == 0.0
+    assert all(float(t.abs().max()) == 0.0 for t in stats)
+    # shift: hidden position t predicts target t + 1, the per-token tensors stay with t
+    y = make_inputs(8, 4, 11, ignore_frac=0.0, seed=3)
+    h, w, t = y["hidden"].reshape(2, 4, 4), y["weight"], y["target"].reshape(2, 4)
+    copies = [v.clone() for v in (h, w, t, A)]
+    shifted = torch.cat([t[:, 1:], torch.full((2, 1), -100)], 1)
+    a = torch_fce.linear_policy_loss(h, w, t, A, shift=True, loss_type="reinforce")
+    b = torch_fce.linear_policy_loss(h, w, shifted, A, loss_type="reinforce")
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1].logprob, b[1].logprob)
+    assert all(torch.equal(u, v) for u, v in zip(copies, (h, w, t, A)))
+
+
+def _compiled_problem():
+    x = make_inputs(12, 8, 37, bias=True, device=DEVICE)
+    g = torch.Generator().manual_seed(1)
+    target = x["target"].reshape(3, 4)
+    old = (torch.randn(3, 4, generator=g) * 0.2 - 3.6).to(DEVICE)
+    return x, target, dict(advantages=torch.randn(3, generator=g).to(DEVICE), old_logprobs=old,
+                           ref_logprobs=old + 0.05, beta=0.04, entropy_coef=0.01,
+                           temperature=0.7, epsilon_high=0.28)
+
+
+def test_linear_policy_loss_compiled_fullgraph_dynamic_matches_eager():
+    x, target, options = _compiled_problem()
+    step = torch.compile(_fce, fullgraph=True, dynamic=True)
+    (loss, *_), grads = _run(step, x, target, options)
+    (want, *_), want_grads = _run(_fce, x, target, options)
+    assert rel_err(loss, want) <= 1e-6
+    for k in grads:
+        assert rel_err(grads[k], want_grads[k]) <= 1e-6, k
+
+
+@pytest.mark.parametrize("accumulator", ["fp32", "kahan", "input"])
+def test_linear_policy_loss_opcheck(accumulator):
+    x = make_inputs(6, 4, 9, torch.bfloat16, bias=True)
+    g = torch.Generator().manual_seed(0)
+    args = (x["hidden"].reshape(2, 3, 4).requires_grad_(), x["weight"].requires_grad_(),
+            x["target"].reshape(2, 3), torch.randn(2, 3, generator=g), x["bias"],
+            torch.randn(2, 3, generator=g) * 0.1 - 2.2)
+    torch.library.opcheck(torch.ops.fce.linear_policy_loss.default, args,
+                          dict(entropy_coef=0.01, accumulator=accumulator))
+
+
+def test_triton_policy_rows_match_their_pytorch_twin():
+    # The Triton log-prob rows with the loss's upstream gradients formed between their
+    # two sweeps (the interpreter on CPU, the kernel on a GPU), against the PyTorch rows.
+    x = {k: v if v is None else v.to(DEVICE) for k, v in make_inputs(
+        9, 5, 37, bias=True, ignore_frac=0.3, weight_scale=2.0).items()}
+    g = torch.Generator().manual_seed(2)
+    A, old = (torch.randn(9, generator=g).to(DEVICE) for _ in range(2))
+    args = (x["hidden"], x["weight"], x["target"], A, x["bias"], old - 3.0, old - 3.1, None,
+            torch.rand(9, generator=g).to(DEVICE) + 0.5, "clip", 0.2, 0.28, None, 1.0, 1.05,
+            0.04, "k3", 0.01, 4.0, -100, "fp32", [True, True, True])
+    got = chunked.linear_policy_loss_fwd(*args, rows=triton_logprob_rows, chunk_rows=4)
+    want = chunked.linear_policy_loss_fwd(*args, rows=torch_logprob_rows, chunk_rows=4)
+    for a, b in zip(got, want):
+        assert rel_err(a, b) <= 1e-5
+
+
+BAD = [
+    ("loss_type", dict(loss_type="ppo"), ValueError),
+    ("kl", dict(kl="k4"), ValueError),
+    ("epsilon_low", dict(epsilon_low=-0.1), ValueError),
+    ("epsilon_high", dict(epsilon_high=float("nan")), ValueError),
+    ("delta", dict(delta=0.0), ValueError),
+    ("sapo_temperature_neg", dict(sapo_temperature_neg=0.0), ValueError),
+    ("beta", dict(beta=-1.0), ValueError),
+    ("ref_logprobs", dict(beta=0.1), ValueError),
+    ("entropy_coef", dict(entropy_coef=float("inf")), ValueError),
+    ("old_logprobs", dict(old_logprobs=torch.zeros(5)), ValueError),
+    ("token_weights", dict(token_weights=torch.zeros(2, 3, dtype=torch.int64)), TypeError),
+    ("old_logprobs", dict(old_logprobs=torch.zeros(2, 3, requires_grad=True)), ValueError),
+    ("temperature", dict(temperature=0.0), ValueError),
+    ("accumulator", dict(accumulator="bf16"), ValueError),
+]
+
+
+@pytest.mark.parametrize("argument,options,error", BAD, ids=[f"{b[0]}-{i}"
+                                                            for i, b in enumerate(BAD)])
+def test_linear_policy_loss_bad_input_names_argument(argument, options, error):
+    x = make_inputs(6, 4, 5)
+    with pytest.raises(error, match=argument):
+        torch_fce.linear_policy_loss(x["hidden"].reshape(2, 3, 4), x["weight"],
+                                     x["target"].reshape(2, 3), torch.randn(2), **options)
+    with pytest.raises(TypeError, match="float16"):
+        torch_fce.linear_policy_loss(x["hidden"].half(), x["weight"].half(), x["target"],
+                                     torch.randn(6))
+    with pytest.raises(ValueError, match="advantages"):
+        torch_fce.linear_policy_loss(x["hidden"], x["weight"], x["target"], torch.randn(4))

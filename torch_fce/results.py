@@ -1,0 +1,39 @@
+"""The result types of torch_fce's functions, below everything that returns them
+(functional.py, distributed/), so that no module imports its caller for a type."""
+
+from typing import NamedTuple, Optional
+
+import torch
+
+
+class LossStats(NamedTuple):
+    """Token statistics of linear_cross_entropy(return_stats=True), from the loss's own
+    pass: lse and argmax (int64, the most likely class) of target's shape, and z_loss,
+    the z-loss term's share of the loss (reduced as the loss; 0 without z_loss). None
+    carries a gradient."""
+    lse: torch.Tensor
+    argmax: torch.Tensor
+    z_loss: torch.Tensor
+
+
+class LogProbs(NamedTuple):
+    """linear_logprobs' outputs, each of target's shape (float32; float64 for float64
+    inputs; argmax int64). entropy is None unless asked for; lse and argmax carry no
+    gradient."""
+    logprob: torch.Tensor
+    entropy: Optional[torch.Tensor]
+    lse: torch.Tensor
+    argmax: torch.Tensor
+
+
+class PolicyStats(NamedTuple):
+    """linear_policy_loss' per-token statistics, each of target's shape, float32
+    (float64 for float64 inputs), detached, 0 at ignored tokens: the log-prob and
+    entropy at the temperature, the importance ratio exp(logprob - old_logprobs) (1
+    without old log-probs), whether the token's policy term was clipped (1.0 / 0.0), and
+    the KL estimate to the reference (0 without ref_logprobs)."""
+    logprob: torch.Tensor
+    entropy: torch.Tensor
+    ratio: torch.Tensor
+    clipped: torch.Tensor
+    kl: torch.Tensor
