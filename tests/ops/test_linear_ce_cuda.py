@@ -94,9 +94,10 @@ def _every_entry(h, w, t, b):
     module = torch_fce.LinearCrossEntropyLoss(shift=True)(h[None], w, t[None], b)
     lp = torch_fce.linear_logprobs(h, w, t, b, temperature=0.7, entropy=True, softcap=30.0)
     old = lp.logprob.detach() - 0.1
-    policy, _ = torch_fce.linear_policy_loss(h, w, t, torch.ones_like(old), b,
-                                             old_logprobs=old, ref_logprobs=old, beta=0.04,
-                                             entropy_coef=0.01, temperature=0.7)
+    policy = sum(torch_fce.linear_policy_loss(
+        h, w, t, torch.ones_like(old), b, old_logprobs=old, ref_logprobs=old, beta=0.04,
+        entropy_coef=0.01, temperature=0.7, loss_type=loss_type, epsilon_high=1.5)[0]
+        for loss_type in ("clip", "cispo", "sapo", "reinforce"))
     total = loss + per_token.mean() + module + lp.logprob.mean() + lp.entropy.mean() + policy
     return total, torch.stack([stats.lse.sum(), stats.argmax.sum().float()])
 

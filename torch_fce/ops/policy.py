@@ -62,8 +62,9 @@ def policy_terms(logprob, entropy, valid, advantages, old, ref, weights, opts):
         term, d_term = -cap * A * lp, -cap * A
         clipped = r > opts.epsilon_high
     elif opts.loss_type == "sapo":
-        tau = torch.where(A > 0, lp.new_tensor(opts.sapo_temperature_pos),
-                          lp.new_tensor(opts.sapo_temperature_neg))
+        # fills, not host-to-device copies (which a CUDA graph capture refuses)
+        tau = torch.where(A > 0, torch.full_like(lp, opts.sapo_temperature_pos),
+                          torch.full_like(lp, opts.sapo_temperature_neg))
         sig = torch.sigmoid(tau * (r - 1.0))
         term = -sig * 4.0 / tau * A
         d_term = -4.0 * A * sig * (1.0 - sig) * r
