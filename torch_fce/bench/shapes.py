@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 import torch_fce
+from torch_fce.bench import rl
 from torch_fce.bench.measure import check_device, median_time, peak_extra_bytes, times
 from torch_fce.testing import make_inputs, rel_err
 
@@ -138,52 +139,14 @@ def methods(device, with_compile, sweep=False):
     return out
 
 
-# --objective logprobs: an RL-style step, sum of g * logprob + h * entropy at this
-# temperature, with fixed random per-token g and h (the backward recomputes the logits).
-LOGPROB_TEMPERATURE = 0.7
-
-
-def _upstream(t):
-    # Deterministic pseudo-random weights in [-1, 1] that torch.compile can trace.
-    i = torch.arange(t.shape[0], device=t.device, dtype=torch.float32)
-    return torch.sin(i * 12.9898 + 1.0), torch.cos(i * 78.233 + 2.0)
-
-
-def _logprobs_unfused(h, w, t):
-    # As TRL computes them from logits: float32 upcast, divided by the temperature.
-    logp = (F.linear(h, w).float() / LOGPROB_TEMPERATURE).log_softmax(-1)
-    lp = logp.gather(-1, t.clamp_min(0)[:, None]).squeeze(-1)
-    ent = -(logp.exp() * logp).sum(-1)
-    g, k = _upstream(t)
-    valid = t != -100
-    return (torch.where(valid, lp, 0.0) * g).sum() + (torch.where(valid, ent, 0.0) * k).sum()
-
-
-def _logprobs_fce(accumulator):
-    def run(h, w, t):
-        out = torch_fce.linear_logprobs(h, w, t, temperature=LOGPROB_TEMPERATURE, entropy=True,
-                                        accumulator=accumulator)
-        g, k = _upstream(t)
-        return (out.logprob * g).sum() + (out.entropy * k).sum()
-    return run
-
-
-def logprob_methods(with_compile):
-    """The --objective logprobs methods: unfused (eager, compiled) and torch_fce."""
-    out = {"torch": _logprobs_unfused}
-    if with_compile:
-        out["torch.compile"] = torch.compile(_logprobs_unfused, fullgraph=True)
-    for acc in ("fp32", "input"):
-        out[f"fce-{acc}"] = _logprobs_fce(acc)
-    return out
-
-
 def _reference(x, dtype=torch.float32, objective="ce"):
     """Loss and gradients in dtype from the same (rounded) inputs, logits materialised."""
     h = x["hidden"].to(dtype).requires_grad_()
     w = x["weight"].to(dtype).requires_grad_()
     if objective == "logprobs":
-        loss = _logprobs_unfused(h, w, x["target"])
+        loss = rl.logprobs_unfused(h, w, x["target"])
+    elif objective == "policy":
+        loss = rl.policy_unfused(h, w, x["target"], *x["data"])
     else:
         loss = F.cross_entropy(F.linear(h, w), x["target"], ignore_index=-100)
     loss.backward()
@@ -193,7 +156,7 @@ def _reference(x, dtype=torch.float32, objective="ce"):
 def _run(fn, x):
     h = x["hidden"].detach().requires_grad_()
     w = x["weight"].detach().requires_grad_()
-    loss = fn(h, w, x["target"])
+    loss = fn(h, w, x["target"], *x.get("data", ()))
     loss.backward()
     return loss.detach(), h.grad, w.grad
 
@@ -220,6 +183,8 @@ def bench_shape(shape, dtype, device, fns, reps, progress, objective="ce", faile
     """Rows of every method on one shape; the methods that raised are appended to
     failed."""
     x = shape_inputs(shape, dtype, device)
+    if objective == "policy":
+        x["data"] = rl.policy_data(x["hidden"], x["weight"], x["target"])
     old_tf32 = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
     ref = _reference(x, objective=objective)
@@ -468,10 +433,12 @@ def main(argv=None):
                         "installed), fce-{fp32,kahan,input}, fce-fp32@MiB (with --sweep) "
                         "(default: all available)")
     p.add_argument("--compile", action="store_true", help="include torch.compile")
-    p.add_argument("--objective", choices=("ce", "logprobs"), default="ce",
+    p.add_argument("--objective", choices=("ce", "logprobs", "policy"), default="ce",
                    help="ce: the mean cross entropy; logprobs: sum of random per-token "
-                        "weights times log-probs and entropies at temperature %s (an RL "
-                        "step; fce is torch_fce.linear_logprobs)" % LOGPROB_TEMPERATURE)
+                        "weights times log-probs and entropies at temperature %s (fce: "
+                        "torch_fce.linear_logprobs); policy: the DAPO loss + beta %s k3 KL "
+                        "(fce: torch_fce.linear_policy_loss); both with TRL's fused head "
+                        "on CUDA (torch_fce/bench/rl.py)" % (rl.TEMPERATURE, rl.BETA))
     p.add_argument("--reps", type=int, default=5,
                    help="timed repetitions after one warm-up; the median is reported (default: 5)")
     p.add_argument("--accuracy", default=None,
@@ -491,8 +458,8 @@ def main(argv=None):
     dtype = getattr(torch, args.dtype or ("bfloat16" if cuda else "float32"))
     names = [n for n in (args.shapes or ("A,B,C" if cuda else "cpu")).split(",") if n]
     shapes = [SHAPES[n] if n in SHAPES else Shape(n, *map(int, n.split(":"))) for n in names]
-    fns = logprob_methods(args.compile) if args.objective == "logprobs" else \
-        methods(args.device, args.compile, args.sweep)
+    fns = rl.methods(args.objective, args.device, args.compile) \
+        if args.objective != "ce" else methods(args.device, args.compile, args.sweep)
     if args.methods:
         fns = {k: v for k, v in fns.items() if k in args.methods.split(",")}
     total, done = len(shapes) * len(fns), [0]

@@ -1,0 +1,126 @@
+"""The RL objectives of `python -m torch_fce.bench shapes --objective logprobs|policy`:
+each method maps (hidden, weight, target, *data) to a scalar to differentiate.
+
+logprobs: sum of fixed random per-token weights times the log-probs and entropies at
+temperature 0.7 (the backward recomputes the logits). policy: the DAPO loss
+(token-level clipped ratio, epsilon 0.2 / 0.28, token mean) plus a k3 KL to a reference
+at beta 0.04, temperature 0.7, with advantages and old / reference log-probs made once
+per shape (policy_data). Methods: the unfused computation as TRL writes it from logits
+(eager, compiled), TRL 1.16's fused head (trl.kernels.ChunkedLogProbFunction, as its
+GRPOTrainer calls it) where TRL is installed, and torch_fce.
+"""
+
+import sys
+
+import torch
+import torch.nn.functional as F
+
+import torch_fce
+
+TEMPERATURE = 0.7
+EPSILON_LOW, EPSILON_HIGH, BETA = 0.2, 0.28, 0.04
+TRL_CHUNK = 32768  # the vocabulary tile GRPOTrainer passes to TRL's head
+
+
+def _upstream(t):
+    # Deterministic pseudo-random weights in [-1, 1] that torch.compile can trace.
+    i = torch.arange(t.shape[0], device=t.device, dtype=torch.float32)
+    return torch.sin(i * 12.9898 + 1.0), torch.cos(i * 78.233 + 2.0)
+
+
+def _unfused_logprobs(h, w, t):
+    # As TRL computes them from logits: float32 upcast, divided by the temperature.
+    logp = (F.linear(h, w).float() / TEMPERATURE).log_softmax(-1)
+    lp = logp.gather(-1, t.clamp_min(0)[:, None]).squeeze(-1)
+    return lp, -(logp.exp() * logp).sum(-1)
+
+
+def logprobs_unfused(h, w, t):
+    lp, ent = _unfused_logprobs(h, w, t)
+    g, k = _upstream(t)
+    valid = t != -100
+    return (torch.where(valid, lp, 0.0) * g).sum() + (torch.where(valid, ent, 0.0) * k).sum()
+
+
+def _logprobs_fce(accumulator):
+    def run(h, w, t):
+        out = torch_fce.linear_logprobs(h, w, t, temperature=TEMPERATURE, entropy=True,
+                                        accumulator=accumulator)
+        g, k = _upstream(t)
+        return (out.logprob * g).sum() + (out.entropy * k).sum()
+    return run
+
+
+def policy_data(h, w, t):
+    """(advantages, old_logprobs, ref_logprobs), each (N,): advantages in [-1, 1], the old
+    and reference log-probs the current ones moved by up to 0.3 nats (some ratios clip)."""
+    with torch.no_grad():
+        lp = torch_fce.linear_logprobs(h, w, t, temperature=TEMPERATURE).logprob
+    g, k = _upstream(t)
+    return g, lp + 0.3 * k, lp - 0.3 * g * k
+
+
+def _dapo_k3(lp, t, advantages, old, ref):
+    """TRL's GRPOTrainer loss for loss_type="dapo", token-level importance sampling,
+    beta > 0: the clipped ratio plus beta * k3, summed over counted tokens / their count."""
+    r = torch.exp(lp - old)
+    clipped = torch.clamp(r, 1 - EPSILON_LOW, 1 + EPSILON_HIGH)
+    per = -torch.min(r * advantages, clipped * advantages)
+    d = ref - lp
+    per = per + BETA * (torch.exp(d) - d - 1)
+    mask = (t != -100).float()
+    return (per * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def policy_unfused(h, w, t, advantages, old, ref):
+    return _dapo_k3(_unfused_logprobs(h, w, t)[0], t, advantages, old, ref)
+
+
+def _policy_fce(accumulator):
+    def run(h, w, t, advantages, old, ref):
+        return torch_fce.linear_policy_loss(
+            h, w, t, advantages, old_logprobs=old, ref_logprobs=ref, loss_type="clip",
+            epsilon_low=EPSILON_LOW, epsilon_high=EPSILON_HIGH, beta=BETA, kl="k3",
+            temperature=TEMPERATURE, accumulator=accumulator)[0]
+    return run
+
+
+def _trl_head():
+    """(hidden, weight, target) -> (logprobs, entropies) through TRL's fused head."""
+    from trl.kernels import ChunkedLogProbFunction
+
+    def head(h, w, t):
+        lp, ent, *_ = ChunkedLogProbFunction.apply(h, w, None, t.clamp_min(0), TEMPERATURE,
+                                                   TRL_CHUNK, None, 1.0, ("entropy",))
+        valid = t != -100
+        return torch.where(valid, lp, 0.0), torch.where(valid, ent, 0.0)
+    return head
+
+
+def _trl(objective):
+    head = _trl_head()
+    if objective == "logprobs":
+        def run(h, w, t):
+            lp, ent = head(h, w, t)
+            g, k = _upstream(t)
+            return (lp * g).sum() + (ent * k).sum()
+        return run
+    return lambda h, w, t, *data: _dapo_k3(head(h, w, t)[0], t, *data)
+
+
+def methods(objective, device, with_compile):
+    """Name -> function for --objective logprobs or policy: unfused (eager, compiled),
+    TRL's fused head (CUDA, where TRL is installed) and torch_fce."""
+    unfused = logprobs_unfused if objective == "logprobs" else policy_unfused
+    out = {"torch": unfused}
+    if with_compile:
+        out["torch.compile"] = torch.compile(unfused, fullgraph=True)
+    if device == "cuda":
+        try:
+            out["trl-head"] = _trl(objective)
+        except Exception as e:  # missing, or installed without what its kernel imports
+            print(f"  trl-head unavailable: {type(e).__name__}: {e}"[:200], file=sys.stderr)
+    fce = _logprobs_fce if objective == "logprobs" else _policy_fce
+    for acc in ("fp32", "input"):
+        out[f"fce-{acc}"] = fce(acc)
+    return out
