@@ -81,6 +81,17 @@ def test_device_cuda_on_a_cpu_build_is_a_usage_error(tool):
     assert "Traceback" not in out.stderr
 
 
+@pytest.mark.parametrize("objective", ["logprobs", "policy"])
+def test_bench_shapes_rl_objectives_write_their_rows(objective, tmp_path):
+    out = _run("torch_fce.bench", "shapes", "--device", "cpu", "--shapes", "tiny", "--reps",
+               "1", "--objective", objective, "--json", str(tmp_path / "rows.json"))
+    assert out.returncode == 0, out.stderr
+    rows = json.loads((tmp_path / "rows.json").read_text())["rows"]
+    assert {r["method"] for r in rows} == {"torch", "fce-fp32", "fce-input"}
+    # the same objective: torch_fce's loss and gradients are the float32 composition's
+    assert all(r["loss_err"] < 1e-5 and r["dW_err"] < 1e-5 for r in rows)
+
+
 def test_bench_shapes_fails_when_torch_fce_fails(tmp_path, monkeypatch):
     from torch_fce.bench import shapes
 
@@ -102,6 +113,8 @@ CUDA_TOOLS = {
                      "--reps", "1", "--methods", "torch,fce-fp32,fce-kahan,fce-input"),
     "bench shapes logprobs": ("torch_fce.bench", "shapes", "--device", "cuda", "--shapes",
                               "tiny", "--reps", "1", "--objective", "logprobs"),
+    "bench shapes policy": ("torch_fce.bench", "shapes", "--device", "cuda", "--shapes",
+                            "tiny", "--reps", "1", "--objective", "policy", "--compile"),
     "bench lowering": ("torch_fce.bench", "lowering", "--device", "cuda", "--V", "4096",
                        "--B", "2", "--T", "128"),
     "bench transformers": ("torch_fce.bench", "transformers", "--device", "cuda", "--V",

@@ -4,7 +4,7 @@ import torch
 
 from .ops.checks import check_inputs, check_logprob_options, check_options
 from .ops.linear_ce import int64_if_needed
-from .ops.tokens import temperature_tensor
+from .ops.tokens import advantages_tensor, temperature_tensor
 from .results import LogProbs, LossStats, PolicyStats
 
 
@@ -161,18 +161,21 @@ def linear_policy_loss(hidden, weight, target, advantages, bias=None, *, old_log
         check_logprob_options(softcap, ignore_index, True, accumulator)
     temperature = temperature_tensor(temperature, target)
     target = _shifted(hidden, weight, target, bias, None, ignore_index, shift)
-    if _is_dtensor(weight):
-        raise NotImplementedError("linear_policy_loss with a DTensor (vocab-sharded) weight")
-    if isinstance(advantages, torch.Tensor) and target.dim() == 2 and (
-            advantages.dim() == 1 or (advantages.dim() == 2 and advantages.shape[1] == 1)):
-        advantages = advantages.reshape(-1, 1).expand(target.shape)  # per sequence
-    out = torch.ops.fce.linear_policy_loss(
-        hidden, weight, target, advantages, bias, old_logprobs, ref_logprobs, token_weights,
-        temperature, loss_type=loss_type, epsilon_low=epsilon_low, epsilon_high=epsilon_high,
-        delta=delta, sapo_temperature_pos=sapo_temperature_pos,
-        sapo_temperature_neg=sapo_temperature_neg, beta=beta, kl=kl,
-        entropy_coef=entropy_coef, softcap=softcap, ignore_index=ignore_index,
-        accumulator=accumulator)
+    advantages = advantages_tensor(advantages, target)
+    options = dict(loss_type=loss_type, epsilon_low=epsilon_low, epsilon_high=epsilon_high,
+                   delta=delta, sapo_temperature_pos=sapo_temperature_pos,
+                   sapo_temperature_neg=sapo_temperature_neg, beta=beta, kl=kl,
+                   entropy_coef=entropy_coef, softcap=softcap, ignore_index=ignore_index,
+                   accumulator=accumulator)
+    if _is_dtensor(weight):  # sharded by vocabulary: the vocab-parallel policy loss
+        from .distributed.dtensor import dtensor_linear_policy_loss
+
+        return dtensor_linear_policy_loss(hidden, weight, target, advantages, bias,
+                                          old_logprobs, ref_logprobs, token_weights,
+                                          temperature, **options)
+    out = torch.ops.fce.linear_policy_loss(hidden, weight, target, advantages, bias,
+                                           old_logprobs, ref_logprobs, token_weights,
+                                           temperature, **options)
     return out[0], PolicyStats(*out[1:])
 
 

@@ -11,6 +11,7 @@ import torch.multiprocessing as mp
 
 import torch_fce
 from torch_fce.distributed import (vocab_parallel_linear_cross_entropy,
+                                   vocab_parallel_linear_policy_loss,
                                    vocab_parallel_linear_logprobs)
 from torch_fce.testing import (LOSS_TOL, confident_grads, confident_inputs, grad_tol,
                                logprob_composition, make_inputs, rel_err)
@@ -240,6 +241,57 @@ def _check_logprobs(rank, world):
     assert rel_err(grads[1].full_tensor(), ref_grads[1]) <= tol
 
 
+def _check_policy_loss(rank, world):
+    # linear_policy_loss over uneven shards and many chunks (3-row workspace), for each
+    # loss type, and through a Shard(0) DTensor weight, against one process: the loss,
+    # every statistic and the gradients; ranks agree bitwise.
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+
+    x = make_inputs(24, 8, V, ignore_frac=0.2, bias=True, seed=13, weight_scale=2.0)
+    g = torch.Generator().manual_seed(7)
+    target = x["target"].reshape(4, 6)
+    with torch.no_grad():
+        lp = torch_fce.linear_logprobs(x["hidden"].reshape(4, 6, 8), x["weight"], target,
+                                       x["bias"], temperature=0.7).logprob
+    opts = dict(old_logprobs=lp + 0.3 * torch.randn(4, 6, generator=g),
+                ref_logprobs=lp + 0.1, beta=0.04, entropy_coef=0.01, temperature=0.7,
+                softcap=4.0, epsilon_high=0.28)
+    advantages = torch.randn(4, generator=g)
+    start, end = SPLITS[world][rank], SPLITS[world][rank + 1]
+
+    def run(weight, bias, fn, **extra):
+        h = x["hidden"].reshape(4, 6, 8).clone().requires_grad_()
+        loss, stats = fn(h, weight, target, advantages, bias, **opts, **extra)
+        grads = torch.autograd.grad(loss * 0.5, [h, weight, bias])
+        return loss, stats, grads
+
+    wants = {}
+    for loss_type in ("clip", "cispo", "sapo", "reinforce"):
+        full = [x[k].clone().requires_grad_() for k in ("weight", "bias")]
+        want = wants[loss_type] = run(*full, torch_fce.linear_policy_loss, loss_type=loss_type)
+        mine = [x[k][start:end].clone().requires_grad_() for k in ("weight", "bias")]
+        with torch_fce.workspace(3 * -(-V // world) * 4):
+            got = run(*mine, vocab_parallel_linear_policy_loss, vocab_start=start,
+                      vocab_size=V, loss_type=loss_type)
+        assert rel_err(got[0], want[0]) <= LOSS_TOL, loss_type
+        for a, b in zip(got[1], want[1]):
+            assert rel_err(a, b) <= LOSS_TOL, loss_type
+        tol = grad_tol(torch.float32, V)
+        assert rel_err(got[2][0], want[2][0]) <= tol, loss_type
+        assert rel_err(got[2][1], want[2][1][start:end]) <= tol, loss_type
+        assert rel_err(got[2][2], want[2][2][start:end]) <= tol, loss_type
+        losses = [torch.empty(()) for _ in range(world)]
+        dist.all_gather(losses, got[0].detach())
+        assert all(torch.equal(t, losses[0]) for t in losses)
+
+    mesh = init_device_mesh("cpu", (world,))
+    w = distribute_tensor(x["weight"], mesh, [Shard(0)]).requires_grad_()
+    b = distribute_tensor(x["bias"], mesh, [Shard(0)]).requires_grad_()
+    got, want = run(w, b, torch_fce.linear_policy_loss), wants["clip"]
+    assert rel_err(got[0], want[0]) <= LOSS_TOL
+    assert rel_err(got[2][1].full_tensor(), want[2][1]) <= grad_tol(torch.float32, V)
+
+
 def _worker(rank, world, path):
     dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
     try:
@@ -251,6 +303,7 @@ def _worker(rank, world, path):
         _check_frozen_weight_and_no_grad(rank, world)
         _check_dtensor(world)
         _check_logprobs(rank, world)
+        _check_policy_loss(rank, world)
         _check_fsdp2(rank, world)
         # Shards that do not tile V: every rank raises the same clear error, none hangs.
         w = torch.randn(10, 8)

@@ -1,10 +1,11 @@
-"""DTensor entry: a weight sharded by vocabulary (Shard(0)) runs the vocab-parallel loss
-and log-probs."""
+"""DTensor entry: a weight sharded by vocabulary (Shard(0)) runs the vocab-parallel loss,
+log-probs and policy loss."""
 
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from .vocab_parallel import vocab_parallel_linear_cross_entropy, vocab_parallel_linear_logprobs
+from .vocab_parallel import (vocab_parallel_linear_cross_entropy, vocab_parallel_linear_logprobs,
+                             vocab_parallel_linear_policy_loss)
 
 
 def _local(t):
@@ -50,3 +51,17 @@ def dtensor_linear_logprobs(hidden, weight, target, bias, temperature, **options
         _local(hidden), weight.to_local(), _local(target),
         None if bias is None else bias.to_local(), temperature=_local(temperature),
         vocab_start=start, vocab_size=V, group=group, **options)
+
+
+def dtensor_linear_policy_loss(hidden, weight, target, advantages, bias, old_logprobs,
+                               ref_logprobs, token_weights, temperature, **options):
+    """linear_policy_loss for a vocab-sharded DTensor weight: (loss, PolicyStats), plain
+    tensors, the same on every rank."""
+    group, start, V = _vocab_shard(weight, bias)
+    return vocab_parallel_linear_policy_loss(
+        _local(hidden), weight.to_local(), _local(target), _local(advantages),
+        None if bias is None else bias.to_local(), old_logprobs=_local(old_logprobs),
+        ref_logprobs=_local(ref_logprobs), token_weights=_local(token_weights),
+        temperature=_local(temperature), vocab_start=start, vocab_size=V, group=group,
+        **options)
+

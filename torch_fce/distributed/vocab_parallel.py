@@ -20,16 +20,17 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from ..ops import checks
+from ..ops import checks, policy
 from ..ops.accumulate import GradAccumulator, _mm_f32
 from ..ops.checks import (check_inputs, check_logprob_options, check_options,
                           check_temperature)
 from ..ops.chunked import inverse_temperature, math_dtype_for
 from ..ops.rows import (RowOptions, grad_coefficients, softcapped, torch_shard_grad,
                         torch_shard_stats)
-from ..ops.tokens import counted_target_weights, grad_scales, reduce_loss, temperature_tensor
+from ..ops.tokens import (advantages_tensor, counted_target_weights, grad_scales, reduce_loss,
+                         temperature_tensor)
 from ..ops.workspace import chunk_rows
-from ..results import LogProbs
+from ..results import LogProbs, PolicyStats
 
 try:  # the same condition as the op's CUDA backend (ops/__init__.py)
     from ..ops.triton.rows import triton_shard_grad, triton_shard_stats
@@ -174,13 +175,59 @@ class _VocabParallelLinearCE(torch.autograd.Function):
         return grads.results(group, weight.dtype)
 
 
+def _logprob_chunk(hidden, w, b, col, inv_t, opts, mdt, group, start, V):
+    """One token chunk of the vocab-parallel log-probs (the math of ops/logprob_rows.py):
+    (z, tanh, M, log_s, d, z_y, argmax). The rank reduces its shard's logits z =
+    softcap(l) / T to the shard's max, sum of exp, sum of exp * (z - max), target logit
+    and argmax; one max and one stacked sum all-reduce give the global max M, log s and
+    d = mu - M (each (n,)), the target's logit z_y and the first most likely class."""
+    c, tanh = softcapped(F.linear(hidden, w, b), opts.softcap, mdt)
+    best, where = c.max(-1)
+    z = c.mul_(inv_t[:, None])
+    m = z.amax(-1).clamp_min(torch.finfo(mdt).min)
+    ex = (z - m[:, None]).exp_()
+    zy = torch.where(col >= 0, z.gather(1, col.clamp_min(0).long()[:, None]).squeeze(1), 0.0)
+    M = funcol.all_reduce(m, "max", group)
+    scale = torch.exp(m - M)
+    # As one device: sums of exp(z - M) and of exp(z - M) (z - M), with no 0 * -inf and
+    # no cancellation against M.
+    s_here = ex.sum(-1)
+    ez_here = torch.where(ex > 0, ex * (z - m[:, None]), 0.0).sum(-1)
+    del ex
+    sums = funcol.all_reduce(torch.stack(
+        [s_here * scale, (ez_here + (m - M) * s_here) * scale, zy]), "sum", group)
+    # The first most likely class overall: the lowest index among the ranks holding
+    # the maximum.
+    top = funcol.all_reduce(best, "max", group)
+    idx = torch.where(best == top, where + start, V)
+    argmax = funcol.all_reduce(idx, "min", group)
+    return z, tanh, M, sums[0].log(), sums[1] / sums[0], sums[2], argmax
+
+
+def _logprob_shard_dz(z, tanh, M, log_s, d, g, h, col, inv_t, valid, dtype):
+    """The shard's logits gradient for upstream gradients g (log-prob) and h (entropy,
+    or None), from z = softcap(l) / T (overwritten) and the global statistics: p and
+    z - mu formed from z - M, exact near the maximum."""
+    z = z.sub_(M[:, None])
+    p = (z - log_s[:, None]).exp_()
+    ent_term = None if h is None else torch.where(p > 0, p * h[:, None] * (z - d[:, None]),
+                                                  0.0)
+    dz = p.mul_(-g[:, None])
+    if ent_term is not None:
+        dz.sub_(ent_term)
+    dz.scatter_add_(1, col.clamp_min(0).long()[:, None], torch.where(col >= 0, g, 0.0)[:, None])
+    dz.mul_(inv_t[:, None])
+    if tanh is not None:
+        dz.mul_(1.0 - tanh * tanh)
+    return dz.masked_fill_(~valid[:, None], 0.0).to(dtype)
+
+
 class _VocabParallelLogProbs(torch.autograd.Function):
-    """linear_logprobs with the head's rows split across the group (the math of
-    ops/logprob_rows.py): per chunk each rank reduces its shard's logits to the shard's
-    max, sum of exp, sum of exp * z, target logit and argmax; one max and one stacked sum
-    all-reduce give the global values. The backward recomputes the shard's logits with
-    the global statistics relative to the global max M (log s and d = mu - M, as
-    ops/logprob_rows.py keeps them). The row math is PyTorch's on every device."""
+    """linear_logprobs with the head's rows split across the group: per chunk
+    _logprob_chunk's statistics; the backward recomputes the shard's logits and forms
+    their gradient with the global statistics relative to the global max (log s and
+    d = mu - M, as ops/logprob_rows.py keeps them). The row math is PyTorch's on every
+    device."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, target, inv_t, group, start, V, opts, entropy,
@@ -192,31 +239,10 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         row_stats = hidden.new_empty(N, 3, dtype=mdt)  # (M, log s, d)
         argmax = hidden.new_empty(N, dtype=torch.int64)
         for a, e in _row_math(hidden, V, group)[2]:
-            c, _ = softcapped(F.linear(hidden[a:e], w, b), opts.softcap, mdt)
-            best, where = c.max(-1)
-            z = c.mul_(inv_t[a:e, None])
-            m = z.amax(-1).clamp_min(torch.finfo(mdt).min)
-            ex = (z - m[:, None]).exp_()
-            here = col[a:e] >= 0
-            zy = torch.where(here, z.gather(1, col[a:e].clamp_min(0).long()[:, None])
-                             .squeeze(1), 0.0)
-            M = funcol.all_reduce(m, "max", group)
-            scale = torch.exp(m - M)
-            # As one device (ops/logprob_rows.py): sums of exp(z - M) and of
-            # exp(z - M) (z - M), with no 0 * -inf and no cancellation against M.
-            s_here = ex.sum(-1)
-            ez_here = torch.where(ex > 0, ex * (z - m[:, None]), 0.0).sum(-1)
-            sums = funcol.all_reduce(torch.stack(
-                [s_here * scale, (ez_here + (m - M) * s_here) * scale, zy]), "sum", group)
-            log_s, d = sums[0].log(), sums[1] / sums[0]
-            lse[a:e], z_y[a:e], ent[a:e] = M + log_s, sums[2], log_s - d
+            _, _, M, log_s, d, z_y[a:e], argmax[a:e] = _logprob_chunk(
+                hidden[a:e], w, b, col[a:e], inv_t[a:e], opts, mdt, group, start, V)
+            lse[a:e], ent[a:e] = M + log_s, log_s - d
             row_stats[a:e] = torch.stack([M, log_s, d], 1)
-            # The first most likely class overall: the lowest index among the ranks
-            # holding the maximum.
-            top = funcol.all_reduce(best, "max", group)
-            idx = torch.where(best == top, where + start, V)
-            argmax[a:e] = funcol.all_reduce(idx, "min", group)
-            del c, z, ex  # freed before the next chunk is allocated
         valid = target != opts.ignore_index
         in_range = (target >= 0) & (target < V)
         logprob = torch.where(valid, torch.where(in_range, z_y - lse, float("nan")), 0.0)
@@ -238,32 +264,70 @@ class _VocabParallelLogProbs(torch.autograd.Function):
             return (None,) * 11
         w, b, _, _, col = _shard(hidden, weight, bias, target, None, start, V, opts)
         mdt = math_dtype_for(hidden.dtype)
-        valid = (target != opts.ignore_index)[:, None]
+        valid = target != opts.ignore_index
         g = torch.zeros_like(M) if g_lp is None else g_lp.to(mdt)
         h = None if g_h is None or g_h.numel() == 0 else g_h.to(mdt)
         grads = _ShardGrads(hidden, weight, accumulator, ctx.needs_input_grad[:3], mdt)
         for a, e in _row_math(hidden, V, group)[2]:
             c, tanh = softcapped(F.linear(hidden[a:e], w, b), opts.softcap, mdt)
-            z = c.mul_(inv_t[a:e, None]).sub_(M[a:e, None])  # z - M: exact near the max
-            p = (z - log_s[a:e, None]).exp_()
-            ent_term = None if h is None else torch.where(
-                p > 0, p * h[a:e, None] * (z - d[a:e, None]), 0.0)
-            dz = p.mul_(-g[a:e, None])
-            if ent_term is not None:
-                dz.sub_(ent_term)
-            here = col[a:e] >= 0
-            dz.scatter_add_(1, col[a:e].clamp_min(0).long()[:, None],
-                            torch.where(here, g[a:e], 0.0)[:, None])
-            dz.mul_(inv_t[a:e, None])
-            del ent_term
-            if tanh is not None:
-                dz.mul_(1.0 - tanh * tanh)
-            dz = dz.masked_fill_(~valid[a:e], 0.0).to(hidden.dtype)
+            dz = _logprob_shard_dz(c.mul_(inv_t[a:e, None]), tanh, M[a:e], log_s[a:e],
+                                   d[a:e], g[a:e], None if h is None else h[a:e], col[a:e],
+                                   inv_t[a:e], valid[a:e], hidden.dtype)
             grads.add(a, e, dz, hidden, w)
-            del c, z, dz  # freed before the next chunk is allocated
+            del c, dz  # freed before the next chunk is allocated
         out = grads.results(group, weight.dtype)
         return tuple(None if t is None else t.to(dt) for t, dt in zip(out, ctx.dtypes)) + \
             (None,) * 8
+
+
+class _VocabParallelPolicyLoss(torch.autograd.Function):
+    """linear_policy_loss with the head's rows split across the group: per chunk
+    _logprob_chunk's global log-probs and entropies, ops/policy.py's terms and upstream
+    gradients (the same on every rank), and the shard's logits gradient from the same
+    chunk, so the gradients come with the forward (3 GEMMs); the backward scales them."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, target, advantages, old, ref, token_weights, inv_t,
+                group, start, V, opts, popts, accumulator, grad_enabled):
+        w, b, _, _, col = _shard(hidden, weight, bias, target, None, start, V, opts)
+        mdt = math_dtype_for(hidden.dtype)
+        N = hidden.shape[0]
+        needs = [grad_enabled and n for n in ctx.needs_input_grad[:3]]
+        grads = _ShardGrads(hidden, weight, accumulator, needs, mdt) if any(needs) else None
+        valid = target != opts.ignore_index
+        in_range = (target >= 0) & (target < V)
+        weights = policy.token_weights(token_weights, valid, mdt)
+        out = [hidden.new_empty(N, dtype=mdt) for _ in range(6)]  # loss_t, logprob, ... kl
+        for a, e in _row_math(hidden, V, group)[2]:
+            z, tanh, M, log_s, d, z_y, _ = _logprob_chunk(
+                hidden[a:e], w, b, col[a:e], inv_t[a:e], opts, mdt, group, start, V)
+            v = valid[a:e]
+            lp = torch.where(v, torch.where(in_range[a:e], z_y - M - log_s, float("nan")), 0.0)
+            terms = policy.policy_terms(
+                lp, torch.where(v, log_s - d, 0.0), v, advantages[a:e],
+                None if old is None else old[a:e], None if ref is None else ref[a:e],
+                weights[a:e], popts)
+            out[0][a:e], out[1][a:e], out[2][a:e] = terms[0], lp, torch.where(v, log_s - d, 0.0)
+            out[3][a:e], out[4][a:e], out[5][a:e] = terms[3:]
+            if grads is not None:
+                dz = _logprob_shard_dz(z, tanh, M, log_s, d, terms[1],
+                                       terms[2] if popts.entropy_coef != 0.0 else None,
+                                       col[a:e], inv_t[a:e], v, hidden.dtype)
+                grads.add(a, e, dz, hidden, w)
+                del dz
+            del z, tanh  # freed before the next chunk is allocated
+        ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
+        # float32 sums kept until the upstream gradient scales them
+        ctx.save_for_backward(*(grads.results(group, torch.promote_types(weight.dtype, mdt))
+                                if grads is not None else (None,) * 3))
+        ctx.mark_non_differentiable(*out[1:])
+        return (out[0].sum(), *out[1:])
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_loss, *_):
+        return tuple(None if g is None or grad_loss is None else (g * grad_loss).to(dt)
+                     for g, dt in zip(ctx.saved_tensors, ctx.dtypes)) + (None,) * 13
 
 
 def _check_tiling(hidden, weight, target, vocab_start, vocab_size, group):
@@ -362,3 +426,42 @@ def vocab_parallel_linear_logprobs(hidden, weight, target, bias=None, *, vocab_s
     shape = target.shape
     return LogProbs(out[0].reshape(shape), out[1].reshape(shape) if entropy else None,
                     out[2].reshape(shape), out[3].reshape(shape))
+
+
+def vocab_parallel_linear_policy_loss(
+        hidden, weight, target, advantages, bias=None, *, vocab_start, vocab_size,
+        group=None, old_logprobs=None, ref_logprobs=None, loss_type="clip", epsilon_low=0.2,
+        epsilon_high=None, delta=None, sapo_temperature_pos=1.0, sapo_temperature_neg=1.05,
+        beta=0.0, kl="k3", entropy_coef=0.0, token_weights=None, temperature=1.0,
+        softcap=None, ignore_index=-100, accumulator="fp32"):
+    """torch_fce.linear_policy_loss with the head's rows split across `group`.
+
+    Args as vocab_parallel_linear_cross_entropy (hidden, target and every per-token
+    tensor the same on every rank) and linear_policy_loss.
+
+    Returns:
+        (loss, PolicyStats), identical on every rank.
+    """
+    temperature = temperature_tensor(1.0 if temperature is None else temperature, target)
+    advantages = advantages_tensor(advantages, target)
+    popts = policy.check_policy_inputs(
+        hidden, weight, target, advantages, bias, old_logprobs, ref_logprobs, token_weights,
+        temperature, loss_type, epsilon_low, epsilon_high, delta, sapo_temperature_pos,
+        sapo_temperature_neg, beta, kl, entropy_coef, softcap, ignore_index, accumulator)
+    group = group or dist.group.WORLD
+    if not torch.compiler.is_compiling():
+        _check_tiling(hidden, weight, target, vocab_start, vocab_size, group)
+        if target.device.type == "cpu" or checks.CHECK_TARGETS:
+            checks.check_target_range(target, vocab_size, ignore_index)
+            checks.check_temperature_values(temperature)
+    mdt = math_dtype_for(hidden.dtype)
+    flat = [None if t is None else t.reshape(-1) for t in (target, advantages, old_logprobs,
+                                                          ref_logprobs, token_weights)]
+    inv_t = inverse_temperature(None if temperature is None else temperature.reshape(-1),
+                                flat[0].shape[0], hidden.device, mdt)
+    out = _VocabParallelPolicyLoss.apply(
+        hidden.reshape(-1, hidden.shape[-1]), weight, bias, *flat, inv_t, group, vocab_start,
+        vocab_size, RowOptions(ignore_index, 0.0, softcap), popts, accumulator,
+        torch.is_grad_enabled())
+    return out[0], PolicyStats(*(t.reshape(target.shape) for t in out[1:]))
+

@@ -88,3 +88,14 @@ def temperature_tensor(temperature, target):
     # float64 holds the Python float exactly; the kernels take it to their math dtype.
     # Scaling a tensor keeps a compile-time symbolic float symbolic (no compile per value).
     return torch.ones(target.shape, device=target.device, dtype=torch.float64) * temperature
+
+
+def advantages_tensor(advantages, target):
+    """Per-sequence advantages ((B,) or (B, 1) for a (B, T) target) expanded to target's
+    shape; anything else as given (the checks name a wrong shape)."""
+    if isinstance(advantages, torch.Tensor) and isinstance(target, torch.Tensor) and \
+            target.dim() == 2 and advantages.shape in ((target.shape[0],),
+                                                      (target.shape[0], 1)):
+        return advantages.reshape(-1, 1).expand(target.shape)
+    return advantages
+
