@@ -410,12 +410,8 @@ def vocab_parallel_linear_logprobs(hidden, weight, target, bias=None, *, vocab_s
     check_inputs(hidden, weight, target, bias, None)
     temperature = temperature_tensor(1.0 if temperature is None else temperature, target)
     check_temperature(temperature, target)
-    group = group or dist.group.WORLD
-    if not torch.compiler.is_compiling():
-        _check_tiling(hidden, weight, target, vocab_start, vocab_size, group)
-        if target.device.type == "cpu" or checks.CHECK_TARGETS:
-            checks.check_target_range(target, vocab_size, ignore_index)
-            checks.check_temperature_values(temperature)
+    group = _checked_group(hidden, weight, target, temperature, vocab_start, vocab_size,
+                           group, ignore_index)
     mdt = math_dtype_for(hidden.dtype)
     flat = target.reshape(-1)
     inv_t = inverse_temperature(None if temperature is None else temperature.reshape(-1),
@@ -426,6 +422,19 @@ def vocab_parallel_linear_logprobs(hidden, weight, target, bias=None, *, vocab_s
     shape = target.shape
     return LogProbs(out[0].reshape(shape), out[1].reshape(shape) if entropy else None,
                     out[2].reshape(shape), out[3].reshape(shape))
+
+
+def _checked_group(hidden, weight, target, temperature, vocab_start, vocab_size, group,
+                   ignore_index):
+    """The group (WORLD by default), after the collective checks of the shards and, on
+    the CPU or when asked for (a host sync), of the targets and temperatures."""
+    group = group or dist.group.WORLD
+    if not torch.compiler.is_compiling():
+        _check_tiling(hidden, weight, target, vocab_start, vocab_size, group)
+        if target.device.type == "cpu" or checks.CHECK_TARGETS:
+            checks.check_target_range(target, vocab_size, ignore_index)
+            checks.check_temperature_values(temperature)
+    return group
 
 
 def vocab_parallel_linear_policy_loss(
@@ -448,12 +457,8 @@ def vocab_parallel_linear_policy_loss(
         hidden, weight, target, advantages, bias, old_logprobs, ref_logprobs, token_weights,
         temperature, loss_type, epsilon_low, epsilon_high, delta, sapo_temperature_pos,
         sapo_temperature_neg, beta, kl, entropy_coef, softcap, ignore_index, accumulator)
-    group = group or dist.group.WORLD
-    if not torch.compiler.is_compiling():
-        _check_tiling(hidden, weight, target, vocab_start, vocab_size, group)
-        if target.device.type == "cpu" or checks.CHECK_TARGETS:
-            checks.check_target_range(target, vocab_size, ignore_index)
-            checks.check_temperature_values(temperature)
+    group = _checked_group(hidden, weight, target, temperature, vocab_start, vocab_size,
+                           group, ignore_index)
     mdt = math_dtype_for(hidden.dtype)
     flat = [None if t is None else t.reshape(-1) for t in (target, advantages, old_logprobs,
                                                           ref_logprobs, token_weights)]
