@@ -30,7 +30,8 @@ def reference(leaves, target, advantages, old=None, ref=None, token_weights=None
     z = F.linear(h, w, b)
     if softcap is not None:
         z = softcap * torch.tanh(z / softcap)
-    z = z / torch.as_tensor(temperature, dtype=z.dtype).expand(target.shape)[..., None]
+    z = z / torch.as_tensor(temperature, dtype=z.dtype, device=z.device).expand(
+        target.shape)[..., None]
     logp = z.log_softmax(-1)
     valid = target != ignore_index
     lp = logp.gather(-1, torch.where(valid, target, 0)[..., None]).squeeze(-1)
