@@ -297,6 +297,17 @@ def test_transformers_apply_leaves_the_model_exactly_as_it_was(build):
     assert_same(fingerprint(model), before)
 
 
+def test_transformers_apply_keeps_shared_sub_configs_shared():
+    # multimodal families hold their text config both in model.config and in the
+    # language model: after apply(), still the same object
+    model = make("llama")
+    sub = transformers.LlamaConfig(**COMMON)
+    model.config.text_config = sub
+    model.model.text_config = sub
+    fce_hf.apply(model)
+    assert model.config.text_config is sub and model.model.text_config is sub
+
+
 def test_transformers_apply_keeps_the_rng_streams():
     model = make("llama")
     torch.manual_seed(5)

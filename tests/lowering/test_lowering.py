@@ -384,6 +384,24 @@ def test_lowering_chains_with_an_installed_pass():
     assert seen and counters["inductor"][lowering.FUSED] == 1
 
 
+def test_lowering_chain_is_cached_only_when_every_pass_names_its_version():
+    class Versioned(torch._inductor.custom_graph_pass.CustomGraphPass):
+        def __init__(self, key):
+            self.key = key
+
+        def __call__(self, graph):
+            pass
+
+        def uuid(self):
+            return self.key
+
+    assert lowering.Chain((Versioned("a"), lowering._PASS)).uuid() is not None
+    # a pass that opts out of caching (uuid None) or is a plain function keeps the chain
+    # out of Inductor's caches, instead of keying it on "None" or an address
+    for other in (Versioned(None), lambda graph: None):
+        assert lowering.Chain((other, lowering._PASS)).uuid() is None
+
+
 class TestFusedGraph(expecttest.TestCase):
     def _pre_grad_ops(self, name):
         graphs = []

@@ -182,6 +182,33 @@ def test_linear_policy_loss_all_ignored_shift_and_inputs_unchanged():
     assert all(torch.equal(u, v) for u, v in zip(copies, (h, w, t, A)))
 
 
+def test_linear_policy_loss_beta_0_kl_is_a_statistic_and_cispo_clips_as_trl():
+    # ref_logprobs with beta 0 only reports the KL: a -inf or NaN reference log-prob
+    # cannot reach the loss or the gradients (as TRL skips the KL term at beta 0)
+    x = make_inputs(6, 4, 9)
+    h, w, t = x["hidden"].reshape(2, 3, 4), x["weight"], x["target"].reshape(2, 3)
+    g = torch.Generator().manual_seed(4)
+    A, old = torch.randn(2, 3, generator=g), torch.randn(2, 3, generator=g) * 0.3 - 2.2
+    ref = old.clone()
+    ref[0, 1], ref[1, 2] = float("-inf"), float("nan")
+
+    def run(**options):
+        leaves = [h.clone().requires_grad_(), w.clone().requires_grad_()]
+        loss, stats = torch_fce.linear_policy_loss(*leaves, t, A, old_logprobs=old,
+                                                   loss_type="cispo", epsilon_high=1.05,
+                                                   **options)
+        return loss, stats, torch.autograd.grad(loss, leaves)
+
+    want = run()
+    got = run(ref_logprobs=ref, beta=0.0)
+    assert torch.equal(got[0], want[0])
+    assert all(torch.equal(a, b) for a, b in zip(got[2], want[2]))
+    valid = t != -100
+    assert not torch.isfinite(got[1].kl[valid & ~torch.isfinite(ref)]).any()
+    clipped = (got[1].ratio > 1.05) & (A > 0) & valid  # TRL's cispo_clip_ratio
+    assert torch.equal(got[1].clipped, clipped.float())
+
+
 def _compiled_problem():
     x = make_inputs(12, 8, 37, bias=True, device=DEVICE)
     g = torch.Generator().manual_seed(1)

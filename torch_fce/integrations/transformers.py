@@ -299,7 +299,8 @@ def _model_kept(model):
     versions = [(n, p, p._version) for n, p in model.named_parameters()]
     configs = [model.config] + [v for v in vars(model.config).values()
                                 if isinstance(v, PretrainedConfig)]
-    saved = [(c, copy.deepcopy(vars(c))) for c in configs]
+    # in place, as the modules' attributes: submodules hold these very config objects
+    saved = [(c, {k: (v, _contents(v)) for k, v in vars(c).items()}) for c in configs]
     cuda = sorted({t.device.index or 0 for t in model.parameters() if t.is_cuda})
     try:
         with torch.random.fork_rng(devices=cuda):
@@ -314,7 +315,7 @@ def _model_kept(model):
                     b.copy_(value)
         for c, kept in saved:
             vars(c).clear()
-            vars(c).update(kept)
+            vars(c).update({k: _put_back(v, contents) for k, (v, contents) in kept.items()})
     changed = [n for n, p, v in versions if p._version != v]
     if changed:
         raise ValueError(f"torch_fce cannot serve {type(model).__name__}: its forward "

@@ -41,7 +41,10 @@ class Chain(CustomGraphPass):
             p(graph)
 
     def uuid(self):
-        return "|".join(str(p.uuid() if hasattr(p, "uuid") else p) for p in self.passes)
+        # None (Inductor then bypasses its caches) unless every pass names its own
+        # version: a pass that does not would otherwise be keyed on its address or "None".
+        keys = [p.uuid() if isinstance(p, CustomGraphPass) else None for p in self.passes]
+        return None if any(k is None for k in keys) else "|".join(map(str, keys))
 
 
 def installed():

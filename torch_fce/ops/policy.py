@@ -10,6 +10,7 @@ GRPOTrainer writes them at token-level importance sampling:
   sapo       -sigmoid(tau (r - 1)) * 4 / tau * A,  tau = tau_pos if A > 0 else tau_neg
   reinforce  -r * A
   kl: k1 logprob - ref, k2 (logprob - ref)^2 / 2, k3 exp(ref - logprob) - (ref - logprob) - 1
+  (with beta 0 a statistic only)
 The derivatives are written out (torch's: min splits a tie's gradient in halves, clamp
 passes it at its bounds), so the chunk loop forms the logits gradient in the forward:
 dz = g_lp * dlogprob/dz + g_h * dentropy/dz, with the log-probs' row math.
@@ -60,7 +61,7 @@ def policy_terms(logprob, entropy, valid, advantages, old, ref, weights, opts):
     elif opts.loss_type == "cispo":
         cap = torch.clamp(r, max=opts.epsilon_high)
         term, d_term = -cap * A * lp, -cap * A
-        clipped = r > opts.epsilon_high
+        clipped = (r > opts.epsilon_high) & (A > 0)  # TRL's cispo_clip_ratio
     elif opts.loss_type == "sapo":
         # fills, not host-to-device copies (which a CUDA graph capture refuses)
         tau = torch.where(A > 0, torch.full_like(lp, opts.sapo_temperature_pos),
@@ -83,8 +84,10 @@ def policy_terms(logprob, entropy, valid, advantages, old, ref, weights, opts):
             kl, d_kl = torch.exp(-diff) + diff - 1.0, 1.0 - torch.exp(-diff)
     w = torch.where(valid, weights.to(lp.dtype), zero)
     ent = torch.where(valid, entropy, zero)
-    loss_t = w * (term + opts.beta * kl - opts.entropy_coef * ent)
-    g_lp = w * (d_term + opts.beta * d_kl)
+    if opts.beta != 0.0:  # with beta 0 the KL is a statistic only (0 * inf would be NaN)
+        term, d_term = term + opts.beta * kl, d_term + opts.beta * d_kl
+    loss_t = w * (term - opts.entropy_coef * ent)
+    g_lp = w * d_term
     g_h = w * -opts.entropy_coef
     return (torch.where(valid, loss_t, zero), g_lp, g_h, torch.where(valid, r, zero),
             (clipped & valid).to(lp.dtype), torch.where(valid, kl, zero))
