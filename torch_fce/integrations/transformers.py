@@ -293,29 +293,26 @@ def _model_kept(model):
     the RNG streams. A parameter modified in place cannot be undone: that refuses."""
     from transformers.configuration_utils import PretrainedConfig
 
-    modules = list(model.modules())
-    attrs = [(m, {k: (v, _contents(v)) for k, v in vars(m).items()}) for m in modules]
-    buffers = {id(b): (b, b._version, b.detach().clone()) for b in model.buffers()}
-    versions = [(n, p, p._version) for n, p in model.named_parameters()]
+    # Modules and configs alike keep their own objects, put back in place: submodules
+    # hold these very config objects.
     configs = [model.config] + [v for v in vars(model.config).values()
                                 if isinstance(v, PretrainedConfig)]
-    # in place, as the modules' attributes: submodules hold these very config objects
-    saved = [(c, {k: (v, _contents(v)) for k, v in vars(c).items()}) for c in configs]
+    attrs = [(o, {k: (v, _contents(v)) for k, v in vars(o).items()})
+             for o in [*model.modules(), *configs]]
+    buffers = {id(b): (b, b._version, b.detach().clone()) for b in model.buffers()}
+    versions = [(n, p, p._version) for n, p in model.named_parameters()]
     cuda = sorted({t.device.index or 0 for t in model.parameters() if t.is_cuda})
     try:
         with torch.random.fork_rng(devices=cuda):
             yield
     finally:
-        for m, kept in attrs:
-            vars(m).clear()
-            vars(m).update({k: _put_back(v, c) for k, (v, c) in kept.items()})
+        for o, kept in attrs:
+            vars(o).clear()
+            vars(o).update({k: _put_back(v, c) for k, (v, c) in kept.items()})
         for b, version, value in buffers.values():
             if b._version != version:
                 with torch.no_grad():
                     b.copy_(value)
-        for c, kept in saved:
-            vars(c).clear()
-            vars(c).update({k: _put_back(v, contents) for k, (v, contents) in kept.items()})
     changed = [n for n, p, v in versions if p._version != v]
     if changed:
         raise ValueError(f"torch_fce cannot serve {type(model).__name__}: its forward "
