@@ -69,12 +69,15 @@ def _grads(ctx, grad_loss, saved):
     if not ctx.precomputed:
         grads = torch.ops.fce.linear_ce_bwd(grad_loss, *saved, *ctx.options, needs)
     else:
-        # Scaled and rounded in one pass: no float32 temporary of the weight's size.
-        grads = [
-            torch.ops.fce.scale_grad(g, grad_loss, dtype) if need else None
-            for g, dtype, need in zip(saved[5:], ctx.dtypes, needs)
-        ]
+        grads = _scaled(saved[5:], grad_loss, ctx.dtypes, needs)
     return [g if need else None for g, need in zip(grads, needs)]
+
+
+def _scaled(grads, grad_loss, dtypes, needs):
+    """Gradients the forward formed for a unit upstream gradient, scaled by grad_loss and
+    rounded to their dtypes in one pass (no float32 temporary of the weight's size)."""
+    return [torch.ops.fce.scale_grad(g, grad_loss, dtype) if need else None
+            for g, dtype, need in zip(grads, dtypes, needs)]
 
 
 torch.library.register_autograd("fce::linear_ce_fwd", _backward_fwd, setup_context=_setup_fwd)
@@ -137,8 +140,7 @@ def _backward_policy(ctx, grad_loss, *_):
     needs = [ctx.needs_input_grad[i] for i in (0, 1, 4)]
     create_graph = torch.is_grad_enabled()
     with torch.no_grad():
-        grads = [torch.ops.fce.scale_grad(g, grad_loss, dtype) if need else None
-                 for g, dtype, need in zip((gh, gw, gb), ctx.dtypes, needs)]
+        grads = _scaled((gh, gw, gb), grad_loss, ctx.dtypes, needs)
     if create_graph:
         grads = _first_order(grads, (grad_loss, *inputs))
     return grads[0], grads[1], None, None, grads[2], *(None,) * 17
