@@ -175,14 +175,15 @@ class _VocabParallelLinearCE(torch.autograd.Function):
         return grads.results(group, weight.dtype)
 
 
-def _logprob_chunk(hidden, w, b, col, inv_t, opts, mdt, group, start, V):
+def _logprob_chunk(hidden, w, b, col, inv_t, opts, mdt, group, start, V, argmax=True):
     """One token chunk of the vocab-parallel log-probs (the math of ops/logprob_rows.py):
     (z, tanh, M, log_s, d, z_y, argmax). The rank reduces its shard's logits z =
     softcap(l) / T to the shard's max, sum of exp, sum of exp * (z - max), target logit
     and argmax; one max and one stacked sum all-reduce give the global max M, log s and
-    d = mu - M (each (n,)), the target's logit z_y and the first most likely class."""
+    d = mu - M (each (n,)), the target's logit z_y and, unless argmax=False (then None:
+    two collectives fewer), the first most likely class."""
     c, tanh = softcapped(F.linear(hidden, w, b), opts.softcap, mdt)
-    best, where = c.max(-1)
+    best, where = c.max(-1) if argmax else (None, None)
     z = c.mul_(inv_t[:, None])
     m = z.amax(-1).clamp_min(torch.finfo(mdt).min)
     ex = (z - m[:, None]).exp_()
@@ -196,12 +197,14 @@ def _logprob_chunk(hidden, w, b, col, inv_t, opts, mdt, group, start, V):
     del ex
     sums = funcol.all_reduce(torch.stack(
         [s_here * scale, (ez_here + (m - M) * s_here) * scale, zy]), "sum", group)
+    log_s, d, z_y = sums[0].log(), sums[1] / sums[0], sums[2]
+    if not argmax:
+        return z, tanh, M, log_s, d, z_y, None
     # The first most likely class overall: the lowest index among the ranks holding
     # the maximum.
     top = funcol.all_reduce(best, "max", group)
     idx = torch.where(best == top, where + start, V)
-    argmax = funcol.all_reduce(idx, "min", group)
-    return z, tanh, M, sums[0].log(), sums[1] / sums[0], sums[2], argmax
+    return z, tanh, M, log_s, d, z_y, funcol.all_reduce(idx, "min", group)
 
 
 def _logprob_shard_dz(z, tanh, M, log_s, d, g, h, col, inv_t, valid, dtype):
@@ -300,14 +303,15 @@ class _VocabParallelPolicyLoss(torch.autograd.Function):
         out = [hidden.new_empty(N, dtype=mdt) for _ in range(6)]  # loss_t, logprob, ... kl
         for a, e in _row_math(hidden, V, group)[2]:
             z, tanh, M, log_s, d, z_y, _ = _logprob_chunk(
-                hidden[a:e], w, b, col[a:e], inv_t[a:e], opts, mdt, group, start, V)
+                hidden[a:e], w, b, col[a:e], inv_t[a:e], opts, mdt, group, start, V,
+                argmax=False)
             v = valid[a:e]
             lp = torch.where(v, torch.where(in_range[a:e], z_y - M - log_s, float("nan")), 0.0)
+            ent = torch.where(v, log_s - d, 0.0)
             terms = policy.policy_terms(
-                lp, torch.where(v, log_s - d, 0.0), v, advantages[a:e],
-                None if old is None else old[a:e], None if ref is None else ref[a:e],
-                weights[a:e], popts)
-            out[0][a:e], out[1][a:e], out[2][a:e] = terms[0], lp, torch.where(v, log_s - d, 0.0)
+                lp, ent, v, advantages[a:e], None if old is None else old[a:e],
+                None if ref is None else ref[a:e], weights[a:e], popts)
+            out[0][a:e], out[1][a:e], out[2][a:e] = terms[0], lp, ent
             out[3][a:e], out[4][a:e], out[5][a:e] = terms[3:]
             if grads is not None:
                 dz = _logprob_shard_dz(z, tanh, M, log_s, d, terms[1],
