@@ -202,11 +202,7 @@ REFUSED = {
 
 @pytest.mark.parametrize("case", REFUSED)
 def test_transformers_family_it_cannot_reproduce_is_refused(case):
-    model = _custom(**REFUSED[case])
-    before = fingerprint(model)
-    with pytest.raises(ValueError, match="cannot serve"):
-        fce_hf.apply(model)
-    assert_same(fingerprint(model), before)  # left as it was
+    assert_refused_as_it_was(_custom(**REFUSED[case]), "cannot serve")
 
 
 def test_transformers_standard_custom_family_is_served():
@@ -259,6 +255,14 @@ def assert_same(got, want):
             keys = sorted(k for k in set(a[4]) | set(b[4]) if a[4].get(k) != b[4].get(k))
             raise AssertionError(f"module {a[0]!r}: {diff} differ (attributes {keys})")
     assert len(got[0]) == len(want[0]) and got[1:] == want[1:]
+
+
+def assert_refused_as_it_was(model, match):
+    """apply() raises a ValueError matching `match` and leaves the model as it was."""
+    before = fingerprint(model)
+    with pytest.raises(ValueError, match=match):
+        fce_hf.apply(model)
+    assert_same(fingerprint(model), before)
 
 
 class _Values(list):
@@ -360,11 +364,7 @@ HEADS = {
 
 @pytest.mark.parametrize("case", HEADS)
 def test_transformers_head_that_is_not_a_plain_linear_is_refused(case):
-    model = HEADS[case]()
-    before = fingerprint(model)
-    with pytest.raises(ValueError, match="cannot serve .*lm_head|output embeddings"):
-        fce_hf.apply(model)
-    assert_same(fingerprint(model), before)
+    assert_refused_as_it_was(HEADS[case](), "cannot serve .*lm_head|output embeddings")
 
 
 def test_transformers_apply_refuses_bad_options_naming_them():
@@ -408,11 +408,7 @@ def test_transformers_accelerate_dispatched_model_trains_with_its_hooks():
 
 
 def test_transformers_accelerate_offloaded_head_is_refused():
-    model = _dispatched(offload=True)
-    before = fingerprint(model)
-    with pytest.raises(ValueError, match="offloaded"):
-        fce_hf.apply(model)
-    assert_same(fingerprint(model), before)
+    assert_refused_as_it_was(_dispatched(offload=True), "offloaded")
 
 
 def test_transformers_labels_passed_positionally():
