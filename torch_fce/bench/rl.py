@@ -35,19 +35,23 @@ def _unfused_logprobs(h, w, t):
     return lp, -(logp.exp() * logp).sum(-1)
 
 
-def logprobs_unfused(h, w, t):
-    lp, ent = _unfused_logprobs(h, w, t)
+def _weighted(lp, ent, t):
+    """The logprobs objective: the fixed upstream weights on log-probs and entropies of
+    the tokens not ignored."""
     g, k = _upstream(t)
     valid = t != -100
     return (torch.where(valid, lp, 0.0) * g).sum() + (torch.where(valid, ent, 0.0) * k).sum()
+
+
+def logprobs_unfused(h, w, t):
+    return _weighted(*_unfused_logprobs(h, w, t), t)
 
 
 def _logprobs_fce(accumulator):
     def run(h, w, t):
         out = torch_fce.linear_logprobs(h, w, t, temperature=TEMPERATURE, entropy=True,
                                         accumulator=accumulator)
-        g, k = _upstream(t)
-        return (out.logprob * g).sum() + (out.entropy * k).sum()
+        return _weighted(out.logprob, out.entropy, t)
     return run
 
 
@@ -100,11 +104,7 @@ def _trl_head():
 def _trl(objective):
     head = _trl_head()
     if objective == "logprobs":
-        def run(h, w, t):
-            lp, ent = head(h, w, t)
-            g, k = _upstream(t)
-            return (lp * g).sum() + (ent * k).sum()
-        return run
+        return lambda h, w, t: _weighted(*head(h, w, t), t)
     return lambda h, w, t, *data: _dapo_k3(head(h, w, t)[0], t, *data)
 
 
