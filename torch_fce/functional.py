@@ -129,7 +129,8 @@ def linear_logprobs(hidden, weight, target, bias=None, *, temperature=1.0, softc
 def linear_policy_loss(hidden, weight, target, advantages, bias=None, *, old_logprobs=None,
                        ref_logprobs=None, loss_type="clip", epsilon_low=0.2,
                        epsilon_high=None, delta=None, sapo_temperature_pos=1.0,
-                       sapo_temperature_neg=1.05, beta=0.0, kl="k3", entropy_coef=0.0,
+                       sapo_temperature_neg=1.05, beta=0.0, kl="k3", kl_ratio=False,
+                       entropy_coef=0.0,
                        token_weights=None, temperature=1.0, softcap=None, ignore_index=-100,
                        shift=False, accumulator="fp32"):
     """An RL policy loss of softcap(F.linear(hidden, weight, bias)) / temperature at the
@@ -149,7 +150,8 @@ def linear_policy_loss(hidden, weight, target, advantages, bias=None, *, old_log
             None: 1 / the number of tokens not ignored). beta > 0 needs ref_logprobs.
         epsilon_low, epsilon_high: the clip range [1 - low, 1 + high] (high defaults to
             low); cispo: epsilon_high caps the ratio. delta: "clip"'s upper bound of the
-            unclipped ratio. kl: "k1", "k2" or "k3". temperature: as linear_logprobs.
+            unclipped ratio. kl: "k1", "k2" or "k3"; kl_ratio: the KL term times the
+            ratio (TRL's use_bias_correction_kl). temperature: as linear_logprobs.
         shift: pair hidden[..., t, :] with target[..., t + 1]; the per-token tensors stay
             with the hidden position, as the statistics do.
 
@@ -165,6 +167,7 @@ def linear_policy_loss(hidden, weight, target, advantages, bias=None, *, old_log
     options = dict(loss_type=loss_type, epsilon_low=epsilon_low, epsilon_high=epsilon_high,
                    delta=delta, sapo_temperature_pos=sapo_temperature_pos,
                    sapo_temperature_neg=sapo_temperature_neg, beta=beta, kl=kl,
+                   kl_ratio=kl_ratio,
                    entropy_coef=entropy_coef, softcap=softcap, ignore_index=ignore_index,
                    accumulator=accumulator)
     if _is_dtensor(weight):  # sharded by vocabulary: the vocab-parallel policy loss

@@ -292,6 +292,28 @@ def _check_policy_loss(rank, world):
     assert rel_err(got[2][1].full_tensor(), want[2][1]) <= grad_tol(torch.float32, V)
 
 
+def _check_verl(rank, world):
+    # verl's call with its tensor-parallel group: equal contiguous shards, the same
+    # values and gradients as one process.
+    from torch_fce.integrations.verl import linear_cross_entropy
+
+    local = 13
+    x = make_inputs(12, 8, local * world, ignore_frac=0.2, seed=11, weight_scale=2.0)
+    g = torch.Generator().manual_seed(4)
+    gl, ge = torch.randn(12, generator=g), torch.randn(12, generator=g)
+    outs = []
+    for w, group in ((x["weight"], None),
+                     (x["weight"][rank * local:(rank + 1) * local], dist.group.WORLD)):
+        h, w = x["hidden"].clone().requires_grad_(), w.clone().requires_grad_()
+        lp, ent = linear_cross_entropy(h, w, x["target"], 0.7, "none", group)
+        outs.append((lp, ent, *torch.autograd.grad((lp * gl + ent * ge).sum(), (h, w))))
+    (lp, ent, dh, dw), (lp1, ent1, dh1, dw1) = outs
+    assert rel_err(lp1, lp) <= LOSS_TOL and rel_err(ent1, ent) <= LOSS_TOL
+    assert rel_err(dh1, dh) <= grad_tol(torch.float32, local * world)
+    assert rel_err(dw1, dw[rank * local:(rank + 1) * local]) <= grad_tol(torch.float32,
+                                                                       local * world)
+
+
 def _worker(rank, world, path):
     dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
     try:
@@ -304,6 +326,7 @@ def _worker(rank, world, path):
         _check_dtensor(world)
         _check_logprobs(rank, world)
         _check_policy_loss(rank, world)
+        _check_verl(rank, world)
         _check_fsdp2(rank, world)
         # Shards that do not tile V: every rank raises the same clear error, none hangs.
         w = torch.randn(10, 8)

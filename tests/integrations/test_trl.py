@@ -6,6 +6,7 @@ import inspect
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers")
 trl_utils = pytest.importorskip("trl.trainer.utils")
@@ -113,3 +114,81 @@ def test_trl_through_a_ddp_wrapper(tmp_path):
         dist.destroy_process_group()
     assert torch.equal(logps, want)
     assert all(p.grad is not None for p in model.parameters())
+
+
+def _transformed_logits(h, w, b, T, softcap, scale):
+    """TRL's fused head's logits: softcap(scale * (h W^T + b)) / T, in float64."""
+    z = F.linear(h, w, b) * scale
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    return z / T
+
+
+@pytest.mark.parametrize("softcap, outputs", [
+    (None, ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")),
+    (3.0, ("log_probs", "entropy", "is_top1")),
+    (None, ("log_probs",)),
+])
+def test_chunked_logprob_drop_in_equals_the_float64_composition_and_trls(softcap, outputs):
+    from trl.kernels import ChunkedLogProbFunction as Theirs
+
+    g = torch.Generator().manual_seed(5)
+    N, D, Vo, T, scale = 11, 8, 37, 0.7, 1.3
+    h = (torch.randn(N, D, generator=g, dtype=torch.float64) * 2).to(DEVICE).requires_grad_()
+    w = torch.randn(Vo, D, generator=g, dtype=torch.float64).to(DEVICE).requires_grad_()
+    b = torch.randn(Vo, generator=g, dtype=torch.float64).to(DEVICE).requires_grad_()
+    y = torch.randint(0, Vo, (N,), generator=g).to(DEVICE)
+    y[:4] = F.linear(h, w, b).argmax(-1)[:4]  # some targets are the most likely class
+    gl, ge = (torch.randn(N, generator=g, dtype=torch.float64).to(DEVICE) for _ in range(2))
+
+    z = _transformed_logits(h, w, b, T, softcap, scale)
+    logp = z.log_softmax(-1)
+    want = [logp.gather(-1, y[:, None]).squeeze(-1), -(logp.exp() * logp).sum(-1),
+            torch.logsumexp(2 * logp, -1), z.mean(-1), z.argmax(-1) == y]
+    args = (h, w, b, y, T, 16, softcap, scale, outputs)
+    for fn, tol in ((fce_trl.ChunkedLogProbFunction, 1e-12), (Theirs, 1e-5)):
+        got = fn.apply(*args)
+        for i, name in enumerate(("log_probs", "entropy", "log_sum_sq_probs", "mean_logits",
+                                  "is_top1")):
+            if name not in outputs and name != "log_probs":
+                assert got[i] is None, name
+            elif name == "is_top1":
+                assert torch.equal(got[i], want[i])
+            else:
+                assert rel_err(got[i].double(), want[i]) <= tol, (fn, name)
+        upstream = (got[0] * gl).sum() + ((got[1] * ge).sum() if got[1] is not None else 0)
+        grads = torch.autograd.grad(upstream, (h, w, b))
+        ref = (want[0] * gl).sum() + ((want[1] * ge).sum() if "entropy" in outputs else 0)
+        for a, r in zip(grads, torch.autograd.grad(ref, (h, w, b), retain_graph=True)):
+            assert rel_err(a.double(), r) <= 100 * tol, fn
+
+
+def test_chunked_logprob_drop_in_refuses_what_it_cannot_serve():
+    h, w, y = torch.randn(3, 4), torch.randn(5, 4), torch.tensor([0, 1, 2])
+    with pytest.raises(ValueError, match="mean_logits"):
+        fce_trl.ChunkedLogProbFunction.apply(h, w, None, y, 1.0, 8, 3.0, 1.0, ("mean_logits",))
+    with pytest.raises(ValueError, match="outputs"):
+        fce_trl.ChunkedLogProbFunction.apply(h, w, None, y, 1.0, 8, None, 1.0, ("logits",))
+
+
+def test_fused_lm_head_context_serves_trls_head_and_puts_it_back():
+    # A model with TRL's fused head: inside the context its log-probs are torch_fce's
+    # (float64-exact, where TRL's kernel keeps float32 statistics), and TRL's afterwards.
+    import trl.trainer.utils as trl_utils
+
+    ids, mask, _ = _batch()
+    model = _model("gemma2")
+    labels = ids.masked_fill(mask == 0, -100)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1] / TEMPERATURE
+        want = trl_utils.selective_log_softmax(logits, ids[:, 1:])
+    trl_utils.add_fused_lm_head(model, temperature=TEMPERATURE, outputs=("log_probs", "entropy"))
+    theirs = trl_utils._ChunkedLogProbFunction
+    with fce_trl.fused_lm_head():
+        out = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
+        out.log_probs.sum().backward()
+    assert trl_utils._ChunkedLogProbFunction is theirs
+    assert rel_err(out.log_probs, want) <= 1e-12
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+    theirs_out = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
+    assert 1e-12 < rel_err(theirs_out.log_probs, want) <= 1e-5

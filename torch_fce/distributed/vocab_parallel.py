@@ -445,8 +445,8 @@ def vocab_parallel_linear_policy_loss(
         hidden, weight, target, advantages, bias=None, *, vocab_start, vocab_size,
         group=None, old_logprobs=None, ref_logprobs=None, loss_type="clip", epsilon_low=0.2,
         epsilon_high=None, delta=None, sapo_temperature_pos=1.0, sapo_temperature_neg=1.05,
-        beta=0.0, kl="k3", entropy_coef=0.0, token_weights=None, temperature=1.0,
-        softcap=None, ignore_index=-100, accumulator="fp32"):
+        beta=0.0, kl="k3", kl_ratio=False, entropy_coef=0.0, token_weights=None,
+        temperature=1.0, softcap=None, ignore_index=-100, accumulator="fp32"):
     """torch_fce.linear_policy_loss with the head's rows split across `group`.
 
     Args as vocab_parallel_linear_cross_entropy (hidden, target and every per-token
@@ -460,7 +460,8 @@ def vocab_parallel_linear_policy_loss(
     popts = policy.check_policy_inputs(
         hidden, weight, target, advantages, bias, old_logprobs, ref_logprobs, token_weights,
         temperature, loss_type, epsilon_low, epsilon_high, delta, sapo_temperature_pos,
-        sapo_temperature_neg, beta, kl, entropy_coef, softcap, ignore_index, accumulator)
+        sapo_temperature_neg, beta, kl, kl_ratio, entropy_coef, softcap, ignore_index,
+        accumulator)
     group = _checked_group(hidden, weight, target, temperature, vocab_start, vocab_size,
                            group, ignore_index)
     mdt = math_dtype_for(hidden.dtype)

@@ -319,25 +319,46 @@ def _model_kept(model):
                          f"modified parameters in place ({', '.join(changed[:4])})")
 
 
-def apply(model, *, accumulator="fp32", z_loss=0.0, label_smoothing=0.0):
-    """Patches a transformers causal LM (in place, reversibly) to train without logits."""
-    if hasattr(model, _ORIGINAL):
+def attach(model):
+    """Checks that torch_fce reproduces the model's logits and installs the capture of
+    its head's input, leaving the model's forward as it is (in place, reversibly, by
+    detach()): what apply() builds on, and what integrations that call the model
+    themselves (TRL's trainers) need. Raises ValueError naming what it cannot serve."""
+    if hasattr(model, _OPTIONS):
         raise ValueError("torch_fce is already applied to this model")
-    check_options("mean", label_smoothing, softcap=None, z_loss=z_loss,
-                  accumulator=accumulator)
     head = model.get_output_embeddings()
     _check_head(head, type(model).__name__)
-    original = model.forward  # accelerate's hook wrapper, if dispatched: kept inside
     capture = _install(head)
     try:
         with _model_kept(model):
             model.eval()  # no dropout in the check
-            rule = _check_family(model, head, capture, original)
+            rule = _check_family(model, head, capture, model.forward)
     except Exception:
         _uninstall(head)
         raise
-    setattr(model, _OPTIONS, dict(accumulator=accumulator, z_loss=z_loss,
-                                  label_smoothing=label_smoothing, scale_rule=rule))
+    setattr(model, _OPTIONS, dict(scale_rule=rule))
+    return model
+
+
+def detach(model):
+    """Undoes attach()."""
+    if hasattr(model, _ORIGINAL):
+        raise ValueError("torch_fce's forward is applied to this model: call revert()")
+    if not hasattr(model, _OPTIONS):
+        raise ValueError("torch_fce is not applied to this model")
+    _uninstall(model.get_output_embeddings())
+    delattr(model, _OPTIONS)
+    return model
+
+
+def apply(model, *, accumulator="fp32", z_loss=0.0, label_smoothing=0.0):
+    """Patches a transformers causal LM (in place, reversibly) to train without logits."""
+    check_options("mean", label_smoothing, softcap=None, z_loss=z_loss,
+                  accumulator=accumulator)
+    original = model.forward  # accelerate's hook wrapper, if dispatched: kept inside
+    attach(model)
+    getattr(model, _OPTIONS).update(accumulator=accumulator, z_loss=z_loss,
+                                    label_smoothing=label_smoothing)
     # The model's instance forward (an accelerate hook's), restored by revert().
     setattr(model, _ORIGINAL, (original, vars(model).get("forward")))
 
@@ -399,7 +420,5 @@ def revert(model):
         del model.forward
     else:
         model.forward = instance_forward
-    _uninstall(model.get_output_embeddings())
     delattr(model, _ORIGINAL)
-    delattr(model, _OPTIONS)
-    return model
+    return detach(model)

@@ -1,30 +1,60 @@
-"""TRL-style per-token log-probs and entropies of a HuggingFace causal LM, without logits.
+"""TRL 1.16: GRPOTrainer's loss through torch_fce.linear_policy_loss, and torch_fce's
+log-probs inside TRL's fused LM head.
 
-    from torch_fce.integrations import transformers as fce_hf, trl as fce_trl
-    fce_hf.apply(model)      # checks that the family's logits can be reproduced
-    logps, entropies = fce_trl.per_token_logps_and_entropies(
-        model, input_ids, attention_mask, logits_to_keep, temperature=0.7,
-        compute_entropy=True)
+    from torch_fce.integrations import trl as fce_trl
+    trainer = GRPOTrainer(model=policy, ...)
+    fce_trl.apply(trainer)        # the loss in three GEMMs, or a warning saying why not
+    trainer.train()
+    fce_trl.revert(trainer)
 
-The values TRL's helpers compute from `logits[:, -logits_to_keep - 1:-1] / temperature`
-(`selective_log_softmax`, `entropy_from_logits`), from the head's input and weight
-through torch_fce.linear_logprobs. docs/rl.md shows the GRPOTrainer override that uses
-it.
+    with fce_trl.fused_lm_head():  # any trainer that uses add_fused_lm_head (SFT, KTO,
+        trainer.train()            # RLOO, GRPO's old and reference log-probs)
+
+apply() replaces the trainer's `_compute_loss` (on the instance) by one that runs the
+policy's forward with its head capturing the hidden states and forms TRL's loss, its
+normalisation and its metrics from linear_policy_loss; for a configuration whose loss it
+cannot reproduce exactly it warns, naming the reason, and leaves TRL's own. docs/rl.md
+lists what is served.
 """
 
-from ..functional import linear_logprobs
-from .transformers import _ORIGINAL, capture_of, head_operands
+import contextlib
+import warnings
+
+import torch
+
+from ..functional import linear_logprobs, linear_policy_loss
+from ..ops.checks import check_logprob_options
+from . import transformers as fce_hf
+from .transformers import _OPTIONS, capture_of, head_operands
 
 
-def _patched(model):
-    """The module apply() patched, under wrappers such as DistributedDataParallel."""
+def _attached(model):
+    """The module attach() (or apply()) prepared, under wrappers such as
+    DistributedDataParallel or a PEFT model."""
     inner = model
-    while not hasattr(inner, _ORIGINAL) and hasattr(inner, "module"):
-        inner = inner.module
-    if not hasattr(inner, _ORIGINAL):
-        raise ValueError("per_token_logps_and_entropies needs a model patched by "
-                         "torch_fce.integrations.transformers.apply(model) first")
+    while not hasattr(inner, _OPTIONS):
+        if hasattr(inner, "module"):
+            inner = inner.module
+        elif hasattr(inner, "get_base_model"):
+            inner = inner.get_base_model()
+        else:
+            raise ValueError("this needs a model prepared by torch_fce.integrations."
+                             "transformers.apply(model) (or attach(model)) first")
     return inner
+
+
+def _head_inputs(model, input_ids, attention_mask, K, **model_kwargs):
+    """(hidden, weight, bias, softcap, outputs): the head's operands for the last K
+    tokens' log-probs (position t predicts token t + 1) from one forward through `model`
+    as given (wrappers included, so DDP's gradient hooks run), and the model's outputs."""
+    inner = _attached(model)
+    head = inner.get_output_embeddings()
+    # The head, capturing, hands back its input instead of the logits.
+    with capture_of(head).capturing() as capture:
+        out = model(input_ids=input_ids, attention_mask=attention_mask, **model_kwargs)
+    hidden, capture.hidden = capture.hidden, None
+    hidden, bias, softcap = head_operands(inner, head, hidden[:, -K - 1:-1])
+    return hidden, head.weight, bias, softcap, out
 
 
 def per_token_logps_and_entropies(model, input_ids, attention_mask=None, logits_to_keep=None,
@@ -33,24 +63,303 @@ def per_token_logps_and_entropies(model, input_ids, attention_mask=None, logits_
     """(logps, entropies) each (B, K) for the last K = logits_to_keep tokens of input_ids
     (all but the first when None); entropies is None unless compute_entropy.
 
-    model: patched by torch_fce.integrations.transformers.apply (its check refuses
-    families whose logits are not softcap(scale * lm_head(hidden))), possibly wrapped
+    The values TRL's helpers compute from `logits[:, -logits_to_keep - 1:-1] /
+    temperature` (`selective_log_softmax`, `entropy_from_logits`). model: prepared by
+    torch_fce.integrations.transformers.apply or attach (their check refuses families
+    whose logits are not softcap(scale * lm_head(hidden))), possibly wrapped
     (DistributedDataParallel: it is called through the wrapper, so its gradient
     synchronisation runs). temperature: a float or a tensor broadcastable to (B, K).
     """
-    inner = _patched(model)
     K = input_ids.shape[1] - 1 if logits_to_keep is None else int(logits_to_keep)
     if not 0 < K < input_ids.shape[1]:
         raise ValueError(f"logits_to_keep must be in [1, {input_ids.shape[1] - 1}], got {K}")
-    head = inner.get_output_embeddings()
-    # Without labels the patched forward is the model's own; the head, capturing, hands
-    # back its input instead of the logits.
-    with capture_of(head).capturing() as capture:
-        model(input_ids=input_ids, attention_mask=attention_mask, **model_kwargs)
-    hidden, capture.hidden = capture.hidden, None
-    # position t predicts token t + 1
-    hidden, bias, softcap = head_operands(inner, head, hidden[:, -K - 1:-1])
-    out = linear_logprobs(hidden, head.weight, input_ids[:, -K:].to(hidden.device), bias,
+    hidden, weight, bias, softcap, _ = _head_inputs(model, input_ids, attention_mask, K,
+                                                    **model_kwargs)
+    out = linear_logprobs(hidden, weight, input_ids[:, -K:].to(hidden.device), bias,
                           temperature=temperature, softcap=softcap, entropy=compute_entropy,
                           accumulator=accumulator)
     return out.logprob, out.entropy
+
+
+# ----------------------------------------------------------------------------------------
+# TRL's fused LM head (trl.trainer.utils.add_fused_lm_head) with torch_fce's log-probs
+
+_OPTIONAL_OUTPUTS = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
+
+
+class ChunkedLogProbFunction:
+    """A drop-in for `trl.kernels.ChunkedLogProbFunction`: the same `apply` arguments
+    and outputs (log-probs and, as asked in `outputs`, entropy, log(sum_v p_v^2), the
+    mean logit and whether the target is the most likely class), from
+    torch_fce.linear_logprobs. log_sum_sq_probs costs a second forward sweep (no
+    gradient): it is logsumexp(2 z) - 2 logsumexp(z) of the temperature-scaled logits z.
+    mean_logits is refused with a softcap (it would need a pass of its own)."""
+
+    @staticmethod
+    def apply(hidden, weight, bias, targets, temperature, chunk_size=None,
+              final_logit_softcapping=None, logit_scale=1.0, outputs=_OPTIONAL_OUTPUTS,
+              accumulator="fp32"):
+        unknown = set(outputs) - {"log_probs", *_OPTIONAL_OUTPUTS}
+        if unknown:
+            raise ValueError(f"outputs must be among {('log_probs',) + _OPTIONAL_OUTPUTS}, "
+                             f"got {sorted(unknown)}")
+        if "mean_logits" in outputs and final_logit_softcapping is not None:
+            raise ValueError("outputs: mean_logits with final_logit_softcapping is not "
+                             "served by torch_fce (the mean of softcapped logits needs a "
+                             "pass of its own)")
+        check_logprob_options(final_logit_softcapping, -100, True, accumulator)
+        if torch.is_autocast_enabled(hidden.device.type):  # TRL computes in autocast's dtype
+            dtype = torch.get_autocast_dtype(hidden.device.type)
+            hidden = hidden.to(dtype)
+            weight = weight if weight.dtype == torch.float32 else weight.to(dtype)
+        if logit_scale != 1.0:  # softcap(scale * (h W^T + b)) = softcap((scale h) W^T + scale b)
+            hidden = hidden * logit_scale
+            bias = None if bias is None else bias * logit_scale
+        out = linear_logprobs(hidden, weight, targets, bias, temperature=temperature,
+                              softcap=final_logit_softcapping, entropy="entropy" in outputs,
+                              accumulator=accumulator)
+        sq = mean = None
+        with torch.no_grad():
+            if "log_sum_sq_probs" in outputs:
+                doubled = linear_logprobs(hidden, weight, targets, bias,
+                                          temperature=temperature / 2,
+                                          softcap=final_logit_softcapping,
+                                          accumulator=accumulator)
+                sq = doubled.lse - 2 * out.lse
+            if "mean_logits" in outputs:  # mean_v (h . w_v + b_v) * scale / T
+                w_sum = weight.sum(0, dtype=out.lse.dtype)
+                mean = hidden.to(out.lse.dtype) @ w_sum
+                if bias is not None:
+                    mean = mean + bias.sum(dtype=out.lse.dtype)
+                mean = mean / (weight.shape[0] * temperature)
+        top1 = out.argmax == targets if "is_top1" in outputs else None
+        return out.logprob, out.entropy, sq, mean, top1
+
+
+@contextlib.contextmanager
+def fused_lm_head(accumulator="fp32"):
+    """While active, every fused LM head TRL adds (`add_fused_lm_head`: GRPO, RLOO, SFT,
+    KTO, ...) computes its log-probs with torch_fce instead of TRL's kernel (process-
+    wide: it swaps the function TRL's head calls, and puts TRL's back on exit)."""
+    import trl.trainer.utils as trl_utils
+
+    check_logprob_options(None, -100, True, accumulator)
+    theirs = trl_utils._ChunkedLogProbFunction
+
+    class _Ours:
+        @staticmethod
+        def apply(*args):
+            return ChunkedLogProbFunction.apply(*args, accumulator=accumulator)
+
+    trl_utils._ChunkedLogProbFunction = _Ours
+    try:
+        yield
+    finally:
+        trl_utils._ChunkedLogProbFunction = theirs
+
+
+# ----------------------------------------------------------------------------------------
+# GRPOTrainer's loss through linear_policy_loss
+
+_LOSS_TYPES = {"grpo": "clip", "dapo": "clip", "dr_grpo": "clip", "bnpo": "clip",
+               "cispo": "cispo", "sapo": "sapo"}
+# Inputs of vision-language batches; their forward is not reproduced here.
+_MULTIMODAL = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask",
+               "spatial_shapes", "num_tiles", "image_sizes", "token_type_ids",
+               "mm_token_type_ids", "image_position_ids")
+
+
+def _unsupported(trainer):
+    """Why torch_fce cannot reproduce this GRPOTrainer's loss exactly, or None."""
+    from trl import GRPOTrainer
+
+    if not isinstance(trainer, GRPOTrainer):
+        return f"it serves GRPOTrainer, got a {type(trainer).__name__}"
+    for method in ("_compute_loss", "_get_per_token_logps_and_entropies"):
+        if getattr(type(trainer), method) is not getattr(GRPOTrainer, method):
+            return f"{type(trainer).__name__} overrides {method}"
+    if trainer.loss_type not in _LOSS_TYPES:
+        return f"loss_type={trainer.loss_type!r} (served: {', '.join(_LOSS_TYPES)})"
+    if trainer.importance_sampling_level != "token":
+        return ("importance_sampling_level='sequence' (its ratio is a sequence mean of the "
+                "log-ratios the loss computes)")
+    if trainer.top_entropy_quantile < 1.0:
+        return ("top_entropy_quantile < 1 (its mask is a quantile of the entropies the loss "
+                "computes)")
+    if trainer.off_policy_mask_threshold is not None:
+        return ("off_policy_mask_threshold (its mask depends on the log-probs the loss "
+                "computes)")
+    if trainer.use_adaptive_entropy:
+        return "use_adaptive_entropy"
+    if trainer.entropy_coef != 0.0 and trainer.beta != 0.0 and trainer.loss_type != "bnpo":
+        return (f"an entropy bonus with a KL term under loss_type={trainer.loss_type!r} "
+                "(TRL normalises the bonus by the token count and the KL as the policy "
+                "term: two per-token weightings, where linear_policy_loss takes one)")
+    return None
+
+
+def _base_model(model):
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def apply(trainer, *, accumulator="fp32"):
+    """Makes a TRL GRPOTrainer (instance, reversibly) compute its loss with
+    torch_fce.linear_policy_loss; returns the trainer.
+
+    Served: loss_type grpo, dapo, dr_grpo, bnpo, cispo and sapo at token-level
+    importance sampling, any beta (k3 KL, with or without the ratio's bias correction), delta, vLLM importance-sampling correction,
+    tool masks, a static entropy bonus (with beta != 0 under bnpo only), MoE router
+    losses, gradient accumulation, train and eval; the same loss, gradients and logged
+    metrics as TRL's. Anything else (sequence-level importance sampling, entropy
+    masking, off-policy masking, adaptive entropy, loss types
+    vespo and luspo, a head or family torch_fce does not reproduce, a subclass
+    overriding the loss): one warning naming the reason, and TRL's own loss.
+    """
+    if "_compute_loss" in vars(trainer):
+        raise ValueError("torch_fce is already applied to this trainer")
+    check_logprob_options(None, -100, True, accumulator)
+    why = _unsupported(trainer)
+    if why is None:
+        try:
+            fce_hf.attach(_base_model(trainer.model))
+        except ValueError as e:
+            why = str(e)
+    if why is not None:
+        warnings.warn(f"torch_fce.integrations.trl.apply: the trainer keeps TRL's own loss: "
+                      f"{why}", stacklevel=2)
+        return trainer
+
+    def _compute_loss(model, inputs):
+        return _grpo_loss(trainer, model, inputs, accumulator)
+
+    trainer._compute_loss = _compute_loss
+    return trainer
+
+
+def revert(trainer):
+    """Undoes apply(): TRL's own loss again."""
+    if "_compute_loss" not in vars(trainer):
+        raise ValueError("torch_fce is not applied to this trainer")
+    del trainer._compute_loss
+    fce_hf.detach(_base_model(trainer.model))
+    return trainer
+
+
+def _grpo_loss(trainer, model, inputs, accumulator):
+    """GRPOTrainer._compute_loss, for the configurations _unsupported() lets through."""
+    present = [k for k in _MULTIMODAL if inputs.get(k) is not None]
+    if present:
+        warnings.warn(f"torch_fce.integrations.trl: this batch has {present}: TRL's own "
+                      "loss computes it", stacklevel=3)
+        return type(trainer)._compute_loss(trainer, model, inputs)
+    prompt_ids, completion_ids = inputs["prompt_ids"], inputs["completion_ids"]
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+    attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+    K = completion_ids.size(1)
+    mask = inputs["completion_mask"]
+    if "tool_mask" in inputs:
+        mask = mask * inputs["tool_mask"]
+    kwargs = {"use_cache": False}
+    if trainer.aux_loss_enabled:
+        kwargs["output_router_logits"] = True
+    with trainer.accelerator.autocast():
+        hidden, weight, bias, softcap, out = _head_inputs(model, input_ids, attention_mask,
+                                                          K, **kwargs)
+    mode = "train" if trainer.model.training else "eval"
+    ga = trainer.current_gradient_accumulation_steps if mode == "train" else 1.0
+    dt = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    m = mask.to(device=hidden.device, dtype=dt)
+    B = m.shape[0]
+
+    # TRL's normalisation of the policy (and KL) terms, as per-token weights
+    loss_type = trainer.loss_type
+    if loss_type in ("grpo", "sapo"):
+        w = m / (m.sum(-1, keepdim=True).clamp(min=1.0) * B * ga)
+    elif loss_type == "bnpo":
+        w = m / (m.sum().clamp(min=1.0) * ga)
+    elif loss_type == "dr_grpo":
+        w = m / (B * trainer.max_completion_length * ga)
+    else:  # dapo, cispo: num_items_in_batch spans the generation batch
+        normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / trainer.accelerator.num_processes
+        if mode == "train":
+            normalizer = normalizer * ga / trainer.args.steps_per_generation
+        w = m / normalizer.to(device=m.device, dtype=dt)
+
+    advantages = inputs["advantages"]
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(1)
+    A = advantages.to(device=m.device, dtype=dt).expand_as(m)
+    if trainer.use_vllm and trainer.vllm_importance_sampling_correction:
+        # the policy term times the IS ratio (>= 0) is the term at A * ratio, also clipped
+        A = A * inputs["importance_sampling_ratio"].to(device=m.device, dtype=dt)
+    coef = trainer.entropy_coef if trainer._entropy_bonus_enabled else 0.0
+    token_weights = w
+    if coef != 0.0 and loss_type != "bnpo":
+        # TRL's bonus is a token mean (weights e); the policy terms are linear in A, so
+        # weights e with advantages A * w / e give them their weights w (beta is 0 here).
+        e = m / (m.sum().clamp(min=1.0) * ga)
+        A = A * torch.where(e > 0, w / torch.where(e > 0, e, 1.0), 0.0)
+        token_weights = e
+    target = completion_ids.to(hidden.device).masked_fill(m == 0, -100)
+    old = inputs.get("old_per_token_logps")
+    ref = inputs["ref_per_token_logps"] if trainer.beta != 0.0 else None
+    clip = _LOSS_TYPES[loss_type] == "clip"
+    loss, stats = linear_policy_loss(
+        hidden, weight, target, A, bias, old_logprobs=old, ref_logprobs=ref,
+        loss_type=_LOSS_TYPES[loss_type], epsilon_low=trainer.epsilon_low,
+        epsilon_high=trainer.epsilon_high, delta=trainer.args.delta if clip else None,
+        sapo_temperature_pos=trainer.args.sapo_temperature_pos,
+        sapo_temperature_neg=trainer.args.sapo_temperature_neg, beta=trainer.beta, kl="k3",
+        kl_ratio=trainer.args.use_bias_correction_kl,
+        entropy_coef=coef, token_weights=token_weights, temperature=trainer.temperature,
+        softcap=softcap, accumulator=accumulator)
+
+    metrics = trainer._metrics[mode]
+    if trainer._entropy_bonus_enabled:
+        # TRL's policy_loss: before the bonus; not divided by ga where TRL divides after
+        policy_loss = loss.detach() + coef * (token_weights * stats.entropy).sum()
+        if loss_type not in ("dapo", "cispo"):
+            policy_loss = policy_loss * ga
+        metrics["policy_loss"].append(trainer.accelerator.gather(policy_loss).nanmean().item())
+        if mode == "train" and trainer.accelerator.sync_gradients:
+            metrics["entropy_coef"].append(trainer.entropy_coef)
+    if trainer.aux_loss_enabled:
+        aux_loss = out.aux_loss.to(loss.device)
+        loss = loss + trainer.router_aux_loss_coef * aux_loss / ga
+        metrics["aux_loss"].append(trainer.accelerator.gather_for_metrics(aux_loss).mean().item())
+    _log_metrics(trainer, metrics, stats, mask.to(m.device), advantages.to(m.device))
+    return loss
+
+
+def _log_metrics(trainer, metrics, stats, mask, advantages):
+    """The metrics GRPOTrainer._compute_loss logs, from the op's per-token statistics,
+    in TRL's dtypes (its clip fractions are float32)."""
+    from trl.trainer.utils import nanmax, nanmin
+
+    def global_masked_mean(x):
+        local = torch.stack([(x * mask).sum(), mask.sum().float()])
+        totals = trainer.accelerator.reduce(local, reduction="sum")
+        return (totals[0] / totals[1].clamp(min=1.0)).item()
+
+    def masked_seq_mean(x):
+        return (x * mask).sum(-1) / mask.sum(-1)
+
+    if trainer.beta != 0.0:
+        metrics["kl"].append(global_masked_mean(stats.kl))
+    metrics["entropy"].append(global_masked_mean(stats.entropy))
+    ratio = stats.ratio
+    if _LOSS_TYPES[trainer.loss_type] == "clip":
+        if trainer.args.delta is not None:
+            ratio = torch.clamp(ratio, max=trainer.args.delta)
+        low = ((ratio < 1 - trainer.epsilon_low) & (advantages < 0)).float()
+        high = ((ratio > 1 + trainer.epsilon_high) & (advantages > 0)).float()
+        metrics["clip_ratio/low_mean"].append(global_masked_mean(low))
+        metrics["clip_ratio/high_mean"].append(global_masked_mean(high))
+        metrics["clip_ratio/region_mean"].append(global_masked_mean(((low + high) > 0).float()))
+        metrics["clip_ratio/low_min"].append(
+            nanmin(trainer.accelerator.gather(masked_seq_mean(low))).item())
+        metrics["clip_ratio/high_max"].append(
+            nanmax(trainer.accelerator.gather(masked_seq_mean(high))).item())
+    elif trainer.loss_type == "cispo":
+        clipped = ((ratio > trainer.epsilon_high) & (advantages > 0)).float()
+        metrics["cispo_clip_ratio"].append(global_masked_mean(clipped))

@@ -134,8 +134,9 @@ def _setup_policy(ctx, inputs, output):
 
 def _backward_policy(ctx, grad_loss, *_):
     """The forward's gradients scaled by the upstream gradient, rounded once."""
+    n_inputs = len(ctx.needs_input_grad)
     if grad_loss is None:
-        return (None,) * 22
+        return (None,) * n_inputs
     *inputs, gh, gw, gb = ctx.saved_tensors
     needs = [ctx.needs_input_grad[i] for i in (0, 1, 4)]
     create_graph = torch.is_grad_enabled()
@@ -143,7 +144,7 @@ def _backward_policy(ctx, grad_loss, *_):
         grads = _scaled((gh, gw, gb), grad_loss, ctx.dtypes, needs)
     if create_graph:
         grads = _first_order(grads, (grad_loss, *inputs))
-    return grads[0], grads[1], None, None, grads[2], *(None,) * 17
+    return grads[0], grads[1], None, None, grads[2], *(None,) * (n_inputs - 5)
 
 
 torch.library.register_autograd("fce::linear_policy_loss_fwd", _backward_policy,

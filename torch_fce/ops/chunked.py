@@ -151,14 +151,14 @@ def linear_logprobs_bwd(grad_logprob, grad_entropy, row_stats, hidden, weight, t
 
 
 # Where ignore_index sits among fce::linear_policy_loss_fwd's arguments after temperature.
-POLICY_IGNORE_INDEX = 10
+POLICY_IGNORE_INDEX = 11
 
 
 def linear_policy_loss_fwd(hidden, weight, target, advantages, bias, old_logprobs,
                            ref_logprobs, token_weights, temperature, loss_type, epsilon_low,
                            epsilon_high, delta, sapo_temperature_pos, sapo_temperature_neg,
-                           beta, kl, entropy_coef, softcap, ignore_index, accumulator,
-                           needs_grad, *, rows, chunk_rows):
+                           beta, kl, kl_ratio, entropy_coef, softcap, ignore_index,
+                           accumulator, needs_grad, *, rows, chunk_rows):
     """fce::linear_policy_loss_fwd on one device: (loss, grad_hidden, grad_weight,
     grad_bias, logprob, entropy, ratio, clipped, kl). Per chunk the row function forms
     the log-probs and entropies, policy.policy_terms their loss terms and upstream
@@ -166,7 +166,7 @@ def linear_policy_loss_fwd(hidden, weight, target, advantages, bias, old_logprob
     gradients come with the forward's GEMM and the two gradient GEMMs."""
     opts = policy.check_policy_options(loss_type, epsilon_low, epsilon_high, delta,
                                        sapo_temperature_pos, sapo_temperature_neg, beta, kl,
-                                       entropy_coef)
+                                       kl_ratio, entropy_coef)
     N, mdt = hidden.shape[0], math_dtype_for(hidden.dtype)
     inv_t = inverse_temperature(temperature, N, hidden.device, mdt)
     row_opts = RowOptions(ignore_index, 0.0, softcap)

@@ -67,12 +67,12 @@ def _linear_logprobs_bwd_fake(grad_logprob, grad_entropy, row_stats, hidden, wei
 def _linear_policy_loss_fwd_fake(hidden, weight, target, advantages, bias, old_logprobs,
                                  ref_logprobs, token_weights, temperature, loss_type,
                                  epsilon_low, epsilon_high, delta, sapo_temperature_pos,
-                                 sapo_temperature_neg, beta, kl, entropy_coef, softcap,
-                                 ignore_index, accumulator, needs_grad):
+                                 sapo_temperature_neg, beta, kl, kl_ratio, entropy_coef,
+                                 softcap, ignore_index, accumulator, needs_grad):
     check_policy_inputs(hidden, weight, target, advantages, bias, old_logprobs, ref_logprobs,
                         token_weights, temperature, loss_type, epsilon_low, epsilon_high,
                         delta, sapo_temperature_pos, sapo_temperature_neg, beta, kl,
-                        entropy_coef, softcap, ignore_index, accumulator)
+                        kl_ratio, entropy_coef, softcap, ignore_index, accumulator)
     mdt = torch.promote_types(hidden.dtype, torch.float32)
     return (hidden.new_empty((), dtype=mdt),
             *_grads(hidden, weight, bias, needs_grad, accumulator == "fp32"),

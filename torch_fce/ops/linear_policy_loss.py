@@ -13,10 +13,10 @@ def linear_policy_loss(hidden, weight, target, advantages, bias=None, old_logpro
                        ref_logprobs=None, token_weights=None, temperature=None, *,
                        loss_type="clip", epsilon_low=0.2, epsilon_high=None, delta=None,
                        sapo_temperature_pos=1.0, sapo_temperature_neg=1.05, beta=0.0,
-                       kl="k3", entropy_coef=0.0, softcap=None, ignore_index=-100,
-                       accumulator="fp32"):
+                       kl="k3", kl_ratio=False, entropy_coef=0.0, softcap=None,
+                       ignore_index=-100, accumulator="fp32"):
     options = (loss_type, epsilon_low, epsilon_high, delta, sapo_temperature_pos,
-               sapo_temperature_neg, beta, kl, entropy_coef, softcap, ignore_index,
+               sapo_temperature_neg, beta, kl, kl_ratio, entropy_coef, softcap, ignore_index,
                accumulator)
     per_token = (advantages, old_logprobs, ref_logprobs, token_weights, temperature)
     _refuse_transforms((hidden, weight, bias, *per_token))

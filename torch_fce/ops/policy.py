@@ -9,7 +9,8 @@ GRPOTrainer writes them at token-level importance sampling:
   cispo      -min(r, eps_high).detach() * A * logprob
   sapo       -sigmoid(tau (r - 1)) * 4 / tau * A,  tau = tau_pos if A > 0 else tau_neg
   reinforce  -r * A
-  kl: k1 logprob - ref, k2 (logprob - ref)^2 / 2, k3 exp(ref - logprob) - (ref - logprob) - 1
+  kl: k1 logprob - ref, k2 (logprob - ref)^2 / 2, k3 exp(ref - logprob) - (ref - logprob) - 1,
+  times r with kl_ratio (TRL's use_bias_correction_kl; r differentiated as above)
   (with beta 0 a statistic only)
 The derivatives are written out (torch's: min splits a tie's gradient in halves, clamp
 passes it at its bounds), so the chunk loop forms the logits gradient in the forward:
@@ -36,6 +37,7 @@ class PolicyOptions(NamedTuple):
     sapo_temperature_neg: float
     beta: float
     kl: str
+    kl_ratio: bool
     entropy_coef: float
 
 
@@ -82,6 +84,8 @@ def policy_terms(logprob, entropy, valid, advantages, old, ref, weights, opts):
             kl, d_kl = 0.5 * diff * diff, diff
         else:
             kl, d_kl = torch.exp(-diff) + diff - 1.0, 1.0 - torch.exp(-diff)
+        if opts.kl_ratio:  # d(r kl) = r (d_kl + kl): dr/dlogprob = r
+            kl, d_kl = r * kl, r * (d_kl + kl)
     w = torch.where(valid, weights.to(lp.dtype), zero)
     ent = torch.where(valid, entropy, zero)
     if opts.beta != 0.0:  # with beta 0 the KL is a statistic only (0 * inf would be NaN)
@@ -101,7 +105,7 @@ def token_weights(token_weights, valid, dtype):
 
 
 def check_policy_options(loss_type, epsilon_low, epsilon_high, delta, sapo_temperature_pos,
-                         sapo_temperature_neg, beta, kl, entropy_coef):
+                         sapo_temperature_neg, beta, kl, kl_ratio, entropy_coef):
     """Raises naming the option; returns PolicyOptions (epsilon_high defaults to
     epsilon_low)."""
     if loss_type not in LOSS_TYPES:
@@ -126,18 +130,18 @@ def check_policy_options(loss_type, epsilon_low, epsilon_high, delta, sapo_tempe
     if not -float("inf") < _float("entropy_coef", entropy_coef) < float("inf"):
         raise ValueError(f"entropy_coef must be a finite float{_got(entropy_coef)}")
     return PolicyOptions(loss_type, epsilon_low, epsilon_high, delta, sapo_temperature_pos,
-                         sapo_temperature_neg, beta, kl, entropy_coef)
+                         sapo_temperature_neg, beta, kl, bool(kl_ratio), entropy_coef)
 
 
 def check_policy_inputs(hidden, weight, target, advantages, bias, old_logprobs, ref_logprobs,
                         token_weights, temperature, loss_type, epsilon_low, epsilon_high,
                         delta, sapo_temperature_pos, sapo_temperature_neg, beta, kl,
-                        entropy_coef, softcap, ignore_index, accumulator):
+                        kl_ratio, entropy_coef, softcap, ignore_index, accumulator):
     """Every check of linear_policy_loss's arguments, in eager mode and in the fake
     kernel (under torch.compile); returns PolicyOptions."""
     opts = check_policy_options(loss_type, epsilon_low, epsilon_high, delta,
                                 sapo_temperature_pos, sapo_temperature_neg, beta, kl,
-                                entropy_coef)
+                                kl_ratio, entropy_coef)
     check_logprob_options(softcap, ignore_index, True, accumulator)
     check_inputs(hidden, weight, target, bias, None)
     if hidden.dtype == torch.float16:

@@ -1,0 +1,96 @@
+"""verl: torch_fce's log-probs and entropies behind verl's fused-kernel entry point.
+
+    from torch_fce.integrations import verl as fce_verl
+    fce_verl.apply()     # in every worker, before verl builds its actor
+    ...                  # verl with use_fused_kernels=True, impl_backend=triton
+    fce_verl.revert()
+
+verl's fused forward (`actor_rollout_ref.model.use_fused_kernels=True` with
+`actor_rollout_ref.model.fused_kernel_options.impl_backend=triton`) calls
+`verl.utils.kernel.linear_cross_entropy.linear_cross_entropy(hidden, weight, labels,
+temperature, reduction, dist_process_group)`; apply() puts `linear_cross_entropy` below
+in its place (its HF models look it up at each call; a module that imported the name
+before apply() keeps verl's).
+"""
+
+import importlib
+
+import torch
+
+from ..distributed.vocab_parallel import vocab_parallel_linear_logprobs
+from ..functional import linear_logprobs
+from ..ops.checks import check_logprob_options
+
+_MODULE = "verl.utils.kernel.linear_cross_entropy"
+_THEIRS = "_torch_fce_verl_original"
+_REDUCTIONS = ("none", "sum", "mean")
+
+
+def linear_cross_entropy(hidden, weight, labels, temperature=1.0, reduction="none",
+                         dist_process_group=None, *, accumulator="fp32"):
+    """verl's fused kernel's call, from torch_fce.linear_logprobs: (logprobs, entropy)
+    of softmax((hidden @ weight.T) / temperature) at labels.
+
+    Args:
+        hidden: (*, D). weight: (V, D), or with dist_process_group this rank's rows of a
+            head split in equal, contiguous shards across the group (rank r holds rows
+            [r V, (r + 1) V), as Megatron pads and splits it); hidden and labels the
+            same on every rank.
+        labels: (*) int64, -100 to skip (log-prob 0; the entropy is still the token's).
+        reduction: "none" (per token), "sum" or "mean" (of the log-probs over the tokens
+            not skipped; the entropy stays per token, as verl's kernel returns it).
+
+    Returns:
+        (logprobs, entropy) float32 (float64 for float64 inputs), of labels' shape (verl's
+        kernel flattens them; labels' shape serves both of verl's callers: the packed
+        path squeezes dim 0, the padded one slices (B, T)). Both differentiable w.r.t.
+        hidden and weight, for any upstream gradients, at any V.
+    """
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+    # The entropy of every token, skipped ones included (as verl's reference): scored at
+    # class 0, their log-probs then masked out.
+    valid = labels != -100
+    scored = labels.masked_fill(~valid, 0)
+    if dist_process_group is None:
+        out = linear_logprobs(hidden, weight, scored, temperature=temperature, entropy=True,
+                              accumulator=accumulator)
+    else:
+        rank = torch.distributed.get_rank(dist_process_group)
+        world = torch.distributed.get_world_size(dist_process_group)
+        local = weight.shape[0]
+        out = vocab_parallel_linear_logprobs(
+            hidden, weight, scored, vocab_start=rank * local, vocab_size=world * local,
+            group=dist_process_group, temperature=temperature, entropy=True,
+            accumulator=accumulator)
+    logprobs = torch.where(valid, out.logprob, 0.0)
+    if reduction == "sum":
+        logprobs = logprobs.sum()
+    elif reduction == "mean":
+        logprobs = logprobs.sum() / valid.sum()
+    return logprobs, out.entropy
+
+
+def apply(accumulator="fp32"):
+    """Makes verl's fused kernel entry point torch_fce's (process-wide, reversibly)."""
+    check_logprob_options(None, -100, True, accumulator)
+    module = importlib.import_module(_MODULE)
+    if hasattr(module, _THEIRS):
+        raise ValueError("torch_fce is already applied to verl")
+    setattr(module, _THEIRS, module.linear_cross_entropy)
+
+    def ours(hidden, weight, labels, temperature=1.0, reduction="none",
+             dist_process_group=None):
+        return linear_cross_entropy(hidden, weight, labels, temperature, reduction,
+                                    dist_process_group, accumulator=accumulator)
+
+    module.linear_cross_entropy = ours
+
+
+def revert():
+    """Undoes apply(): verl's own kernel again."""
+    module = importlib.import_module(_MODULE)
+    if not hasattr(module, _THEIRS):
+        raise ValueError("torch_fce is not applied to verl")
+    module.linear_cross_entropy = getattr(module, _THEIRS)
+    delattr(module, _THEIRS)
