@@ -14,7 +14,17 @@ import time
 
 import torch
 
+import torch_fce
+
 _M_MMAP_THRESHOLD = -3
+
+
+def with_workspace(fn, mib):
+    """fn run with torch_fce's logits workspace at mib MiB (the time-memory sweep)."""
+    def run(*args):
+        with torch_fce.workspace(mib << 20):
+            return fn(*args)
+    return run
 
 
 def check_device(parser, device):

@@ -5,9 +5,11 @@ logprobs: sum of fixed random per-token weights times the log-probs and entropie
 temperature 0.7 (the backward recomputes the logits). policy: the DAPO loss
 (token-level clipped ratio, epsilon 0.2 / 0.28, token mean) plus a k3 KL to a reference
 at beta 0.04, temperature 0.7, with advantages and old / reference log-probs made once
-per shape (policy_data). Methods: the unfused computation as TRL writes it from logits
-(eager, compiled), TRL 1.16's fused head (trl.kernels.ChunkedLogProbFunction, as its
-GRPOTrainer calls it) where TRL is installed, and torch_fce.
+per shape (policy_data), the advantages per sequence of SEQUENCES sequences (as GRPO's).
+Methods: the unfused computation as TRL writes it from logits (eager, compiled), TRL
+1.16's fused head (trl.kernels.ChunkedLogProbFunction, as its GRPOTrainer calls it) and,
+for policy, Liger's LigerFusedLinearGRPOLoss (at its defaults) where installed, and
+torch_fce (with --sweep also at the workspaces of the time-memory sweep).
 """
 
 import sys
@@ -16,10 +18,12 @@ import torch
 import torch.nn.functional as F
 
 import torch_fce
+from torch_fce.bench.measure import with_workspace
 
 TEMPERATURE = 0.7
 EPSILON_LOW, EPSILON_HIGH, BETA = 0.2, 0.28, 0.04
 TRL_CHUNK = 32768  # the vocabulary tile GRPOTrainer passes to TRL's head
+SEQUENCES = 16  # the policy objective's N tokens are SEQUENCES completions of N / SEQUENCES
 
 
 def _upstream(t):
@@ -55,13 +59,20 @@ def _logprobs_fce(accumulator):
     return run
 
 
+def _sequences(t):
+    return SEQUENCES if t.shape[0] % SEQUENCES == 0 else 1
+
+
 def policy_data(h, w, t):
-    """(advantages, old_logprobs, ref_logprobs), each (N,): advantages in [-1, 1], the old
-    and reference log-probs the current ones moved by up to 0.3 nats (some ratios clip)."""
+    """(advantages, old_logprobs, ref_logprobs), each (N,): advantages in [-1, 1], one per
+    sequence, the old and reference log-probs the current ones moved by up to 0.3 nats
+    (some ratios clip)."""
     with torch.no_grad():
         lp = torch_fce.linear_logprobs(h, w, t, temperature=TEMPERATURE).logprob
     g, k = _upstream(t)
-    return g, lp + 0.3 * k, lp - 0.3 * g * k
+    B = _sequences(t)
+    advantages = g[:B].repeat_interleave(t.shape[0] // B)
+    return advantages, lp + 0.3 * k, lp - 0.3 * g * k
 
 
 def _dapo_k3(lp, t, advantages, old, ref):
@@ -108,19 +119,46 @@ def _trl(objective):
     return lambda h, w, t, *data: _dapo_k3(head(h, w, t)[0], t, *data)
 
 
-def methods(objective, device, with_compile):
+def _liger():
+    """The policy objective through Liger's fused GRPO loss (its defaults: chunks of one
+    sequence, compiled), on the same tokens as SEQUENCES sequences."""
+    from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+
+    loss = LigerFusedLinearGRPOLoss(beta=BETA, epsilon_low=EPSILON_LOW,
+                                    epsilon_high=EPSILON_HIGH, loss_type="dapo",
+                                    temperature=TEMPERATURE)
+
+    def run(h, w, t, advantages, old, ref):
+        B = _sequences(t)
+        T = t.shape[0] // B
+        return loss(h.reshape(B, T, -1), w, t.clamp_min(0).reshape(B, T),
+                    (t != -100).long().reshape(B, T), advantages[::T],
+                    ref_per_token_logps=ref.reshape(B, T),
+                    old_per_token_logps=old.reshape(B, T))[0]
+    return run
+
+
+def methods(objective, device, with_compile, sweep=()):
     """Name -> function for --objective logprobs or policy: unfused (eager, compiled),
-    TRL's fused head (CUDA, where TRL is installed) and torch_fce."""
+    TRL's fused head and Liger's GRPO loss (CUDA, where installed), torch_fce, and with
+    sweep (workspaces in MiB) torch_fce fp32 at each ("fce-fp32@MiB")."""
     unfused = logprobs_unfused if objective == "logprobs" else policy_unfused
     out = {"torch": unfused}
     if with_compile:
         out["torch.compile"] = torch.compile(unfused, fullgraph=True)
     if device == "cuda":
-        try:
-            out["trl-head"] = _trl(objective)
-        except Exception as e:  # missing, or installed without what its kernel imports
-            print(f"  trl-head unavailable: {type(e).__name__}: {e}"[:200], file=sys.stderr)
+        peers = {"trl-head": lambda: _trl(objective)}
+        if objective == "policy":
+            peers["liger-grpo"] = _liger
+        for name, make in peers.items():
+            try:
+                out[name] = make()
+            except Exception as e:  # missing, or installed without what it imports
+                print(f"  {name} unavailable: {type(e).__name__}: {e}"[:200],
+                      file=sys.stderr)
     fce = _logprobs_fce if objective == "logprobs" else _policy_fce
     for acc in ("fp32", "input"):
         out[f"fce-{acc}"] = fce(acc)
+    for mib in sweep:
+        out[f"fce-fp32@{mib}"] = with_workspace(fce("fp32"), mib)
     return out

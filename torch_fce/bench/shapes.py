@@ -21,7 +21,8 @@ import torch.nn.functional as F
 
 import torch_fce
 from torch_fce.bench import rl
-from torch_fce.bench.measure import check_device, median_time, peak_extra_bytes, times
+from torch_fce.bench.measure import (check_device, median_time, peak_extra_bytes, times,
+                                     with_workspace)
 from torch_fce.testing import make_inputs, rel_err
 
 
@@ -39,6 +40,11 @@ SHAPES = {
     "A": Shape("A", 16384, 4096, 128256),
     "B": Shape("B", 8192, 2304, 256000),
     "C": Shape("C", 32768, 4096, 151936),
+    # The small heads RL trains: Qwen2.5-0.5B and 1.5B, Qwen3-0.6B and 1.7B.
+    "D": Shape("D", 16384, 896, 151936),
+    "E": Shape("E", 16384, 1536, 151936),
+    "Q1024": Shape("Q1024", 16384, 1024, 151936),
+    "Q2048": Shape("Q2048", 16384, 2048, 151936),
 }
 
 
@@ -94,12 +100,6 @@ def _quack(chunk, fused):
                                                         use_scaled_exp=fused)
 
 
-def _with_workspace(fn, mib):
-    def run(h, w, t):
-        with torch_fce.workspace(mib << 20):
-            return fn(h, w, t)
-    return run
-
 
 # The time-memory sweep (--sweep): torch_fce's workspace and the peers' chunk sizes.
 SWEEP_WORKSPACE_MIB = (256, 512, 1024, 2048, 4096)
@@ -135,7 +135,7 @@ def methods(device, with_compile, sweep=False):
         out[f"fce-{acc}"] = _fce(acc)
     if sweep:
         for mib in SWEEP_WORKSPACE_MIB:
-            out[f"fce-fp32@{mib}"] = _with_workspace(_fce("fp32"), mib)
+            out[f"fce-fp32@{mib}"] = with_workspace(_fce("fp32"), mib)
     return out
 
 
@@ -458,7 +458,8 @@ def main(argv=None):
     dtype = getattr(torch, args.dtype or ("bfloat16" if cuda else "float32"))
     names = [n for n in (args.shapes or ("A,B,C" if cuda else "cpu")).split(",") if n]
     shapes = [SHAPES[n] if n in SHAPES else Shape(n, *map(int, n.split(":"))) for n in names]
-    fns = rl.methods(args.objective, args.device, args.compile) \
+    fns = rl.methods(args.objective, args.device, args.compile,
+                     SWEEP_WORKSPACE_MIB if args.sweep else ()) \
         if args.objective != "ce" else methods(args.device, args.compile, args.sweep)
     if args.methods:
         fns = {k: v for k, v in fns.items() if k in args.methods.split(",")}
