@@ -11,6 +11,7 @@ from torch_fce.distributed import (vocab_parallel_linear_cross_entropy,
                                    vocab_parallel_linear_policy_loss)
 from torch_fce.integrations import transformers as fce_hf
 from torch_fce.integrations import trl as fce_trl
+from torch_fce.integrations import verl as fce_verl
 
 API = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "api.md").read_text()
 
@@ -41,6 +42,16 @@ def test_docs_api_python_signatures_match():
         "torch_fce.lowering.fresh_compiles": torch_fce.lowering.fresh_compiles,
         "torch_fce.integrations.transformers.apply": fce_hf.apply,
         "torch_fce.integrations.transformers.revert": fce_hf.revert,
+        "torch_fce.integrations.transformers.attach": fce_hf.attach,
+        "torch_fce.integrations.transformers.detach": fce_hf.detach,
+        "torch_fce.integrations.trl.apply": fce_trl.apply,
+        "torch_fce.integrations.trl.revert": fce_trl.revert,
+        "torch_fce.integrations.trl.fused_lm_head": fce_trl.fused_lm_head,
+        "torch_fce.integrations.trl.ChunkedLogProbFunction.apply":
+            fce_trl.ChunkedLogProbFunction.apply,
+        "torch_fce.integrations.verl.linear_cross_entropy": fce_verl.linear_cross_entropy,
+        "torch_fce.integrations.verl.apply": fce_verl.apply,
+        "torch_fce.integrations.verl.revert": fce_verl.revert,
         "torch_fce.distributed.vocab_parallel_linear_cross_entropy":
             vocab_parallel_linear_cross_entropy,
         "torch_fce.distributed.vocab_parallel_linear_policy_loss":

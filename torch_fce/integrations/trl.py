@@ -169,10 +169,18 @@ _MULTIMODAL = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_
                "mm_token_type_ids", "image_position_ids")
 
 
+# The TRL release whose GRPOTrainer loss _grpo_loss reproduces (and tests check).
+TRL_VERSION = "1.16"
+
+
 def _unsupported(trainer):
     """Why torch_fce cannot reproduce this GRPOTrainer's loss exactly, or None."""
+    import trl
     from trl import GRPOTrainer
 
+    if trl.__version__.rsplit(".", 1)[0] != TRL_VERSION:
+        return (f"it reproduces TRL {TRL_VERSION}'s GRPOTrainer loss, and TRL "
+                f"{trl.__version__} is installed (its loss code may differ)")
     if not isinstance(trainer, GRPOTrainer):
         return f"it serves GRPOTrainer, got a {type(trainer).__name__}"
     for method in ("_compute_loss", "_get_per_token_logps_and_entropies"):
@@ -213,7 +221,8 @@ def apply(trainer, *, accumulator="fp32"):
     metrics as TRL's. Anything else (sequence-level importance sampling, entropy
     masking, off-policy masking, adaptive entropy, loss types
     vespo and luspo, a head or family torch_fce does not reproduce, a subclass
-    overriding the loss): one warning naming the reason, and TRL's own loss.
+    overriding the loss, a TRL release other than 1.16): one warning naming the
+    reason, and TRL's own loss.
     """
     if "_compute_loss" in vars(trainer):
         raise ValueError("torch_fce is already applied to this trainer")
