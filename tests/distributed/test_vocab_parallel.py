@@ -305,7 +305,8 @@ def _check_verl(rank, world):
     for w, group in ((x["weight"], None),
                      (x["weight"][rank * local:(rank + 1) * local], dist.group.WORLD)):
         h, w = x["hidden"].clone().requires_grad_(), w.clone().requires_grad_()
-        lp, ent = linear_cross_entropy(h, w, x["target"], 0.7, "none", group)
+        # Megatron's layout: hidden (s, 1, D), labels (1, s)
+        lp, ent = linear_cross_entropy(h[:, None], w, x["target"][None], 0.7, "none", group)
         outs.append((lp, ent, *torch.autograd.grad((lp * gl + ent * ge).sum(), (h, w))))
     (lp, ent, dh, dw), (lp1, ent1, dh1, dw1) = outs
     assert rel_err(lp1, lp) <= LOSS_TOL and rel_err(ent1, ent) <= LOSS_TOL

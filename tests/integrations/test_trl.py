@@ -169,6 +169,21 @@ def test_chunked_logprob_drop_in_refuses_what_it_cannot_serve():
         fce_trl.ChunkedLogProbFunction.apply(h, w, None, y, 1.0, 8, 3.0, 1.0, ("mean_logits",))
     with pytest.raises(ValueError, match="outputs"):
         fce_trl.ChunkedLogProbFunction.apply(h, w, None, y, 1.0, 8, None, 1.0, ("logits",))
+    zero3 = torch.randn(5, 4)
+    zero3.ds_id = 7  # how DeepSpeed ZeRO-3 marks its parameters
+    with pytest.raises(ValueError, match="ZeRO-3"):
+        fce_trl.ChunkedLogProbFunction.apply(h, zero3, None, y, 1.0, 8)
+
+
+def test_chunked_logprob_drop_in_under_autocast_keeps_float32_statistics():
+    g = torch.Generator().manual_seed(2)
+    h, w = torch.randn(6, 8, generator=g), torch.randn(33, 8, generator=g)
+    y = torch.randint(0, 33, (6,), generator=g)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = fce_trl.ChunkedLogProbFunction.apply(h, w, None, y, 0.7, 16, None, 1.0,
+                                                   ("entropy", "mean_logits"))
+    want = (F.linear(h.bfloat16().double(), w.double()) / 0.7).mean(-1)
+    assert out[3].dtype == torch.float32 and rel_err(out[3], want) <= 1e-5
 
 
 def test_fused_lm_head_context_serves_trls_head_and_puts_it_back():
@@ -192,3 +207,19 @@ def test_fused_lm_head_context_serves_trls_head_and_puts_it_back():
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
     theirs_out = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
     assert 1e-12 < rel_err(theirs_out.log_probs, want) <= 1e-5
+
+
+def test_fused_lm_head_leaves_what_it_cannot_serve_to_trls_kernel():
+    # KTO asks for mean_logits; with a softcapped family TRL's kernel serves the call.
+    import trl.trainer.utils as trl_utils
+
+    ids, mask, _ = _batch()
+    model = _model("gemma2")
+    trl_utils.add_fused_lm_head(model, temperature=TEMPERATURE,
+                                outputs=("log_probs", "mean_logits"))
+    labels = ids.masked_fill(mask == 0, -100)
+    want = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
+    with fce_trl.fused_lm_head(), pytest.warns(UserWarning, match="mean_logits"):
+        got = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
+    assert torch.equal(got.log_probs, want.log_probs)
+    assert torch.equal(got.mean_logits, want.mean_logits)

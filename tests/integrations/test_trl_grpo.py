@@ -170,6 +170,14 @@ def test_grpo_trainer_unsupported_keeps_trls_loss_with_one_warning(model_dir, tm
         fce_trl.revert(trainer)
 
 
+def test_grpo_trainer_float16_keeps_trls_loss(model_dir, tmp_path):
+    trainer = _trainer(model_dir, tmp_path, loss_type="dapo")
+    trainer.model.half()
+    with pytest.warns(UserWarning, match="float16"):
+        fce_trl.apply(trainer)
+    assert "_compute_loss" not in vars(trainer)
+
+
 def test_grpo_trainer_other_trl_release_keeps_trls_loss(model_dir, tmp_path, monkeypatch):
     trainer = _trainer(model_dir, tmp_path, loss_type="dapo")
     monkeypatch.setattr(trl, "__version__", "1.17.0")

@@ -53,6 +53,21 @@ def test_verl_call_equals_verls_reference_at_odd_v(V, reduction, shape):
         assert rel_err(got.double(), want) <= 2e-5
 
 
+def test_verl_megatron_layout_hidden_sbh_labels_1s():
+    # verl's Megatron callers pass hidden (s, 1, D) with packed labels (1, s): paired
+    # once flattened, returned flat as verl's kernel returns them.
+    g = torch.Generator().manual_seed(1)
+    h = torch.randn(10, 1, 16, generator=g, dtype=torch.float64)
+    w = torch.randn(257, 16, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 257, (1, 10), generator=g)
+    lp, ent = fce_verl.linear_cross_entropy(h, w, y, 0.7)
+    want = _verl_reference(h.reshape(10, 16), w, y.reshape(10), 0.7, "none")
+    assert lp.shape == ent.shape == (10,)
+    assert rel_err(lp, want[0]) <= 1e-12 and rel_err(ent, want[1]) <= 1e-12
+    with pytest.raises(ValueError, match="labels"):
+        fce_verl.linear_cross_entropy(h, w, y[:, :9], 0.7)
+
+
 def test_verl_float64_is_exact_and_bad_reduction_is_named():
     g = torch.Generator().manual_seed(0)
     h = torch.randn(5, 4, generator=g, dtype=torch.float64)

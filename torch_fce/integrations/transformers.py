@@ -162,6 +162,12 @@ def head_operands(model, head, hidden):
     """(hidden, bias, softcap) for the head's weight, of a model apply() patched: the
     family's logit scale folded into the hidden states and the bias (the bias is scaled
     with the product), the hidden states on the head's device (as the head would need)."""
+    if isinstance(head.weight, DTensor):
+        # e.g. fully_shard(lm_head) on its own: resharded as soon as the head returns,
+        # and a sharded weight would route to the vocab-parallel op, which assumes the
+        # same tokens on every rank. Shard the head with the model instead.
+        raise ValueError("torch_fce: the lm_head's weight is a sharded DTensor when the "
+                         "loss runs; fully_shard the lm_head together with its model")
     scale, softcap = _logit_transform(model.config, getattr(model, _OPTIONS)["scale_rule"])
     hidden, bias = hidden.to(head.weight.device), head.bias
     if scale is not None:
@@ -171,12 +177,6 @@ def head_operands(model, head, hidden):
 
 
 def _loss(model, head, hidden, labels, shift_labels, num_items_in_batch, options):
-    if isinstance(head.weight, DTensor):
-        # e.g. fully_shard(lm_head) on its own: resharded as soon as the head returns,
-        # and a sharded weight would route to the vocab-parallel loss, which assumes the
-        # same tokens on every rank. Shard the head with the model instead.
-        raise ValueError("torch_fce: the lm_head's weight is a sharded DTensor when the "
-                         "loss runs; fully_shard the lm_head together with its model")
     hidden, bias, softcap = head_operands(model, head, hidden)
     target, shift = (labels, True) if shift_labels is None else (shift_labels, False)
     loss = linear_cross_entropy(

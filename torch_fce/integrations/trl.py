@@ -93,7 +93,9 @@ class ChunkedLogProbFunction:
     mean logit and whether the target is the most likely class), from
     torch_fce.linear_logprobs. log_sum_sq_probs costs a second forward sweep (no
     gradient): it is logsumexp(2 z) - 2 logsumexp(z) of the temperature-scaled logits z.
-    mean_logits is refused with a softcap (it would need a pass of its own)."""
+    Refused (ValueError): mean_logits with a softcap (it would need a pass of its own)
+    and a DeepSpeed ZeRO-3 weight (gathered only while TRL's head runs, so not there for
+    the gradients this forms)."""
 
     @staticmethod
     def apply(hidden, weight, bias, targets, temperature, chunk_size=None,
@@ -103,10 +105,9 @@ class ChunkedLogProbFunction:
         if unknown:
             raise ValueError(f"outputs must be among {('log_probs',) + _OPTIONAL_OUTPUTS}, "
                              f"got {sorted(unknown)}")
-        if "mean_logits" in outputs and final_logit_softcapping is not None:
-            raise ValueError("outputs: mean_logits with final_logit_softcapping is not "
-                             "served by torch_fce (the mean of softcapped logits needs a "
-                             "pass of its own)")
+        why = _unserved(weight, final_logit_softcapping, outputs)
+        if why:
+            raise ValueError(f"torch_fce does not serve {why}")
         check_logprob_options(final_logit_softcapping, -100, True, accumulator)
         if torch.is_autocast_enabled(hidden.device.type):  # TRL computes in autocast's dtype
             dtype = torch.get_autocast_dtype(hidden.device.type)
@@ -126,21 +127,33 @@ class ChunkedLogProbFunction:
                                           softcap=final_logit_softcapping,
                                           accumulator=accumulator)
                 sq = doubled.lse - 2 * out.lse
-            if "mean_logits" in outputs:  # mean_v (h . w_v + b_v) * scale / T
-                w_sum = weight.sum(0, dtype=out.lse.dtype)
-                mean = hidden.to(out.lse.dtype) @ w_sum
-                if bias is not None:
-                    mean = mean + bias.sum(dtype=out.lse.dtype)
-                mean = mean / (weight.shape[0] * temperature)
+            if "mean_logits" in outputs:  # mean_v (h . w_v + b_v) * scale / T, float32
+                with torch.autocast(hidden.device.type, enabled=False):
+                    w_sum = weight.sum(0, dtype=out.lse.dtype)
+                    mean = hidden.to(out.lse.dtype) @ w_sum
+                    if bias is not None:
+                        mean = mean + bias.sum(dtype=out.lse.dtype)
+                    mean = mean / (weight.shape[0] * temperature)
         top1 = out.argmax == targets if "is_top1" in outputs else None
         return out.logprob, out.entropy, sq, mean, top1
+
+
+def _unserved(weight, softcap, outputs):
+    """What of a fused-head call the drop-in cannot serve exactly, or None."""
+    if "mean_logits" in outputs and softcap is not None:
+        return ("outputs mean_logits with final_logit_softcapping (the mean of softcapped "
+                "logits needs a pass of its own)")
+    if hasattr(weight, "ds_id"):
+        return "a DeepSpeed ZeRO-3 weight (gathered only while TRL's head runs)"
+    return None
 
 
 @contextlib.contextmanager
 def fused_lm_head(accumulator="fp32"):
     """While active, every fused LM head TRL adds (`add_fused_lm_head`: GRPO, RLOO, SFT,
     KTO, ...) computes its log-probs with torch_fce instead of TRL's kernel (process-
-    wide: it swaps the function TRL's head calls, and puts TRL's back on exit)."""
+    wide: it swaps the function TRL's head calls, and puts TRL's back on exit); a call
+    the drop-in does not serve runs TRL's kernel, with a warning."""
     import trl.trainer.utils as trl_utils
 
     check_logprob_options(None, -100, True, accumulator)
@@ -148,7 +161,16 @@ def fused_lm_head(accumulator="fp32"):
 
     class _Ours:
         @staticmethod
-        def apply(*args):
+        def apply(hidden, weight, bias, targets, temperature, chunk_size, softcap=None,
+                  logit_scale=1.0, outputs=_OPTIONAL_OUTPUTS):
+            args = (hidden, weight, bias, targets, temperature, chunk_size, softcap,
+                    logit_scale, outputs)
+            why = _unserved(weight, softcap, outputs)
+            if why:
+                warnings.warn(f"torch_fce.integrations.trl.fused_lm_head: TRL's kernel "
+                              f"serves this call: torch_fce does not serve {why}",
+                              stacklevel=2)
+                return theirs.apply(*args)
             return ChunkedLogProbFunction.apply(*args, accumulator=accumulator)
 
     trl_utils._ChunkedLogProbFunction = _Ours
@@ -186,6 +208,13 @@ def _unsupported(trainer):
     for method in ("_compute_loss", "_get_per_token_logps_and_entropies"):
         if getattr(type(trainer), method) is not getattr(GRPOTrainer, method):
             return f"{type(trainer).__name__} overrides {method}"
+    if trainer.args.fp16 or _base_model(trainer.model).dtype == torch.float16:
+        return ("float16 (linear_policy_loss forms its gradient in the forward, where a "
+                "GradScaler's scale could not keep it from underflowing: use bf16)")
+    plugin = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
+    if plugin is not None and plugin.zero_stage == 3:
+        return ("DeepSpeed ZeRO-3 (the head's weight is gathered only inside its forward, "
+                "and the loss reads it after)")
     if trainer.loss_type not in _LOSS_TYPES:
         return f"loss_type={trainer.loss_type!r} (served: {', '.join(_LOSS_TYPES)})"
     if trainer.importance_sampling_level != "token":
@@ -215,14 +244,15 @@ def apply(trainer, *, accumulator="fp32"):
     torch_fce.linear_policy_loss; returns the trainer.
 
     Served: loss_type grpo, dapo, dr_grpo, bnpo, cispo and sapo at token-level
-    importance sampling, any beta (k3 KL, with or without the ratio's bias correction), delta, vLLM importance-sampling correction,
-    tool masks, a static entropy bonus (with beta != 0 under bnpo only), MoE router
-    losses, gradient accumulation, train and eval; the same loss, gradients and logged
+    importance sampling, any beta (the k3 KL, with or without the ratio's bias
+    correction), delta, vLLM importance-sampling correction, tool masks, a static
+    entropy bonus (with beta != 0 under bnpo only), MoE router losses, gradient
+    accumulation, train and eval, bf16 and float32; the same loss, gradients and logged
     metrics as TRL's. Anything else (sequence-level importance sampling, entropy
-    masking, off-policy masking, adaptive entropy, loss types
-    vespo and luspo, a head or family torch_fce does not reproduce, a subclass
-    overriding the loss, a TRL release other than 1.16): one warning naming the
-    reason, and TRL's own loss.
+    masking, off-policy masking, adaptive entropy, loss types vespo and luspo, float16,
+    DeepSpeed ZeRO-3, a head or family torch_fce does not reproduce, a subclass
+    overriding the loss, a TRL release other than 1.16): one warning naming the reason,
+    and TRL's own loss.
     """
     if "_compute_loss" in vars(trainer):
         raise ValueError("torch_fce is already applied to this trainer")

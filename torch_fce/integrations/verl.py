@@ -32,7 +32,8 @@ def linear_cross_entropy(hidden, weight, labels, temperature=1.0, reduction="non
     of softmax((hidden @ weight.T) / temperature) at labels.
 
     Args:
-        hidden: (*, D). weight: (V, D), or with dist_process_group this rank's rows of a
+        hidden: (*, D), its tokens in labels' order once both are flattened (as verl's
+            kernel pairs them: Megatron passes hidden (s, 1, D) with labels (1, s)). weight: (V, D), or with dist_process_group this rank's rows of a
             head split in equal, contiguous shards across the group (rank r holds rows
             [r V, (r + 1) V), as Megatron pads and splits it); hidden and labels the
             same on every rank.
@@ -41,13 +42,19 @@ def linear_cross_entropy(hidden, weight, labels, temperature=1.0, reduction="non
             not skipped; the entropy stays per token, as verl's kernel returns it).
 
     Returns:
-        (logprobs, entropy) float32 (float64 for float64 inputs), of labels' shape (verl's
-        kernel flattens them; labels' shape serves both of verl's callers: the packed
-        path squeezes dim 0, the padded one slices (B, T)). Both differentiable w.r.t.
-        hidden and weight, for any upstream gradients, at any V.
+        (logprobs, entropy) float32 (float64 for float64 inputs), of labels' shape where
+        hidden's leading shape is labels' (verl's HF callers: the packed path squeezes
+        dim 0, the padded one slices (B, T)), else flat (N,) as verl's kernel returns
+        them. Both differentiable w.r.t. hidden and weight, for any upstream gradients,
+        at any V.
     """
     if reduction not in _REDUCTIONS:
         raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+    if hidden.shape[:-1].numel() != labels.numel():
+        raise ValueError(f"labels must have one label per token of hidden "
+                         f"({hidden.shape[:-1].numel()}), got shape {tuple(labels.shape)}")
+    shape = labels.shape if hidden.shape[:-1] == labels.shape else (labels.numel(),)
+    hidden, labels = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
     # The entropy of every token, skipped ones included (as verl's reference): scored at
     # class 0, their log-probs then masked out.
     valid = labels != -100
@@ -68,7 +75,9 @@ def linear_cross_entropy(hidden, weight, labels, temperature=1.0, reduction="non
         logprobs = logprobs.sum()
     elif reduction == "mean":
         logprobs = logprobs.sum() / valid.sum()
-    return logprobs, out.entropy
+    else:
+        logprobs = logprobs.reshape(shape)
+    return logprobs, out.entropy.reshape(shape)
 
 
 def apply(accumulator="fp32"):
