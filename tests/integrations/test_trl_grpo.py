@@ -80,8 +80,10 @@ def _inputs(trainer, on_policy=False, vllm=False, tool_mask=False):
                   completion_ids=ids[:, P:], completion_mask=completion_mask,
                   advantages=torch.tensor([1.0, -0.5, 2.0, -1.5], dtype=torch.float64),
                   num_items_in_batch=completion_mask.sum() * 2)
-    with torch.no_grad():
-        logps = _exact_logps(trainer)(trainer.model, ids, torch.ones_like(ids), K)[0]
+    with torch.no_grad():  # on the model's device, then as the rest, on the CPU
+        dev = ids.to(trainer.model.device)
+        logps = _exact_logps(trainer)(trainer.model, dev, torch.ones_like(dev), K)[0]
+        logps = logps.double().cpu()
     if not on_policy:  # off by up to 0.4 nats: some ratios clip on either side
         inputs["old_per_token_logps"] = logps + 0.4 * torch.randn(logps.shape, generator=g,
                                                                    dtype=torch.float64)
@@ -219,3 +221,29 @@ def test_grpo_trainer_trains_a_step_through_torch_fce(model_dir, tmp_path):
     assert any(not torch.equal(p, before[n]) for n, p in trainer.model.named_parameters())
     logged = trainer.state.log_history[0]
     assert {"kl", "entropy", "clip_ratio/region_mean"} <= set(logged)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a bf16 policy on a CUDA GPU")
+def test_grpo_trainer_bf16_on_cuda_agrees_with_trls_fused_head(model_dir, tmp_path):
+    # The regime users run: a bf16 policy with bf16 autocast on the GPU, against TRL's
+    # own loss through its own fused head. Both round the logits differently (TRL's tiles
+    # are bf16), so the bar is bf16's, which a wrong weighting (a factor 2, a missing
+    # mask) would still exceed many times over.
+    results = []
+    for fused in (False, True):
+        trainer = _trainer(model_dir, tmp_path, loss_type="dapo", beta=0.04, bf16=True,
+                           use_cpu=False)
+        trainer.model.to(DEVICE, torch.bfloat16)
+        trainer.current_gradient_accumulation_steps = 1
+        if fused:
+            fce_trl.apply(trainer)
+        inputs = _inputs(trainer)
+        inputs = {k: v.float() if v.is_floating_point() else v for k, v in inputs.items()}
+        loss = trainer.compute_loss(trainer.model, inputs)
+        loss.backward()
+        results.append((float(loss), {n: p.grad.float() for n, p in
+                                      trainer.model.named_parameters()}))
+    (want, want_grads), (got, got_grads) = results
+    assert abs(got - want) <= 2e-2 * max(abs(want), 1e-2)
+    for name, g in want_grads.items():
+        assert rel_err(got_grads[name], g) <= 5e-2, name
