@@ -130,9 +130,8 @@ def linear_policy_loss(hidden, weight, target, advantages, bias=None, *, old_log
                        ref_logprobs=None, loss_type="clip", epsilon_low=0.2,
                        epsilon_high=None, delta=None, sapo_temperature_pos=1.0,
                        sapo_temperature_neg=1.05, beta=0.0, kl="k3", kl_ratio=False,
-                       entropy_coef=0.0,
-                       token_weights=None, temperature=1.0, softcap=None, ignore_index=-100,
-                       shift=False, accumulator="fp32"):
+                       entropy_coef=0.0, token_weights=None, temperature=1.0, softcap=None,
+                       ignore_index=-100, shift=False, accumulator="fp32"):
     """An RL policy loss of softcap(F.linear(hidden, weight, bias)) / temperature at the
     sampled tokens, without the logits, in three GEMMs (docs/rl.md).
 
@@ -167,9 +166,8 @@ def linear_policy_loss(hidden, weight, target, advantages, bias=None, *, old_log
     options = dict(loss_type=loss_type, epsilon_low=epsilon_low, epsilon_high=epsilon_high,
                    delta=delta, sapo_temperature_pos=sapo_temperature_pos,
                    sapo_temperature_neg=sapo_temperature_neg, beta=beta, kl=kl,
-                   kl_ratio=kl_ratio,
-                   entropy_coef=entropy_coef, softcap=softcap, ignore_index=ignore_index,
-                   accumulator=accumulator)
+                   kl_ratio=kl_ratio, entropy_coef=entropy_coef, softcap=softcap,
+                   ignore_index=ignore_index, accumulator=accumulator)
     if _is_dtensor(weight):  # sharded by vocabulary: the vocab-parallel policy loss
         from .distributed.dtensor import dtensor_linear_policy_loss
 

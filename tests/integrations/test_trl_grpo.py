@@ -54,7 +54,8 @@ def _trainer(model_dir, tmp_path, **config):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # TRL's and transformers' deprecation notices
         return trl.GRPOTrainer(
-            model=model, reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions],
+            model=model,
+            reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions],
             args=args, train_dataset=datasets.Dataset.from_dict({"prompt": ["t3 t4 t5"] * B}),
             processing_class=_tokenizer())
 

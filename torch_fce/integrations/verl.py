@@ -33,7 +33,8 @@ def linear_cross_entropy(hidden, weight, labels, temperature=1.0, reduction="non
 
     Args:
         hidden: (*, D), its tokens in labels' order once both are flattened (as verl's
-            kernel pairs them: Megatron passes hidden (s, 1, D) with labels (1, s)). weight: (V, D), or with dist_process_group this rank's rows of a
+            kernel pairs them: Megatron passes hidden (s, 1, D) with labels (1, s)).
+        weight: (V, D), or with dist_process_group this rank's rows of a
             head split in equal, contiguous shards across the group (rank r holds rows
             [r V, (r + 1) V), as Megatron pads and splits it); hidden and labels the
             same on every rank.

@@ -91,17 +91,16 @@ LIB.define(
 
 # The per-token policy loss of RL training (docs/rl.md): sum over the tokens not ignored
 # of token_weights * (policy term + beta * KL (times the ratio with kl_ratio) -
-# entropy_coef * entropy), with the
-# per-token statistics (logprob, entropy, ratio, clipped, kl), each target.shape.
+# entropy_coef * entropy), with the per-token statistics (logprob, entropy, ratio, clipped, kl), each target.shape.
 LIB.define(
     "linear_policy_loss(Tensor hidden, Tensor weight, Tensor target, Tensor advantages, "
     "Tensor? bias=None, Tensor? old_logprobs=None, Tensor? ref_logprobs=None, "
     "Tensor? token_weights=None, Tensor? temperature=None, *, str loss_type=\"clip\", "
     "float epsilon_low=0.2, float? epsilon_high=None, float? delta=None, "
     "float sapo_temperature_pos=1.0, float sapo_temperature_neg=1.05, float beta=0.0, "
-    "str kl=\"k3\", bool kl_ratio=False, float entropy_coef=0.0, float? softcap=None, SymInt ignore_index=-100, "
-    "str accumulator=\"fp32\") -> (Tensor loss, Tensor logprob, Tensor entropy, "
-    "Tensor ratio, Tensor clipped, Tensor kl)"
+    "str kl=\"k3\", bool kl_ratio=False, float entropy_coef=0.0, float? softcap=None, "
+    "SymInt ignore_index=-100, str accumulator=\"fp32\") -> (Tensor loss, Tensor logprob, "
+    "Tensor entropy, Tensor ratio, Tensor clipped, Tensor kl)"
 )
 
 # hidden (N, D), the per-token tensors (N,). The loss is a scalar, so the forward forms
@@ -111,8 +110,8 @@ LIB.define(
     "Tensor? bias, Tensor? old_logprobs, Tensor? ref_logprobs, Tensor? token_weights, "
     "Tensor? temperature, str loss_type, float epsilon_low, float? epsilon_high, "
     "float? delta, float sapo_temperature_pos, float sapo_temperature_neg, float beta, "
-    "str kl, bool kl_ratio, float entropy_coef, float? softcap, SymInt ignore_index, str accumulator, "
-    "bool[3] needs_grad) -> (Tensor loss, Tensor grad_hidden, Tensor grad_weight, "
+    "str kl, bool kl_ratio, float entropy_coef, float? softcap, SymInt ignore_index, "
+    "str accumulator, bool[3] needs_grad) -> (Tensor loss, Tensor grad_hidden, Tensor grad_weight, "
     "Tensor grad_bias, Tensor logprob, Tensor entropy, Tensor ratio, Tensor clipped, "
     "Tensor kl)"
 )
