@@ -91,7 +91,8 @@ LIB.define(
 
 # The per-token policy loss of RL training (docs/rl.md): sum over the tokens not ignored
 # of token_weights * (policy term + beta * KL (times the ratio with kl_ratio) -
-# entropy_coef * entropy), with the per-token statistics (logprob, entropy, ratio, clipped, kl), each target.shape.
+# entropy_coef * entropy), with the per-token statistics (logprob, entropy, ratio,
+# clipped, kl), each target.shape.
 LIB.define(
     "linear_policy_loss(Tensor hidden, Tensor weight, Tensor target, Tensor advantages, "
     "Tensor? bias=None, Tensor? old_logprobs=None, Tensor? ref_logprobs=None, "
