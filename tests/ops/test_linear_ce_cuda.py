@@ -242,3 +242,31 @@ def test_cuda_kahan_memory_is_the_two_sums_plus_one_chunk():
     peak, chunk = _peak_beyond_inputs(N, D, V, accumulator="kahan")
     budget = chunk + V * D * 2 * 2 + N * D * 2 * 2
     assert peak <= budget + (8 << 20)
+
+
+def test_cuda_float64_gradients_are_float64_exact():
+    # float64 on the GPU keeps float64 precision through the backward's scaling of the
+    # forward's gradients (a float32 multiply there once cost 2.5e-8): the loss and the
+    # policy loss, a non-unit upstream gradient, against the float64 composition.
+    x = make_inputs(300, 32, 1001, torch.float64, bias=True, device="cuda", weight_scale=2.0)
+    g = torch.tensor(0.37, dtype=torch.float64, device="cuda")
+    loss, grads = _op(x, dict(reduction="sum"), grad_out=g)
+    ref_loss, ref = reference_loss_and_grads(**x, grad_out=g, reduction="sum")
+    assert rel_err(loss, ref_loss) <= 1e-12
+    for k, v in grads.items():
+        assert rel_err(v, ref[k]) <= 1e-12, k
+
+    leaves = {k: x[k].detach().clone().requires_grad_() for k in ("hidden", "weight", "bias")}
+    A = torch.linspace(-1, 1, 300, dtype=torch.float64, device="cuda")
+    loss, _ = torch_fce.linear_policy_loss(leaves["hidden"], leaves["weight"], x["target"], A,
+                                           leaves["bias"], loss_type="reinforce")
+    got = torch.autograd.grad(loss * g, list(leaves.values()))
+    h, w, b = (x[k].detach().clone().requires_grad_() for k in ("hidden", "weight", "bias"))
+    valid = x["target"] != -100
+    logp = torch.nn.functional.linear(h, w, b).log_softmax(-1)
+    lp_ref = logp.gather(-1, x["target"].clamp_min(0)[:, None]).squeeze(-1)
+    ref_policy = torch.where(valid, -A * lp_ref, 0.0).sum() / valid.sum()
+    want = torch.autograd.grad(ref_policy * g, (h, w, b))
+    assert rel_err(loss, ref_policy) <= 1e-12
+    for a, r in zip(got, want):
+        assert rel_err(a, r) <= 1e-12

@@ -69,6 +69,8 @@ def linear_policy_loss_fwd(hidden, weight, target, advantages, bias, old_logprob
 
 @torch.library.impl("fce::scale_grad", "CUDA")
 def scale_grad(grad, scale, dtype):
+    if torch.float64 in (grad.dtype, dtype):  # the kernel multiplies in float32
+        return (grad * scale.to(grad)).to(dtype)
     out = grad.new_empty(grad.shape, dtype=dtype)
     _launch_scale_cast(grad.contiguous(), scale.to(grad.device), out)
     return out
