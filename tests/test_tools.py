@@ -18,12 +18,13 @@ def _run(*args):
 def test_bench_lists_its_subcommands():
     out = _run("torch_fce.bench")
     assert out.returncode == 2
-    for sub in ("shapes", "lowering", "transformers", "distributed"):
+    for sub in ("shapes", "lowering", "transformers", "distributed", "grpo"):
         assert sub in out.stdout
     assert _run("torch_fce.bench", "nope").returncode == 2
 
 
-@pytest.mark.parametrize("sub", ["shapes", "lowering", "transformers", "distributed"])
+@pytest.mark.parametrize("sub", ["shapes", "lowering", "transformers", "distributed",
+                                 "grpo"])
 def test_bench_subcommand_help_names_defaults(sub):
     out = _run("torch_fce.bench", sub, "--help")
     assert out.returncode == 0 and "default" in out.stdout
@@ -92,6 +93,16 @@ def test_bench_shapes_rl_objectives_write_their_rows(objective, tmp_path):
     assert all(r["loss_err"] < 1e-5 and r["dW_err"] < 1e-5 for r in rows)
 
 
+def test_bench_grpo_tiny_runs_both_losses_and_they_agree():
+    pytest.importorskip("trl")
+    out = _run("torch_fce.bench", "grpo", "--device", "cpu", "--V", "512", "--D", "64",
+               "--B", "4", "--P", "8", "--K", "32", "--reps", "1")
+    assert out.returncode == 0, out.stderr[-4000:]
+    last = out.stdout.strip().splitlines()[-1]
+    assert "torch_fce / trl time" in last
+    assert float(last.split("head gradient ")[1]) < 1e-5  # float32 on the CPU
+
+
 def test_bench_shapes_fails_when_torch_fce_fails(tmp_path, monkeypatch):
     from torch_fce.bench import shapes
 
@@ -119,6 +130,8 @@ CUDA_TOOLS = {
                        "--B", "2", "--T", "128"),
     "bench transformers": ("torch_fce.bench", "transformers", "--device", "cuda", "--V",
                            "8192", "--T", "256"),
+    "bench grpo": ("torch_fce.bench", "grpo", "--device", "cuda", "--V", "4096", "--D",
+                   "256", "--B", "4", "--P", "16", "--K", "128", "--reps", "1"),
     # one GPU: NCCL with one rank (two ranks: tests/distributed/test_vocab_parallel_nccl.py)
     "bench distributed": ("torch_fce.bench", "distributed", "--world", "1", "--device",
                           "cuda", "--shapes", "tiny", "--reps", "1"),

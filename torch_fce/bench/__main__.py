@@ -9,6 +9,7 @@ SUBCOMMANDS = {
     "lowering": ("lowering", "a compiled TinyLM training step with and without the pass"),
     "transformers": ("hf", "a transformers llama training step, patched and not"),
     "distributed": ("distributed", "the vocab-parallel loss on 2+ GPUs against one GPU"),
+    "grpo": ("grpo", "a TRL GRPOTrainer's loss step, TRL's own and through torch_fce"),
 }
 
 

@@ -1,0 +1,128 @@
+"""python -m torch_fce.bench grpo: a TRL GRPOTrainer's loss step, TRL's own and through
+torch_fce.integrations.trl.apply.
+
+Builds a random llama-style policy (bf16 on CUDA, float32 on the CPU) with a reference
+model, a GRPOTrainer (loss_type dapo, epsilon 0.2 / 0.28, beta 0.04, temperature 0.7)
+and one synthetic batch of B completions of K tokens after P prompt tokens (old and
+reference log-probs near the policy's, so some ratios clip), then times
+`trainer.compute_loss(model, batch).backward()` with TRL's loss (its fused head) and
+with torch_fce's, on the same weights, and prints time, peak memory beyond the model
+and batch, and how far the two losses and head gradients are apart.
+"""
+
+import argparse
+import tempfile
+import warnings
+
+import torch
+
+from torch_fce.bench.measure import check_device, median_time, peak_extra_bytes
+from torch_fce.bench.shapes import describe, environment
+from torch_fce.integrations import trl as fce_trl
+from torch_fce.testing import rel_err
+
+
+def _tokenizer(V):
+    """A word-level tokenizer over V made-up words (TRL's trainer needs one)."""
+    import tokenizers
+    import transformers
+
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(
+        {f"w{i}": i for i in range(V)}, unk_token="w0"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="w1",
+                                                eos_token="w2", unk_token="w0")
+
+
+def _trainer(args, path):
+    import datasets
+    import transformers
+    import trl
+
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=args.V, hidden_size=args.D, intermediate_size=2 * args.D,
+        num_hidden_layers=args.layers, num_attention_heads=max(1, args.D // 128),
+        max_position_embeddings=args.P + args.K)
+    transformers.LlamaForCausalLM(config).to(dtype).save_pretrained(path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    config = trl.GRPOConfig(
+        output_dir=path + "/out", loss_type="dapo", epsilon=0.2, epsilon_high=0.28,
+        beta=0.04, temperature=0.7, per_device_train_batch_size=args.B,
+        num_generations=args.B, max_completion_length=args.K, report_to=[],
+        bf16=args.device == "cuda", use_cpu=args.device == "cpu",
+        gradient_checkpointing=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # TRL's and transformers' deprecation notices
+        trainer = trl.GRPOTrainer(
+            model=model, reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+            args=config, train_dataset=datasets.Dataset.from_dict({"prompt": ["w3"] * args.B}),
+            processing_class=_tokenizer(args.V))
+    trainer.model.to(args.device).train()
+    trainer.current_gradient_accumulation_steps = 1
+    return trainer
+
+
+def _batch(trainer, args):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, args.V, (args.B, args.P + args.K), generator=g).to(args.device)
+    ones = torch.ones_like(ids)
+    with torch.no_grad():
+        logps, _, _ = trainer._get_per_token_logps_and_entropies(
+            trainer.model, ids, ones, args.K)
+    noise = lambda: 0.3 * torch.randn(logps.shape, generator=g).to(logps)  # noqa: E731
+    completion_mask = ones[:, args.P:]
+    return dict(prompt_ids=ids[:, :args.P], prompt_mask=ones[:, :args.P],
+                completion_ids=ids[:, args.P:], completion_mask=completion_mask,
+                advantages=torch.randn(args.B, generator=g).to(args.device),
+                old_per_token_logps=logps + noise(), ref_per_token_logps=logps + noise(),
+                num_items_in_batch=completion_mask.sum())
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m torch_fce.bench grpo", description=__doc__)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="cuda or cpu (default: cuda when available)")
+    p.add_argument("--V", type=int, default=151936, help="vocabulary size (default: 151936)")
+    p.add_argument("--D", type=int, default=1536, help="hidden size (default: 1536)")
+    p.add_argument("--layers", type=int, default=2, help="decoder layers (default: 2)")
+    p.add_argument("--B", type=int, default=16, help="completions per batch (default: 16)")
+    p.add_argument("--P", type=int, default=64, help="prompt tokens (default: 64)")
+    p.add_argument("--K", type=int, default=1024, help="completion tokens (default: 1024)")
+    p.add_argument("--reps", type=int, default=5, help="timed steps (default: 5)")
+    args = p.parse_args(argv)
+    check_device(p, args.device)
+    import trl
+
+    with tempfile.TemporaryDirectory() as path:
+        trainer = _trainer(args, path)
+        batch = _batch(trainer, args)
+        model = trainer.model
+        print(f"# {describe(environment())}, trl {trl.__version__}")
+        print(f"llama V={args.V} D={args.D} {args.layers} layers, {args.B} completions of "
+              f"{args.K} tokens after {args.P}: dapo + k3 KL (beta 0.04), temperature 0.7")
+
+        def step():
+            trainer.compute_loss(model, batch).backward()
+            model.zero_grad(set_to_none=True)
+
+        results = {}
+        for name in ("trl", "torch_fce"):
+            if name == "torch_fce":
+                fce_trl.apply(trainer)
+            loss = trainer.compute_loss(model, batch)
+            loss.backward()
+            loss = loss.detach()
+            head_grad = model.get_output_embeddings().weight.grad.float()
+            model.zero_grad(set_to_none=True)
+            mem = peak_extra_bytes(step, args.device)
+            ms = median_time(step, args.device, reps=args.reps) * 1e3
+            results[name] = (loss.item(), head_grad, ms)
+            print(f"{name:10} loss {loss.item():.6f}  step {ms:8.2f} ms  peak extra "
+                  f"{mem / 2**20:8.1f} MiB")
+        fce_trl.revert(trainer)
+    (loss_t, grad_t, ms_t), (loss_f, grad_f, ms_f) = results["trl"], results["torch_fce"]
+    print(f"torch_fce / trl time {ms_f / ms_t:.3f}; loss difference "
+          f"{abs(loss_f - loss_t) / max(abs(loss_t), 1e-12):.2e} (relative), head gradient "
+          f"{rel_err(grad_f, grad_t):.2e}")
