@@ -9,6 +9,12 @@ hidden's dtype for the GEMMs); n is chosen per backend from a fixed budget.
 Backends differ only in the row function and the chunk size. Cross entropy
 (rows.py, triton/rows.py) and the log-probs (logprob_rows.py, triton/logprob_rows.py)
 are two row functions on the same loop.
+
+A backward that has its row statistics from the forward (the log-probs') can cut the
+same workspace along the vocabulary instead: with fewer tokens than classes, a float32
+sum of the hidden gradient (N x D) across tiles is re-read where token chunks re-read
+the weight gradient's (V x D), and each tile's weight gradient comes whole out of one
+GEMM over all tokens.
 """
 
 import torch
@@ -24,12 +30,20 @@ def math_dtype_for(dtype):
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def run_chunks(hidden, weight, bias, row_fn, outputs, needs_grad, accumulator, chunk_rows):
+def run_chunks(hidden, weight, bias, row_fn, outputs, needs_grad, accumulator, chunk_rows,
+               by_vocab=False):
     """The loop. row_fn(logits, s, e) -> (terms, dz) for the chunk of tokens [s, e):
     per-token terms written into the (N,) buffers of `outputs`, and the logits gradient
     dz (None when no gradient is wanted). Returns (grad_hidden, grad_weight, grad_bias),
     each None unless flagged in needs_grad; grad_weight/grad_bias in the accumulator's
-    dtype."""
+    dtype.
+
+    With by_vocab, the same workspace of chunk_rows x V logits is cut along the
+    vocabulary: row_fn(logits, v0, v1) gets every token's logits of classes [v0, v1)
+    and returns ((), dz); no per-token outputs; the hidden gradient is summed in the
+    math dtype, the weight and bias gradients come in their output dtypes."""
+    if by_vocab:
+        return _run_vocab_tiles(hidden, weight, bias, row_fn, needs_grad, chunk_rows)
     N, D = hidden.shape
     V = weight.shape[0]
     dtype = hidden.dtype
@@ -54,6 +68,54 @@ def run_chunks(hidden, weight, bias, row_fn, outputs, needs_grad, accumulator, c
             gb += dz.sum(0, dtype=mdt)
         del terms, dz  # freed before the next chunk is allocated: one chunk at a time
     return gh, gw, gb
+
+
+def _run_vocab_tiles(hidden, weight, bias, row_fn, needs_grad, chunk_rows):
+    N, D = hidden.shape
+    V = weight.shape[0]
+    dtype = hidden.dtype
+    w = weight.to(dtype)
+    b = None if bias is None else bias.to(dtype)
+    cols = max(1, chunk_rows * V // max(1, N))
+    cols = cols // 128 * 128 if cols >= 128 else cols  # whole GEMM tiles, as token chunks
+    # The hidden gradient is a sum across tiles: float32 (float64 for float64 inputs).
+    gh = GradAccumulator("fp32", (N, D), dtype, dtype, hidden.device) \
+        if needs_grad[0] else None
+    gw = torch.empty(V, D, dtype=grad_dtype(weight.dtype, False), device=hidden.device) \
+        if needs_grad[1] else None
+    gb = torch.empty(V, dtype=grad_dtype(bias.dtype, False), device=hidden.device) \
+        if needs_grad[2] else None
+    for v0 in range(0, V, cols):
+        v1 = min(V, v0 + cols)
+        _, dz = row_fn(F.linear(hidden, w[v0:v1], None if b is None else b[v0:v1]), v0, v1)
+        if gh is not None:
+            gh.add(dz.t(), w[v0:v1])
+        if gw is not None:
+            _mm_into(dz.t(), hidden, gw[v0:v1])
+        if gb is not None:
+            gb[v0:v1] = dz.sum(0, dtype=math_dtype_for(dtype))
+        del dz
+    return gh, gw, gb
+
+
+def _mm_into(a, b, out):
+    """out = a @ b, summed in float32 (or better) and rounded once into out's dtype."""
+    low = a.dtype in (torch.bfloat16, torch.float16)
+    if low and a.device.type != "cuda":
+        out.copy_(a.float() @ b.float())
+    elif a.dtype == out.dtype:
+        torch.mm(a, b, out=out)  # cuBLAS sums low-precision products in float32
+    elif low:  # float32 master weights
+        torch.mm(a, b, out_dtype=out.dtype, out=out)
+    else:  # float64 products into a float32 weight's gradient
+        out.copy_(a @ b)
+
+
+def by_vocab(N, V):
+    """Whether a backward with known row statistics cuts its workspace along the
+    vocabulary: when there are fewer tokens than classes (the float32 sum it re-reads
+    per tile, N x D, is then the smaller one)."""
+    return N < V
 
 
 def _ce_chunks(hidden, weight, target, bias, class_weight, opts, needs_grad, ce_scale,
@@ -139,14 +201,19 @@ def linear_logprobs_bwd(grad_logprob, grad_entropy, row_stats, hidden, weight, t
     per_token = [None if t is None else t.to(mdt)
                  for t in (grad_logprob, grad_entropy, row_stats)]
 
+    vocab = by_vocab(N, weight.shape[0])
+
     def row_fn(logits, s, e):
+        if vocab:  # classes [s, e) of every token
+            *_, dz = rows(logits, target, inv_t, opts, False, per_token, mdt, col0=s)
+            return (), dz
         grad = tuple(None if t is None else t[s:e] for t in per_token)
         *_, dz = rows(logits, target[s:e], inv_t[s:e], opts, False, grad, mdt)
         return (), dz
 
     with torch.autocast(hidden.device.type, enabled=False):
         grads = run_chunks(hidden, weight, bias, row_fn, (), needs_grad, accumulator,
-                           chunk_rows)
+                           chunk_rows, by_vocab=vocab)
     return _grad_outputs(hidden, weight, bias, grads, keep_f32=False)
 
 
@@ -216,8 +283,12 @@ def grad_dtype(dtype, keep_f32):
 def _grad_outputs(hidden, weight, bias, grads, keep_f32):
     """Casts gradients to their output dtypes; (0,) placeholders for those not wanted."""
     gh, gw, gb = grads
+    if isinstance(gh, GradAccumulator):  # summed across vocabulary tiles
+        gh = gh.result(hidden.dtype)
+    if isinstance(gw, GradAccumulator):  # summed across token chunks
+        gw = gw.result(grad_dtype(weight.dtype, keep_f32))
     return (
         hidden.new_empty(0) if gh is None else gh,
-        hidden.new_empty(0) if gw is None else gw.result(grad_dtype(weight.dtype, keep_f32)),
+        hidden.new_empty(0) if gw is None else gw,
         hidden.new_empty(0) if gb is None else gb.to(grad_dtype(bias.dtype, keep_f32)),
     )

@@ -20,7 +20,7 @@ import torch
 from .rows import softcapped
 
 
-def torch_logprob_rows(logits, target, inv_t, opts, entropy, grad, math_dtype):
+def torch_logprob_rows(logits, target, inv_t, opts, entropy, grad, math_dtype, col0=0):
     """Returns (logprob, entropy, lse, argmax, row_stats, dz) for logits (n, V).
 
     logits is the backend's chunk buffer and is overwritten. inv_t (n,) is 1/T (NaN for
@@ -31,6 +31,8 @@ def torch_logprob_rows(logits, target, inv_t, opts, entropy, grad, math_dtype):
     and the forward's row_stats; only dz, in logits' dtype, the other slots None. With
     grad a function (logprob, entropy) -> (g_lp, g_h) (a loss formed in the forward):
     the forward's outputs and dz for the upstream gradients it returns.
+    In the backward, the logits may be the classes [col0, col0 + V) of a vocabulary
+    tile (targets are whole-vocabulary indices).
     """
     n, V = logits.shape
     z, tanh = softcapped(logits, opts.softcap, math_dtype)
@@ -76,8 +78,11 @@ def torch_logprob_rows(logits, target, inv_t, opts, entropy, grad, math_dtype):
         h = torch.where(valid, g_h, 0.0)
         ent_term = torch.where(p > 0, p * h[:, None] * (z - d[:, None]), 0.0)
         dz = p.mul_(-g[:, None]).sub_(ent_term)
-    # A counted target outside [0, V) adds nothing (its outputs are NaN).
-    dz.scatter_add_(1, tgt[:, None], torch.where(in_range, g, 0.0)[:, None])
+    # A counted target outside the tile adds nothing here (outside [0, V) its outputs
+    # are NaN).
+    here = (target >= col0) & (target < col0 + V)
+    dz.scatter_add_(1, torch.where(here, target - col0, 0).long()[:, None],
+                    torch.where(here, g, 0.0)[:, None])
     dz.mul_(inv_t[:, None])
     if tanh is not None:
         dz.mul_(1.0 - tanh * tanh)

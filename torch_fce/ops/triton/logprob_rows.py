@@ -53,7 +53,7 @@ def _linear_logprobs_rows_kernel(
     logits_ptr, target_ptr, inv_t_ptr, g_lp_ptr, g_h_ptr, stats_ptr,
     logprob_ptr, entropy_ptr, lse_ptr, argmax_ptr,
     # sizes and options
-    V, ignore_index, softcap,
+    V, col0, ignore_index, softcap,
     # strides
     stride_ln,
     # meta-parameters
@@ -63,7 +63,8 @@ def _linear_logprobs_rows_kernel(
     """Without HAS_GRAD (the forward): logits (n, V) -> logprob, entropy, lse (n,)
     float32, argmax (n,) int64 and the row statistics (n, 3) (m, log s, d). With HAS_GRAD
     (the backward): logits <- dl for upstream g_lp (and, with HAS_ENTROPY_GRAD, g_h),
-    from the forward's row statistics."""
+    from the forward's row statistics; the backward's logits may be the classes
+    [col0, col0 + V) of a vocabulary tile."""
     # int64: row * stride_ln passes 2^31 for chunks of large vocabularies.
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * stride_ln
@@ -105,7 +106,7 @@ def _linear_logprobs_rows_kernel(
                 dz = -p * g - tl.where(p > 0.0, p * h * (zm - d), 0.0)
             else:
                 dz = -p * g
-            dz += tl.where(offs == t, g, 0.0)
+            dz += tl.where(offs + col0 == t, g, 0.0)
             dz *= inv_t
             if HAS_SOFTCAP:
                 th = c / softcap
@@ -114,24 +115,25 @@ def _linear_logprobs_rows_kernel(
             tl.store(row_ptr + offs, dz.to(row_ptr.dtype.element_ty), mask=mask)
 
 
-def triton_logprob_rows(logits, target, inv_t, opts, entropy, grad, math_dtype):
+def triton_logprob_rows(logits, target, inv_t, opts, entropy, grad, math_dtype, col0=0):
     """Row function for chunked.linear_logprobs_*, as logprob_rows.torch_logprob_rows:
     without grad (logprob, entropy, lse, argmax, row_stats, None) (entropy undefined
     unless asked for); with grad = (g_lp, g_h, row_stats), (None,) * 5 + (dz,), dz
     written over logits. logits (n, V) with unit stride along V; target, inv_t, g_lp and
     g_h (n,), row_stats (n, 3). With grad a function (logprob, entropy) -> (g_lp, g_h)
     (a loss formed in the forward): the forward's outputs and dz for those gradients,
-    from a forward sweep and a gradient sweep over the chunk."""
+    from a forward sweep and a gradient sweep over the chunk. The backward's logits may
+    be the classes [col0, col0 + V) of a vocabulary tile."""
     assert math_dtype == torch.float32
     if not callable(grad):
-        return _rows(logits, target, inv_t, opts, entropy, grad)
+        return _rows(logits, target, inv_t, opts, entropy, grad, col0)
     logprob, ent, lse, argmax, stats, _ = _rows(logits, target, inv_t, opts, entropy, None)
     g_lp, g_h = grad(logprob, ent)
     *_, dz = _rows(logits, target, inv_t, opts, False, (g_lp, g_h, stats))
     return logprob, ent, lse, argmax, stats, dz
 
 
-def _rows(logits, target, inv_t, opts, entropy, grad):
+def _rows(logits, target, inv_t, opts, entropy, grad, col0=0):
     """One launch of the kernel: the forward sweep, or the gradient sweep for grad =
     (g_lp, g_h, row_stats)."""
     n, V = logits.shape
@@ -150,7 +152,7 @@ def _rows(logits, target, inv_t, opts, entropy, grad):
     _linear_logprobs_rows_kernel[(n,)](
         logits, target, inv_t, g_lp, g_h if entropy_grad else g_lp, stats, logprob, ent,
         lse, argmax,
-        V, opts.ignore_index, opts.softcap if opts.softcap is not None else 1.0,
+        V, col0, opts.ignore_index, opts.softcap if opts.softcap is not None else 1.0,
         logits.stride(0), HAS_GRAD=grad is not None, HAS_ENTROPY_GRAD=entropy_grad,
         WANT_ENTROPY=entropy, HAS_SOFTCAP=opts.softcap is not None,
         BLOCK_V=_block_v(V), num_warps=8)
