@@ -1,5 +1,7 @@
 """What the probes share: timing, plain cross-entropy row options, grouped tile order."""
 
+import sys
+
 import torch
 import triton
 import triton.language as tl
@@ -11,10 +13,11 @@ OPTS = RowOptions(-100, 0.0, None)  # plain cross entropy, ignore_index -100
 
 
 def run_shapes(probe_shape):
-    """Prints the machine and versions, then runs probe_shape on the benchmark shapes A, B, C."""
+    """Prints the machine and versions, then runs probe_shape on the benchmark shapes named
+    on the command line (default A, B, C)."""
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"triton {triton.__version__}")
-    for name in "ABC":
+    for name in sys.argv[1:] or "ABC":
         probe_shape(name)
         torch.cuda.empty_cache()  # the shape's tensors died with the call
 

@@ -2,7 +2,8 @@
 
 Times each step of torch_fce's chunk loop (logits GEMM, Triton row kernel, dE GEMM, dW
 GEMM with float32 accumulation) with CUDA events over the whole token range, at the
-chunk size the CUDA backend picks, on the issue-3 shapes. "GEMMs" is the sum of the
+chunk size the CUDA backend picks (and at 4096 and 8192 rows where those are larger),
+on the shapes named on the command line (default A, B, C). "GEMMs" is the sum of the
 three matmuls: the floor of any design that runs them through cuBLAS at this chunking.
 
     python benchmarks/probes/chunk_breakdown.py      # needs one CUDA GPU
@@ -59,15 +60,17 @@ def probe_shape(name):
     shape = SHAPES[name]
     x = shape_inputs(shape)
     h, w, t = x["hidden"], x["weight"], x["target"]
-    rows = chunk_rows(shape.N, shape.V, shape.D, torch.bfloat16, "cuda")
+    default = chunk_rows(shape.N, shape.V, shape.D, torch.bfloat16, "cuda")
     mm = median_time(lambda: h @ w.T, "cuda", reps=10, warmup=2) * 1e3
-    runs = [loop_ms(h, w, t, rows) for _ in range(5)]
-    med = {k: statistics.median(r[k] for r in runs) / mm for k in STEPS}
-    gemms = med["logits"] + med["dE"] + med["dW"]
-    print(f"{name}: chunk {rows} rows, mm {mm:.2f} ms | "
-          + " ".join(f"{k} {v:.3f}" for k, v in med.items())
-          + f" | GEMMs {gemms:.2f} + rows {med['rows']:.2f} = {gemms + med['rows']:.2f} x mm",
-          flush=True)
+    # The default chunk, and the larger ones a bigger workspace would give.
+    for rows in sorted({default, *(r for r in (4096, 8192) if default < r < shape.N)}):
+        runs = [loop_ms(h, w, t, rows) for _ in range(5)]
+        med = {k: statistics.median(r[k] for r in runs) / mm for k in STEPS}
+        gemms = med["logits"] + med["dE"] + med["dW"]
+        print(f"{name}: chunk {rows} rows, mm {mm:.2f} ms | "
+              + " ".join(f"{k} {v:.3f}" for k, v in med.items())
+              + f" | GEMMs {gemms:.2f} + rows {med['rows']:.2f} = "
+              f"{gemms + med['rows']:.2f} x mm", flush=True)
 
 
 if __name__ == "__main__":

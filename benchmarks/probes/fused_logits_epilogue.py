@@ -11,6 +11,8 @@ against cuBLAS + the row kernel.
     python benchmarks/probes/fused_logits_epilogue.py     # needs one CUDA GPU
 """
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -26,6 +28,8 @@ from _common import ms, OPTS, run_shapes, tile_pid
 CONFIGS = [(128, 256, 64, 3, 8, False, True), (128, 256, 64, 4, 8, False, True),
            (128, 256, 64, 3, 8, True, True), (128, 256, 64, 4, 8, True, True),
            (128, 256, 64, 3, 8, False, False)]
+if os.environ.get("PROBE_CONFIGS"):  # a subset, e.g. PROBE_CONFIGS=0,2
+    CONFIGS = [CONFIGS[int(i)] for i in os.environ["PROBE_CONFIGS"].split(",")]
 
 
 @triton.jit
