@@ -287,31 +287,38 @@ def test_triton_logprob_rows_match_their_pytorch_twin(softcap, entropy, dtype):
                          ids=["torch_rows", "triton_rows"])
 @pytest.mark.parametrize("N, by_vocab", [(12, True), (45, False)])
 @pytest.mark.parametrize("weight_dtype", [torch.float16, torch.float32])
-def test_logprob_backward_by_tokens_and_by_vocabulary(rows, N, by_vocab, weight_dtype):
-    # Fewer tokens than classes: the backward cuts its workspace along the vocabulary
-    # (tiles of 37 // 3 classes here, the last one short); more: along the tokens. Both
-    # equal the float64 gradients, with a target in every tile, ignored rows, bias,
-    # softcap, per-token temperatures, an entropy gradient and float32 master weights.
+def test_logprobs_by_tokens_and_by_vocabulary(rows, N, by_vocab, weight_dtype):
+    # Fewer tokens than classes: forward and backward cut their workspace along the
+    # vocabulary (tiles of 37 // 3 classes here, the last one short); more: along the
+    # tokens. Both equal float64, with a target in every tile, the most likely class
+    # tied across two tiles (the first wins), ignored rows, bias, softcap, per-token
+    # temperatures, an entropy gradient and float32 master weights.
     V = 37
     assert chunked.by_vocab(N, V) == by_vocab
     x = {k: v if v is None else v.to(DEVICE) for k, v in make_inputs(
         N, 5, V, torch.float16, bias=True, ignore_frac=0.25, weight_scale=2.0).items()}
     w, b = x["weight"].to(weight_dtype), x["bias"].to(weight_dtype)
+    w[30], b[3], b[30] = w[3], 4.0, 4.0  # 3 and 30 tie, the most likely class of many rows
     target = x["target"]
     T = torch.rand(N, device=DEVICE) + 0.5
     g_lp, g_h = torch.randn(N, device=DEVICE), torch.randn(N, device=DEVICE)
     args = (x["hidden"], w, target, b, T, 4.0, -100)
     chunk = N // 3  # three tiles or chunks (by vocabulary: 37 // 3 classes each)
-    row_stats = chunked.linear_logprobs_fwd(*args, True, rows=rows, chunk_rows=chunk)[4]
+    logprob, ent, lse, argmax, row_stats = chunked.linear_logprobs_fwd(
+        *args, True, rows=rows, chunk_rows=chunk)
     gh, gw, gb = chunked.linear_logprobs_bwd(g_lp, g_h, row_stats, *args, "fp32",
                                              [True, True, True], rows=rows,
                                              chunk_rows=chunk)
     assert (gh.dtype, gw.dtype, gb.dtype) == (torch.float16, weight_dtype, weight_dtype)
     leaves = [t.detach().double().requires_grad_() for t in (x["hidden"], w, b)]
-    lp, ent, *_ = reference(*leaves[:2], target, leaves[2], T.double(), 4.0)
-    want = torch.autograd.grad((lp * g_lp.double() + ent * g_h.double()).sum(), leaves)
-    for got, ref in zip((gh, gw, gb), want):
-        assert rel_err(got, ref) <= 8 * EPS[torch.float16]
+    ref = reference(*leaves[:2], target, leaves[2], T.double(), 4.0)
+    assert (ref[3] == 3).sum() > N // 4 and torch.equal(argmax, ref[3])
+    for got, want in zip((logprob, ent, lse), ref):
+        assert rel_err(got, want) <= 4 * EPS[torch.float16]
+    want = torch.autograd.grad((ref[0] * g_lp.double() + ref[1] * g_h.double()).sum(),
+                               leaves)
+    for got, ref_grad in zip((gh, gw, gb), want):
+        assert rel_err(got, ref_grad) <= 8 * EPS[torch.float16]
 
 
 @pytest.mark.parametrize("backend", ["op", "triton_rows", "torch_rows"])

@@ -10,11 +10,12 @@ Backends differ only in the row function and the chunk size. Cross entropy
 (rows.py, triton/rows.py) and the log-probs (logprob_rows.py, triton/logprob_rows.py)
 are two row functions on the same loop.
 
-A backward that has its row statistics from the forward (the log-probs') can cut the
-same workspace along the vocabulary instead: with fewer tokens than classes, a float32
-sum of the hidden gradient (N x D) across tiles is re-read where token chunks re-read
-the weight gradient's (V x D), and each tile's weight gradient comes whole out of one
-GEMM over all tokens.
+The log-probs, whose backward has its row statistics from the forward, cut the same
+workspace along the vocabulary instead when there are fewer tokens than classes: the
+forward merges each tile's statistics per row (logprob_rows.merge_tile_stats); the
+backward re-reads a float32 sum of the hidden gradient (N x D) across tiles where token
+chunks re-read the weight gradient's (V x D), and each tile's weight gradient comes
+whole out of one GEMM over all tokens.
 """
 
 import torch
@@ -22,6 +23,7 @@ import torch.nn.functional as F
 
 from . import policy
 from .accumulate import GradAccumulator
+from .logprob_rows import empty_tile_stats, finish_stats, merge_tile_stats
 from .rows import RowOptions
 from .tokens import grad_scales, reduce_loss
 
@@ -40,8 +42,9 @@ def run_chunks(hidden, weight, bias, row_fn, outputs, needs_grad, accumulator, c
 
     With by_vocab, the same workspace of chunk_rows x V logits is cut along the
     vocabulary: row_fn(logits, v0, v1) gets every token's logits of classes [v0, v1)
-    and returns ((), dz); no per-token outputs; the hidden gradient is summed in the
-    math dtype, the weight and bias gradients come in their output dtypes."""
+    and returns ((), dz) (it keeps its own per-token results); the hidden gradient is
+    summed in the math dtype, the weight and bias gradients come in their output
+    dtypes."""
     if by_vocab:
         return _run_vocab_tiles(hidden, weight, bias, row_fn, needs_grad, chunk_rows)
     N, D = hidden.shape
@@ -174,17 +177,29 @@ def linear_logprobs_fwd(hidden, weight, target, bias, temperature, softcap, igno
     """fce::linear_logprobs_fwd on one device: (logprob, entropy, lse, argmax), each (N,),
     and row_stats (N, 3); entropy is (0,) unless asked for."""
     N, mdt = hidden.shape[0], math_dtype_for(hidden.dtype)
+    V = weight.shape[0]
     inv_t = inverse_temperature(temperature, N, hidden.device, mdt)
     opts = RowOptions(ignore_index, 0.0, softcap)
     out = [hidden.new_empty(N, dtype=mdt) for _ in range(3)] + [
         hidden.new_empty(N, dtype=torch.int64), hidden.new_empty(N, 3, dtype=mdt)]
+    # Cut as the backward will: it recomputes the same GEMMs, so its logits are the
+    # forward's bit for bit, and z - m is exact at each row's max.
+    vocab = by_vocab(N, V)
+    total = empty_tile_stats(N, mdt, hidden.device) if vocab else None
 
     def row_fn(logits, s, e):
+        if vocab:  # classes [s, e) of every token
+            merge_tile_stats(total, rows(logits, target, inv_t, opts, entropy, None, mdt,
+                                         col0=s))
+            return (), None
         *terms, _ = rows(logits, target[s:e], inv_t[s:e], opts, entropy, None, mdt)
         return terms, None
 
     with torch.autocast(hidden.device.type, enabled=False):
-        run_chunks(hidden, weight, bias, row_fn, out, (False,) * 3, "fp32", chunk_rows)
+        run_chunks(hidden, weight, bias, row_fn, () if vocab else out, (False,) * 3, "fp32",
+                   chunk_rows, by_vocab=vocab)
+    if vocab:
+        out = finish_stats(total, target, V, ignore_index, entropy)
     logprob, ent, lse, argmax, row_stats = out
     return (logprob, ent if entropy else hidden.new_empty(0, dtype=mdt), lse, argmax,
             row_stats)

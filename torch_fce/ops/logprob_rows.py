@@ -13,62 +13,124 @@ The backward takes the forward's row statistics relative to the row max m, (m, l
 d) with s = sum_c exp(z_c - m) and d = mu - m, so it reads each recomputed logit once
 and forms p_c = exp((z_c - m) - log s) and z_c - mu = (z_c - m) - d: z_c - m is exact
 near the max, where z_c - lse at large magnitudes would lose 1 - p of confident rows.
+
+The forward reduces a block of classes (a whole row, or a vocabulary tile of it) to
+TileStats, its raw sums relative to its own max; merge_tile_stats folds tiles together
+and finish_stats turns whole rows' sums into the outputs.
 """
+
+from typing import NamedTuple
 
 import torch
 
 from .rows import softcapped
 
 
-def torch_logprob_rows(logits, target, inv_t, opts, entropy, grad, math_dtype, col0=0):
+class TileStats(NamedTuple):
+    """A block of classes' statistics per row, each (n,): m the max of z, s = sum_c
+    exp(z_c - m), ez = sum_c exp(z_c - m) (z_c - m) (0 unless the entropy is wanted),
+    best the max of softcap(l) and argmax its first class (a whole-vocabulary index),
+    z_y the target's z where the target is in the block (else 0)."""
+    m: torch.Tensor
+    s: torch.Tensor
+    ez: torch.Tensor
+    best: torch.Tensor
+    argmax: torch.Tensor
+    z_y: torch.Tensor
+
+
+def empty_tile_stats(n, dtype, device):
+    """The statistics of no classes, to merge tiles into."""
+    def full(value, dt=dtype):
+        return torch.full((n,), value, dtype=dt, device=device)
+    return TileStats(full(torch.finfo(dtype).min), full(0.0), full(0.0), full(float("-inf")),
+                     full(0, torch.int64), full(0.0))
+
+
+def merge_tile_stats(total, tile):
+    """Folds a tile's statistics into the running ones (total, updated in place): s and
+    ez rebased to the larger max, the first most likely class kept on ties (a NaN never
+    wins), the target's logit from the tile that holds it."""
+    m = torch.maximum(total.m, tile.m)
+    a, b = torch.exp(total.m - m), torch.exp(tile.m - m)
+    total.ez.copy_(a * (total.ez + (total.m - m) * total.s)
+                   + b * (tile.ez + (tile.m - m) * tile.s))
+    total.s.copy_(a * total.s + b * tile.s)
+    total.m.copy_(m)
+    better = tile.best > total.best
+    total.argmax.copy_(torch.where(better, tile.argmax, total.argmax))
+    total.best.copy_(torch.where(better, tile.best, total.best))
+    total.z_y.add_(tile.z_y)
+
+
+def finish_stats(stats, target, V, ignore_index, entropy):
+    """(logprob, entropy, lse, argmax, row_stats) of whole rows from their TileStats;
+    row_stats (n, 3) = (m, log s, d), d = ez / s; entropy zeros unless asked for."""
+    log_s = stats.s.log()
+    d = stats.ez / stats.s
+    lse = stats.m + log_s
+    valid = target != ignore_index
+    in_range = (target >= 0) & (target < V)
+    # A counted target outside [0, V) poisons its row with NaN (as the loss does).
+    logprob = torch.where(valid, torch.where(in_range, stats.z_y - lse, float("nan")), 0.0)
+    ent = torch.where(valid, log_s - d, 0.0) if entropy else torch.zeros_like(lse)
+    return logprob, ent, lse, stats.argmax, torch.stack([stats.m, log_s, d], 1)
+
+
+def _tile_stats(z, target, inv_t, entropy, col0):
+    """TileStats of softcapped logits z (n, V) of the classes [col0, col0 + V); z is
+    scaled by inv_t in place."""
+    n, V = z.shape
+    argmax = z.argmax(-1)  # of softcap(l): the same class as of z for inv_t > 0
+    best = z.gather(1, argmax[:, None]).squeeze(1)
+    z.mul_(inv_t[:, None])
+    col = target - col0
+    here = (col >= 0) & (col < V)
+    z_y = torch.where(here, z.gather(1, torch.where(here, col, 0).long()[:, None]).squeeze(1),
+                      0.0)
+    m = z.amax(-1, keepdim=True).clamp_min(torch.finfo(z.dtype).min)
+    e = (z - m).exp()
+    s = e.sum(-1)
+    # ez keeps no 0 * -inf at -inf logits and no cancellation against m.
+    ez = torch.where(e > 0, e * (z - m), 0.0).sum(-1) if entropy else torch.zeros_like(s)
+    return TileStats(m.squeeze(1), s, ez, best, argmax + col0, z_y)
+
+
+def torch_logprob_rows(logits, target, inv_t, opts, entropy, grad, math_dtype, col0=None):
     """Returns (logprob, entropy, lse, argmax, row_stats, dz) for logits (n, V).
 
     logits is the backend's chunk buffer and is overwritten. inv_t (n,) is 1/T (NaN for
     a temperature that is not > 0). Without grad (the forward): the per-token terms and
     row_stats (n, 3) = (m, log s, d), dz None; entropy says whether to form it (else its
-    slot and d are not meant to be read). With grad = (g_lp, g_h, row_stats) (the
-    backward): the upstream gradients, (n,) each (g_h None without an entropy gradient),
-    and the forward's row_stats; only dz, in logits' dtype, the other slots None. With
-    grad a function (logprob, entropy) -> (g_lp, g_h) (a loss formed in the forward):
-    the forward's outputs and dz for the upstream gradients it returns.
-    In the backward, the logits may be the classes [col0, col0 + V) of a vocabulary
-    tile (targets are whole-vocabulary indices).
+    slot and d are not meant to be read); with col0, the logits are the classes [col0,
+    col0 + V) of a vocabulary tile and only their TileStats are returned. With grad =
+    (g_lp, g_h, row_stats) (the backward): the upstream gradients, (n,) each (g_h None
+    without an entropy gradient), and the forward's row_stats; only dz, in logits'
+    dtype, the other slots None; the logits may be a tile's (col0). With grad a
+    function (logprob, entropy) -> (g_lp, g_h) (a loss formed in the forward): the
+    forward's outputs and dz for the upstream gradients it returns. Targets are
+    whole-vocabulary indices.
     """
     n, V = logits.shape
     z, tanh = softcapped(logits, opts.softcap, math_dtype)
     valid = target != opts.ignore_index
-    in_range = (target >= 0) & (target < V)
-    tgt = torch.where(valid & in_range, target, 0).long()
     if grad is None or callable(grad):
-        argmax = z.argmax(-1)
-        z.mul_(inv_t[:, None])
-        z_y = z.gather(1, tgt[:, None]).squeeze(1)
-        m = z.amax(-1, keepdim=True).clamp_min(torch.finfo(math_dtype).min)
-        e = (z - m).exp()
-        total = e.sum(-1)
-        log_s = total.log()
-        lse = m.squeeze(1) + log_s
-        # A counted target outside [0, V) poisons its row with NaN (as the loss does).
-        logprob = torch.where(valid, torch.where(in_range, z_y - lse, float("nan")), 0.0)
-        ent, d = torch.zeros_like(lse), torch.zeros_like(lse)
-        if entropy:
-            # d = sum_c p_c (z_c - m): entropy = log(total) - d, with no 0 * -inf at
-            # -inf logits and no cancellation against m for confident rows.
-            d = torch.where(e > 0, e * (z - m), 0.0).sum(-1) / total
-            ent = torch.where(valid, log_s - d, 0.0)
-        row_stats = torch.stack([m.squeeze(1), log_s, d], 1)
+        stats = _tile_stats(z, target, inv_t, entropy, 0 if col0 is None else col0)
+        if col0 is not None:
+            return stats
+        outputs = finish_stats(stats, target, V, opts.ignore_index, entropy)
         if grad is None:
-            return logprob, ent, lse, argmax, row_stats, None
-        del e
+            return (*outputs, None)
         # The forward with its gradient (a loss of the per-token terms): the upstream
         # gradients from the terms, then dz from the same z, with no second GEMM.
-        g_lp, g_h = grad(logprob, ent)
-        outputs = (logprob, ent, lse, argmax, row_stats)
-        z.sub_(m)  # z - m
+        g_lp, g_h = grad(outputs[0], outputs[1])
+        row_stats = outputs[4]
+        z.sub_(row_stats[:, :1])  # z - m
     else:
         g_lp, g_h, row_stats = grad
         outputs = (None,) * 5
         z.mul_(inv_t[:, None]).sub_(row_stats[:, :1])  # z - m
+    col0 = 0 if col0 is None else col0
     m, log_s, d = row_stats.unbind(1)
     g = torch.where(valid, g_lp, 0.0)
     p = z.sub(log_s[:, None]).exp_()
