@@ -117,6 +117,32 @@ def test_bench_shapes_fails_when_torch_fce_fails(tmp_path, monkeypatch):
     assert not png.exists()
 
 
+def test_bench_sweep_workspace_covers_the_backward():
+    # The log-probs' backward recomputes the logits: it must cut them as the forward did.
+    from torch_fce.bench import measure, shapes
+    from torch_fce.ops import workspace
+
+    seen = []
+
+    class Spy(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, h):
+            seen.append(workspace._nbytes)
+            return h.sum()
+
+        @staticmethod
+        def backward(ctx, g):
+            seen.append(workspace._nbytes)
+            return g.expand(3)
+
+    def fn(h, w, target):
+        return Spy.apply(h) + 0 * w.sum()
+
+    x = dict(hidden=torch.ones(3), weight=torch.ones(2), target=None)
+    shapes._run(measure.with_workspace(fn, 5), x)
+    assert seen == [5 << 20] * 2 and workspace._nbytes is None
+
+
 # The GPU tier (README): the main job and every bench subcommand, as a user runs them.
 CUDA_TOOLS = {
     "main job": ("torch_fce", "--device", "cuda", "--tiny", "--steps", "3"),

@@ -20,10 +20,12 @@ _M_MMAP_THRESHOLD = -3
 
 
 def with_workspace(fn, mib):
-    """fn run with torch_fce's logits workspace at mib MiB (the time-memory sweep)."""
+    """fn for the time-memory sweep: its .workspace() context sets torch_fce's logits
+    workspace to mib MiB, around the forward and the backward (whose recomputation must
+    cut the logits as the forward did)."""
     def run(*args):
-        with torch_fce.workspace(mib << 20):
-            return fn(*args)
+        return fn(*args)
+    run.workspace = lambda: torch_fce.workspace(mib << 20)
     return run
 
 

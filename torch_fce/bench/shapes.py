@@ -8,6 +8,7 @@ the machine, versions and git SHA; --plot writes PNG bar charts (needs matplotli
 """
 
 import argparse
+import contextlib
 import os
 import dataclasses
 import json
@@ -156,8 +157,9 @@ def _reference(x, dtype=torch.float32, objective="ce"):
 def _run(fn, x):
     h = x["hidden"].detach().requires_grad_()
     w = x["weight"].detach().requires_grad_()
-    loss = fn(h, w, x["target"], *x.get("data", ()))
-    loss.backward()
+    with getattr(fn, "workspace", contextlib.nullcontext)():  # measure.with_workspace
+        loss = fn(h, w, x["target"], *x.get("data", ()))
+        loss.backward()
     return loss.detach(), h.grad, w.grad
 
 

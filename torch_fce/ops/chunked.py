@@ -12,7 +12,7 @@ are two row functions on the same loop.
 
 The log-probs, whose backward has its row statistics from the forward, cut the same
 workspace along the vocabulary instead when there are fewer tokens than classes: the
-forward merges each tile's statistics per row (logprob_rows.merge_tile_stats); the
+forward merges each tile's statistics per row (logprob_rows.TileStats); the
 backward re-reads a float32 sum of the hidden gradient (N x D) across tiles where token
 chunks re-read the weight gradient's (V x D), and each tile's weight gradient comes
 whole out of one GEMM over all tokens.
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from . import policy
 from .accumulate import GradAccumulator
-from .logprob_rows import empty_tile_stats, finish_stats, merge_tile_stats
+from .logprob_rows import empty_tile_stats, finish_stats
 from .rows import RowOptions
 from .tokens import grad_scales, reduce_loss
 
@@ -189,8 +189,7 @@ def linear_logprobs_fwd(hidden, weight, target, bias, temperature, softcap, igno
 
     def row_fn(logits, s, e):
         if vocab:  # classes [s, e) of every token
-            merge_tile_stats(total, rows(logits, target, inv_t, opts, entropy, None, mdt,
-                                         col0=s))
+            rows(logits, target, inv_t, opts, entropy, None, mdt, col0=s, into=total)
             return (), None
         *terms, _ = rows(logits, target[s:e], inv_t[s:e], opts, entropy, None, mdt)
         return terms, None

@@ -40,11 +40,13 @@ class TileStats(NamedTuple):
 
 
 def empty_tile_stats(n, dtype, device):
-    """The statistics of no classes, to merge tiles into."""
-    def full(value, dt=dtype):
-        return torch.full((n,), value, dtype=dt, device=device)
-    return TileStats(full(torch.finfo(dtype).min), full(0.0), full(0.0), full(float("-inf")),
-                     full(0, torch.int64), full(0.0))
+    """The statistics of no classes, to merge tiles into. The float fields are the rows
+    of one (5, n) tensor, in the order m, s, ez, best, z_y (the Triton kernel merges
+    into it in place)."""
+    acc = torch.tensor([torch.finfo(dtype).min, 0.0, 0.0, float("-inf"), 0.0], dtype=dtype,
+                       device=device)[:, None].repeat(1, n)
+    m, s, ez, best, z_y = acc
+    return TileStats(m, s, ez, best, torch.zeros(n, dtype=torch.int64, device=device), z_y)
 
 
 def merge_tile_stats(total, tile):
@@ -96,14 +98,16 @@ def _tile_stats(z, target, inv_t, entropy, col0):
     return TileStats(m.squeeze(1), s, ez, best, argmax + col0, z_y)
 
 
-def torch_logprob_rows(logits, target, inv_t, opts, entropy, grad, math_dtype, col0=None):
+def torch_logprob_rows(logits, target, inv_t, opts, entropy, grad, math_dtype, col0=None,
+                       into=None):
     """Returns (logprob, entropy, lse, argmax, row_stats, dz) for logits (n, V).
 
     logits is the backend's chunk buffer and is overwritten. inv_t (n,) is 1/T (NaN for
     a temperature that is not > 0). Without grad (the forward): the per-token terms and
     row_stats (n, 3) = (m, log s, d), dz None; entropy says whether to form it (else its
     slot and d are not meant to be read); with col0, the logits are the classes [col0,
-    col0 + V) of a vocabulary tile and only their TileStats are returned. With grad =
+    col0 + V) of a vocabulary tile, whose statistics are merged into the running
+    TileStats `into` (returns None). With grad =
     (g_lp, g_h, row_stats) (the backward): the upstream gradients, (n,) each (g_h None
     without an entropy gradient), and the forward's row_stats; only dz, in logits'
     dtype, the other slots None; the logits may be a tile's (col0). With grad a
@@ -117,7 +121,7 @@ def torch_logprob_rows(logits, target, inv_t, opts, entropy, grad, math_dtype, c
     if grad is None or callable(grad):
         stats = _tile_stats(z, target, inv_t, entropy, 0 if col0 is None else col0)
         if col0 is not None:
-            return stats
+            return merge_tile_stats(into, stats)
         outputs = finish_stats(stats, target, V, opts.ignore_index, entropy)
         if grad is None:
             return (*outputs, None)

@@ -1,19 +1,18 @@
-"""Triton row kernel for the log-probs: the statistics, argmax and target logit of a
-block of classes, and the logits gradient of a logits chunk (the math of
-logprob_rows.torch_logprob_rows).
+"""Triton row kernel for the log-probs: logsumexp, log-prob, entropy, argmax and the
+logits gradient of a logits chunk (the math of logprob_rows.torch_logprob_rows).
 
-One program per token row. The forward sweeps a row (or a vocabulary tile of it) once,
-forming its logprob_rows.TileStats online; the backward, given the forward's row
-statistics relative to the row max (logprob_rows.py), sweeps it once more, writing the
-logits gradient over the recomputed logits in place: each pass reads a chunk once (and
-the backward writes it once), in its own dtype.
+One program per token row. The forward sweeps a row once, forming the logsumexp, the
+entropy's sum_c p_c z_c and the argmax online (on a vocabulary tile, it merges the
+tile's sums into the running ones, as logprob_rows.merge_tile_stats); the backward,
+given the forward's row statistics relative to the row max (logprob_rows.py), sweeps it
+once more, writing the logits gradient over the recomputed logits in place: each pass
+reads a chunk once (and the backward writes it once), in its own dtype.
 """
 
 import torch
 import triton
 import triton.language as tl
 
-from ..logprob_rows import TileStats, finish_stats
 from .rows import _NEG_BIG, _argmax_update, _block_v, _load_z
 
 
@@ -51,23 +50,45 @@ def _stats_sweep(row_ptr, V, inv_t, softcap, HAS_SOFTCAP: tl.constexpr,
 
 
 @triton.jit
+def _merge(acc_ptr, n, row, m, s, ez, best, z_y):
+    """Folds a tile's (m, s, ez, best, z_y) of a row into the running ones at acc_ptr
+    (5, n) (as logprob_rows.merge_tile_stats); returns whether the tile's best won."""
+    m0 = tl.load(acc_ptr + row)
+    s0 = tl.load(acc_ptr + n + row)
+    ez0 = tl.load(acc_ptr + 2 * n + row)
+    best0 = tl.load(acc_ptr + 3 * n + row)
+    mm = tl.maximum(m0, m)
+    a = tl.exp(m0 - mm)
+    b = tl.exp(m - mm)
+    tl.store(acc_ptr + row, mm)
+    tl.store(acc_ptr + n + row, a * s0 + b * s)
+    tl.store(acc_ptr + 2 * n + row, a * (ez0 + (m0 - mm) * s0) + b * (ez + (m - mm) * s))
+    better = best > best0  # the first most likely class stays on ties; NaN never wins
+    tl.store(acc_ptr + 3 * n + row, tl.where(better, best, best0))
+    tl.store(acc_ptr + 4 * n + row, tl.load(acc_ptr + 4 * n + row) + z_y)
+    return better
+
+
+@triton.jit
 def _linear_logprobs_rows_kernel(
     # pointers
-    logits_ptr, target_ptr, inv_t_ptr, g_lp_ptr, g_h_ptr, stats_ptr, best_ptr, argmax_ptr,
-    z_y_ptr,
+    logits_ptr, target_ptr, inv_t_ptr, g_lp_ptr, g_h_ptr, stats_ptr,
+    logprob_ptr, entropy_ptr, lse_ptr, argmax_ptr, acc_ptr,
     # sizes and options
-    V, col0, ignore_index, softcap,
+    n, V, col0, ignore_index, softcap,
     # strides
     stride_ln,
     # meta-parameters
-    HAS_GRAD: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr, WANT_ENTROPY: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr,
+    HAS_GRAD: tl.constexpr, TILE: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr,
+    WANT_ENTROPY: tl.constexpr, HAS_SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
-    """The logits (n, V) are the classes [col0, col0 + V). Without HAS_GRAD (the
-    forward): their TileStats, (m, s, ez) into stats (n, 3), best, argmax (whole-
-    vocabulary) and z_y. With HAS_GRAD (the backward): logits <- dl for upstream g_lp
-    (and, with HAS_ENTROPY_GRAD, g_h), from the forward's row statistics (n, 3) (m,
-    log s, d)."""
+    """Without HAS_GRAD (the forward) on whole rows: logits (n, V) -> logprob,
+    entropy, lse (n,) float32, argmax (n,) int64 and the row statistics (n, 3) (m,
+    log s, d). With TILE, the logits are the classes [col0, col0 + V) of a vocabulary
+    tile: their statistics are merged into the running ones, acc (5, n) = (m, s, ez,
+    best, z_y) and argmax. With HAS_GRAD (the backward): logits <- dl for upstream
+    g_lp (and, with HAS_ENTROPY_GRAD, g_h), from the forward's row statistics; the
+    logits may be a tile's (col0)."""
     # int64: row * stride_ln passes 2^31 for chunks of large vocabularies.
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * stride_ln
@@ -80,12 +101,24 @@ def _linear_logprobs_rows_kernel(
         here = (t >= col0) & (t < col0 + V)
         z_y = _load_z(row_ptr + tl.where(here, t - col0, 0), True, softcap,
                       HAS_SOFTCAP) * inv_t
-        tl.store(z_y_ptr + row, tl.where(here, z_y, 0.0))
-        tl.store(best_ptr + row, best)
-        tl.store(argmax_ptr + row, best_i + col0)
-        tl.store(stats_ptr + row * 3, m)
-        tl.store(stats_ptr + row * 3 + 1, s)
-        tl.store(stats_ptr + row * 3 + 2, ez)
+        if TILE:
+            better = _merge(acc_ptr, n, row, m, s, ez, best, tl.where(here, z_y, 0.0))
+            tl.store(argmax_ptr + row,
+                     tl.where(better, best_i + col0, tl.load(argmax_ptr + row)))
+        else:
+            log_s = tl.log(s)
+            d = ez / s
+            lse = m + log_s
+            # Out-of-range targets never read out of bounds: they poison the row with NaN.
+            lp = tl.where(here, z_y - lse, float("nan"))
+            tl.store(logprob_ptr + row, tl.where(valid, lp, 0.0))
+            tl.store(lse_ptr + row, lse)
+            tl.store(argmax_ptr + row, best_i)
+            tl.store(stats_ptr + row * 3, m)
+            tl.store(stats_ptr + row * 3 + 1, log_s)
+            tl.store(stats_ptr + row * 3 + 2, d)
+            if WANT_ENTROPY:
+                tl.store(entropy_ptr + row, tl.where(valid, log_s - d, 0.0))
     else:
         m = tl.load(stats_ptr + row * 3)
         log_s = tl.load(stats_ptr + row * 3 + 1)
@@ -113,52 +146,60 @@ def _linear_logprobs_rows_kernel(
             tl.store(row_ptr + offs, dz.to(row_ptr.dtype.element_ty), mask=mask)
 
 
-def triton_logprob_rows(logits, target, inv_t, opts, entropy, grad, math_dtype, col0=None):
+def triton_logprob_rows(logits, target, inv_t, opts, entropy, grad, math_dtype, col0=None,
+                        into=None):
     """Row function for chunked.linear_logprobs_*, as logprob_rows.torch_logprob_rows:
     without grad (logprob, entropy, lse, argmax, row_stats, None) (entropy undefined
-    unless asked for), or with col0 a vocabulary tile's TileStats; with grad = (g_lp,
-    g_h, row_stats), (None,) * 5 + (dz,), dz written over logits (a tile's with col0).
-    logits (n, V) with unit stride along V; target, inv_t, g_lp and g_h (n,), row_stats
-    (n, 3). With grad a function (logprob, entropy) -> (g_lp, g_h) (a loss formed in
-    the forward): the forward's outputs and dz for those gradients, from a forward sweep
-    and a gradient sweep over the chunk."""
+    unless asked for), or with col0 a vocabulary tile's statistics merged into the
+    running TileStats `into` (made by logprob_rows.empty_tile_stats); with grad =
+    (g_lp, g_h, row_stats), (None,) * 5 + (dz,), dz written over logits (a tile's with
+    col0). logits (n, V) with unit stride along V; target, inv_t, g_lp and g_h (n,),
+    row_stats (n, 3). With grad a function (logprob, entropy) -> (g_lp, g_h) (a loss
+    formed in the forward): the forward's outputs and dz for those gradients, from a
+    forward sweep and a gradient sweep over the chunk."""
     assert math_dtype == torch.float32
-    first = 0 if col0 is None else col0
-    if grad is not None and not callable(grad):
-        return (None,) * 5 + (_launch(logits, target, inv_t, opts, entropy, grad, first),)
-    stats = _launch(logits, target, inv_t, opts, entropy, None, first)
-    if col0 is not None:
-        return stats
-    outputs = finish_stats(stats, target, logits.shape[1], opts.ignore_index, entropy)
-    if grad is None:
-        return (*outputs, None)
-    g_lp, g_h = grad(outputs[0], outputs[1])
-    dz = _launch(logits, target, inv_t, opts, False, (g_lp, g_h, outputs[4]), 0)
-    return (*outputs, dz)
+    if not callable(grad):
+        return _launch(logits, target, inv_t, opts, entropy, grad, col0, into)
+    logprob, ent, lse, argmax, stats, _ = _launch(logits, target, inv_t, opts, entropy, None)
+    g_lp, g_h = grad(logprob, ent)
+    *_, dz = _launch(logits, target, inv_t, opts, False, (g_lp, g_h, stats))
+    return logprob, ent, lse, argmax, stats, dz
 
 
-def _launch(logits, target, inv_t, opts, entropy, grad, col0):
-    """One launch of the kernel: the forward sweep (TileStats), or the gradient sweep
-    for grad = (g_lp, g_h, row_stats) (dz, over the logits)."""
+def _launch(logits, target, inv_t, opts, entropy, grad, col0=None, into=None):
+    """One launch of the kernel: the forward sweep (of whole rows, or of a tile merged
+    into `into`), or the gradient sweep for grad = (g_lp, g_h, row_stats)."""
     n, V = logits.shape
     assert logits.stride(1) == 1
     # Unit-stride indexing in the kernel: views (an expanded temperature) are copied.
     target, inv_t = target.contiguous(), inv_t.float().contiguous()
-    if grad is None:
-        stats = logits.new_empty(n, 3, dtype=torch.float32)
-        best, z_y = (logits.new_empty(n, dtype=torch.float32) for _ in range(2))
-        argmax = logits.new_empty(n, dtype=torch.int64)
-        g_lp = g_h = best
-    else:
+    tile = grad is None and col0 is not None
+    acc = argmax = None
+    if grad is not None:
         g_lp, g_h, stats = (None if t is None else t.float().contiguous() for t in grad)
-        best = argmax = z_y = g_lp
+        logprob = ent = lse = g_lp
+    elif tile:
+        # The running statistics' float fields are the rows of one (5, n) buffer.
+        acc = into.m.as_strided((5, n), (n, 1))
+        assert acc.dtype == torch.float32 and into.z_y.data_ptr() == acc[4].data_ptr()
+        argmax = into.argmax
+        logprob = ent = lse = g_lp = g_h = stats = acc
+    else:
+        logprob, ent, lse = (logits.new_empty(n, dtype=torch.float32) for _ in range(3))
+        argmax = logits.new_empty(n, dtype=torch.int64)
+        stats = logits.new_empty(n, 3, dtype=torch.float32)
+        g_lp = g_h = lse
     entropy_grad = grad is not None and g_h is not None
     _linear_logprobs_rows_kernel[(n,)](
-        logits, target, inv_t, g_lp, g_h if entropy_grad else g_lp, stats, best, argmax,
-        z_y, V, col0, opts.ignore_index, opts.softcap if opts.softcap is not None else 1.0,
-        logits.stride(0), HAS_GRAD=grad is not None, HAS_ENTROPY_GRAD=entropy_grad,
-        WANT_ENTROPY=entropy, HAS_SOFTCAP=opts.softcap is not None,
-        BLOCK_V=_block_v(V), num_warps=8)
+        logits, target, inv_t, g_lp, g_h if entropy_grad else g_lp, stats, logprob, ent,
+        lse, argmax if argmax is not None else g_lp, acc if acc is not None else g_lp,
+        n, V, 0 if col0 is None else col0, opts.ignore_index,
+        opts.softcap if opts.softcap is not None else 1.0,
+        logits.stride(0), HAS_GRAD=grad is not None, TILE=tile,
+        HAS_ENTROPY_GRAD=entropy_grad, WANT_ENTROPY=entropy,
+        HAS_SOFTCAP=opts.softcap is not None, BLOCK_V=_block_v(V), num_warps=8)
     if grad is not None:
-        return logits
-    return TileStats(*stats.unbind(1), best, argmax, z_y)
+        return None, None, None, None, None, logits
+    if tile:
+        return None
+    return logprob, ent, lse, argmax, stats, None
