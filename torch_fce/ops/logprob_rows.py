@@ -43,9 +43,10 @@ def empty_tile_stats(n, dtype, device):
     """The statistics of no classes, to merge tiles into. The float fields are the rows
     of one (5, n) tensor, in the order m, s, ez, best, z_y (the Triton kernel merges
     into it in place)."""
-    acc = torch.tensor([torch.finfo(dtype).min, 0.0, 0.0, float("-inf"), 0.0], dtype=dtype,
-                       device=device)[:, None].repeat(1, n)
+    acc = torch.zeros(5, n, dtype=dtype, device=device)
     m, s, ez, best, z_y = acc
+    m.fill_(torch.finfo(dtype).min)  # fills, not a copy from the host: no sync
+    best.fill_(float("-inf"))
     return TileStats(m, s, ez, best, torch.zeros(n, dtype=torch.int64, device=device), z_y)
 
 
