@@ -1,47 +1,58 @@
 """Where the op's forward+backward time goes beyond the chunk loop's kernels.
 
 chunk_breakdown.py times the loop's four steps with CUDA events; the op as the benchmark
-calls it takes longer. This profiles one fce-fp32 step per shape and prints the GPU
-time of each kernel kind, their sum and the step's wall time: the difference is time
-the GPU waits for the host.
+calls it takes longer. This profiles one step per shape of the benchmark's methods
+(PROBE_OBJECTIVE=ce, logprobs or policy; PROBE_METHODS, default fce-fp32; the sweep's
+fce-fp32@MiB too) and prints the
+GPU time of each kernel kind, their sum and the step's wall time: the difference is
+time the GPU waits for the host.
 
-    python benchmarks/probes/op_profile.py      # needs one CUDA GPU
+    python benchmarks/probes/op_profile.py A B      # needs one CUDA GPU
+    PROBE_OBJECTIVE=logprobs PROBE_METHODS=fce-fp32,trl-head python op_profile.py D
 """
 
+import os
 import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-import torch_fce
-from torch_fce.bench.shapes import SHAPES, shape_inputs
+from torch_fce.bench import rl
+from torch_fce.bench.shapes import (SHAPES, SWEEP_WORKSPACE_MIB, _run, methods,
+                                    shape_inputs)
 
 from _common import run_shapes
 
-
-def _step(x):
-    h = x["hidden"].detach().requires_grad_()
-    w = x["weight"].detach().requires_grad_()
-    torch_fce.linear_cross_entropy(h, w, x["target"]).backward()
+OBJECTIVE = os.environ.get("PROBE_OBJECTIVE", "ce")
+METHODS = os.environ.get("PROBE_METHODS", "fce-fp32").split(",")
 
 
 def probe_shape(name):
-    shape = SHAPES[name]
-    x = shape_inputs(shape)
+    fns = methods("cuda", False, sweep=True) if OBJECTIVE == "ce" else \
+        rl.methods(OBJECTIVE, "cuda", False, SWEEP_WORKSPACE_MIB)
+    x = shape_inputs(SHAPES[name])
+    if OBJECTIVE == "policy":
+        x["data"] = rl.policy_data(x["hidden"], x["weight"], x["target"])
+    for method in METHODS:
+        print(f"{name} {OBJECTIVE} {method}:")
+        _profile(lambda: _run(fns[method], x))
+
+
+def _profile(_step):
     for _ in range(2):
-        _step(x)
+        _step()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     t0 = time.perf_counter()
     start.record()
-    _step(x)
+    _step()
     end.record()
     host = (time.perf_counter() - t0) * 1e3  # the host's own time: no sync inside
     torch.cuda.synchronize()
     wall = (time.perf_counter() - t0) * 1e3
-    print(f"{name}: host returns after {host:.2f} ms, GPU span {start.elapsed_time(end):.2f} ms")
+    print(f"  host returns after {host:.2f} ms, GPU span {start.elapsed_time(end):.2f} ms")
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        _step(x)
+        _step()
         torch.cuda.synchronize()
     kernels = {}
     for e in prof.events():
@@ -50,8 +61,8 @@ def probe_shape(name):
             n, us = kernels.get(key, (0, 0.0))
             kernels[key] = (n + 1, us + e.device_time)
     busy = sum(us for _, us in kernels.values()) / 1e3
-    print(f"{name}: wall {wall:.2f} ms, GPU busy {busy:.2f} ms, idle {wall - busy:.2f} ms")
-    for key, (n, us) in sorted(kernels.items(), key=lambda kv: -kv[1][1])[:8]:
+    print(f"  wall {wall:.2f} ms, GPU busy {busy:.2f} ms, idle {wall - busy:.2f} ms")
+    for key, (n, us) in sorted(kernels.items(), key=lambda kv: -kv[1][1])[:12]:
         print(f"  {us / 1e3:8.3f} ms  x{n:<3d} {key}")
     # The GPU's idle gaps of 20 us or more, between which kernels.
     gpu = sorted((e.time_range.start, e.time_range.end, e.name[:40]) for e in prof.events()
