@@ -9,7 +9,7 @@ from hypothesis import given, strategies as st
 
 import torch_fce
 from torch_fce.ops import chunked
-from torch_fce.ops.logprob_rows import torch_logprob_rows
+from torch_fce.ops.logprob_rows import empty_tile_stats, finish_stats, torch_logprob_rows
 from torch_fce.ops.triton.logprob_rows import triton_logprob_rows
 from torch_fce.testing import (EPS, capture_cuda_graph, confident_grads, confident_inputs,
                                logprob_composition, make_inputs, no_host_sync, rel_err)
@@ -281,6 +281,48 @@ def test_triton_logprob_rows_match_their_pytorch_twin(softcap, entropy, dtype):
     for a, b, tol in zip((*f0[:3], stats[0], *b0), (*f1[:3], stats[1], *b1),
                          (4, 4, 4, 4, 8, 8, 8)):
         assert a.shape == b.shape and (a.numel() == 0 or rel_err(a, b) <= tol * EPS[dtype])
+
+
+@pytest.mark.parametrize("entropy", [False, True])
+def test_triton_logprob_forward_on_long_rows_with_ties_and_infinities(entropy):
+    # Rows of several 4096-wide blocks: each lane of the kernel keeps its own sums and
+    # maximum; ties within one lane (columns 7 and 7 + 4096) and across lanes go to the
+    # first column, -inf logits add nothing, a row of all -inf stays finite where its
+    # PyTorch twin does. Whole rows and a tile merged into running statistics.
+    V = 9001
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, V, generator=g) * 4.0
+    logits[0, [7, 7 + 4096, 8000]] = 30.0  # ties in one lane and across lanes
+    logits[1, [9000, 4096 + 9]] = 25.0
+    logits[2, ::3] = float("-inf")
+    logits[3] = float("-inf")
+    logits[4, 4100] = 60.0  # a confident row whose max is in the second block
+    logits = logits.to(DEVICE)
+    target = torch.tensor([7, 0, 2, -100, 4100], device=DEVICE)
+    inv_t = torch.tensor([1.0, 0.7, 1.3, 1.0, 2.0], device=DEVICE)
+    opts = chunked.RowOptions(-100, 0.0, None)
+    want = torch_logprob_rows(logits.clone(), target, inv_t, opts, entropy, None,
+                              torch.float32)
+    got = triton_logprob_rows(logits.clone(), target, inv_t, opts, entropy, None,
+                              torch.float32)
+    assert torch.equal(got[3], want[3]) and got[3][:2].tolist() == [7, 4096 + 9]
+
+    def defined(out):  # the entropy and d are only formed when asked for; the all -inf
+        lp, ent, lse, _, stats = out[:5]  # row's max is a finite stand-in (-1e30 in Triton)
+        return (lp, lse, stats[[0, 1, 2, 4], :2]) + ((ent, stats[:, 2]) if entropy else ())
+
+    for a, b in zip(defined(got), defined(want)):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6, equal_nan=True)
+    # The same rows as two tiles merged into running statistics.
+    for rows in (torch_logprob_rows, triton_logprob_rows):
+        total = empty_tile_stats(5, torch.float32, DEVICE)
+        for v0, v1 in ((0, 5000), (5000, V)):
+            rows(logits[:, v0:v1].clone(), target, inv_t, opts, entropy, None,
+                 torch.float32, col0=v0, into=total)
+        merged = finish_stats(total, target, V, -100, entropy)
+        assert torch.equal(merged[3], want[3])
+        for a, b in zip(defined(merged), defined(want)):
+            assert torch.allclose(a, b, rtol=1e-5, atol=1e-6, equal_nan=True)
 
 
 @pytest.mark.parametrize("rows", [torch_logprob_rows, triton_logprob_rows],
