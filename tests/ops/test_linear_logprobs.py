@@ -285,10 +285,10 @@ def test_triton_logprob_rows_match_their_pytorch_twin(softcap, entropy, dtype):
 
 @pytest.mark.parametrize("entropy", [False, True])
 def test_triton_logprob_forward_on_long_rows_with_ties_and_infinities(entropy):
-    # Rows of several 4096-wide blocks: each lane of the kernel keeps its own sums and
-    # maximum; ties within one lane (columns 7 and 7 + 4096) and across lanes go to the
-    # first column, -inf logits add nothing, a row of all -inf stays finite where its
-    # PyTorch twin does. Whole rows and a tile merged into running statistics.
+    # Rows of several 4096-wide blocks of the kernel's online sweep: ties across blocks
+    # (columns 7 and 7 + 4096) and within one go to the first column, -inf logits add
+    # nothing, a row of all -inf stays finite where its PyTorch twin does. Whole rows,
+    # and tiles merged into running statistics.
     V = 9001
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(5, V, generator=g) * 4.0

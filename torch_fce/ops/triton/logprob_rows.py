@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .rows import _NEG_BIG, _block_v, _load_z
+from .rows import _NEG_BIG, _argmax_update, _block_v, _load_z
 
 
 @triton.jit
@@ -23,41 +23,30 @@ def _stats_sweep(row_ptr, V, inv_t, softcap, HAS_SOFTCAP: tl.constexpr,
     sum_c exp(z_c - m), ez = sum_c exp(z_c - m) (z_c - m) (0 unless WANT_ENTROPY), the
     max of softcap(l) and its first column.
 
-    Each lane keeps its own online sums across the blocks, reduced once at the end: a
-    reduction across the program's warps per block made the sweep run at about a third
-    of the memory bandwidth. One exp per logit: exp(-|z - m|) is the new term when the
-    lane's max stays, the rescale of its sums when z becomes the max. ez kept online has
-    no 0 * -inf for masked or -inf logits, and no cancellation against m for confident
-    rows."""
+    ez kept online has no 0 * -inf for masked or -inf logits, and no cancellation
+    against m for confident rows."""
     cols = tl.arange(0, BLOCK_V)
-    m = tl.full([BLOCK_V], _NEG_BIG, tl.float32)
-    s = tl.zeros([BLOCK_V], tl.float32)
-    ez = tl.zeros([BLOCK_V], tl.float32)
-    best = tl.full([BLOCK_V], float("-inf"), tl.float32)
-    best_i = tl.zeros([BLOCK_V], tl.int64)
+    m = tl.max(tl.full([BLOCK_V], _NEG_BIG, tl.float32), axis=0)
+    s = tl.sum(tl.zeros([BLOCK_V], tl.float32), axis=0)
+    ez = tl.sum(tl.zeros([BLOCK_V], tl.float32), axis=0)
+    best = tl.max(tl.full([BLOCK_V], float("-inf"), tl.float32), axis=0)
+    best_i = tl.sum(tl.zeros([BLOCK_V], tl.int64), axis=0)
     for v0 in range(0, V, BLOCK_V):
         offs = v0 + cols
-        c = _load_z(row_ptr + offs, offs < V, softcap, HAS_SOFTCAP)  # -inf where masked
-        # argmax of softcap(l) (the same class as of z for inv_t > 0): a lane keeps its
-        # first maximum; a NaN never wins
-        better = c > best
-        best = tl.where(better, c, best)
-        best_i = tl.where(better, offs.to(tl.int64), best_i)
+        mask = offs < V
+        c = _load_z(row_ptr + offs, mask, softcap, HAS_SOFTCAP)
+        # argmax of softcap(l) (the same class as of z for inv_t > 0), first one on ties
+        best, best_i = _argmax_update(c, v0, best, best_i)
         z = c * inv_t
-        d = z - m
-        e = tl.exp(-tl.abs(d))
-        up = d > 0.0
-        if WANT_ENTROPY:  # ez rebased to the new max, or plus the new term e * d
-            ez = tl.where(up, e * (ez - d * s), ez + tl.where(e > 0.0, e * d, 0.0))
-        s = tl.where(up, s * e + 1.0, s + e)
-        m = tl.where(up, z, m)
-    # The lanes' sums, rebased to the row's max.
-    m_row = tl.max(m, axis=0)
-    scale = tl.exp(m - m_row)
-    s_row = tl.sum(s * scale, axis=0)
-    ez_row = tl.sum(scale * (ez + (m - m_row) * s), axis=0) if WANT_ENTROPY else 0.0
-    best_row = tl.max(best, axis=0)
-    return m_row, s_row, ez_row, best_row, tl.min(tl.where(best == best_row, best_i, V), axis=0)
+        m_new = tl.maximum(m, tl.max(z, axis=0))
+        scale = tl.exp(m - m_new)
+        ex = tl.where(mask, tl.exp(z - m_new), 0.0)
+        if WANT_ENTROPY:  # ez = sum_c exp(z_c - m) (z_c - m), rebased to the new max
+            ez = scale * (ez + (m - m_new) * s) + tl.sum(
+                tl.where(ex > 0.0, ex * (z - m_new), 0.0), axis=0)
+        s = s * scale + tl.sum(ex, axis=0)
+        m = m_new
+    return m, s, ez, best, best_i
 
 
 @triton.jit
