@@ -14,6 +14,11 @@ other devices 2^22 elements or 256 rows, whichever is more (smaller chunks re-re
 float32 sum so often that a 2-core CPU ran 5-14% slower at 131 rows).
 `set_workspace(nbytes)` or the TORCH_FCE_WORKSPACE_MB environment variable replace the
 default on every device, with no half-the-logits cap.
+
+The log-probs with fewer tokens than classes cut the same bytes along the vocabulary
+(chunked.by_vocab): what they re-read per tile is a float32 sum of the hidden gradient
+(N x D), so more tiles cost little there. Their backward recomputes the logits; set a
+workspace around forward and backward alike, so that it cuts them as the forward did.
 """
 
 import contextlib
