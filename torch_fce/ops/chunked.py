@@ -115,9 +115,9 @@ def _mm_into(a, b, out):
 
 
 def by_vocab(N, V):
-    """Whether a backward with known row statistics cuts its workspace along the
-    vocabulary: when there are fewer tokens than classes (the float32 sum it re-reads
-    per tile, N x D, is then the smaller one)."""
+    """Whether the log-probs (forward and backward alike) cut their workspace along the
+    vocabulary: when there are fewer tokens than classes (the float32 sum the backward
+    re-reads per tile, N x D, is then the smaller one)."""
     return N < V
 
 

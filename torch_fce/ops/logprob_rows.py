@@ -108,13 +108,12 @@ def torch_logprob_rows(logits, target, inv_t, opts, entropy, grad, math_dtype, c
     row_stats (n, 3) = (m, log s, d), dz None; entropy says whether to form it (else its
     slot and d are not meant to be read); with col0, the logits are the classes [col0,
     col0 + V) of a vocabulary tile, whose statistics are merged into the running
-    TileStats `into` (returns None). With grad =
-    (g_lp, g_h, row_stats) (the backward): the upstream gradients, (n,) each (g_h None
-    without an entropy gradient), and the forward's row_stats; only dz, in logits'
-    dtype, the other slots None; the logits may be a tile's (col0). With grad a
-    function (logprob, entropy) -> (g_lp, g_h) (a loss formed in the forward): the
-    forward's outputs and dz for the upstream gradients it returns. Targets are
-    whole-vocabulary indices.
+    TileStats `into` (returns None). With grad = (g_lp, g_h, row_stats) (the backward):
+    the upstream gradients, (n,) each (g_h None without an entropy gradient), and the
+    forward's row_stats; only dz, in logits' dtype, the other slots None; the logits may
+    be a tile's (col0). With grad a function (logprob, entropy) -> (g_lp, g_h) (a loss
+    formed in the forward): the forward's outputs and dz for the upstream gradients it
+    returns. Targets are whole-vocabulary indices.
     """
     n, V = logits.shape
     z, tanh = softcapped(logits, opts.softcap, math_dtype)
