@@ -128,6 +128,17 @@ def test_linear_logprobs_all_ignored_and_shift():
     assert torch.equal(shifted.logprob[:, -1], torch.zeros(2))
 
 
+def test_linear_logprobs_no_tokens():
+    # Fewer tokens than classes: the vocabulary tiles run, on rows of none.
+    h = torch.randn(0, 8, device=DEVICE, requires_grad=True)
+    w = torch.randn(50, 8, device=DEVICE, requires_grad=True)
+    out = torch_fce.linear_logprobs(h, w, torch.zeros(0, dtype=torch.long, device=DEVICE),
+                                    entropy=True)
+    assert out.logprob.shape == out.entropy.shape == out.argmax.shape == (0,)
+    (out.logprob.sum() + out.entropy.sum()).backward()
+    assert h.grad.shape == (0, 8) and torch.equal(w.grad, torch.zeros_like(w))
+
+
 def test_linear_logprobs_reused_retained_and_inputs_unchanged():
     x = make_inputs(8, 4, 13, bias=True)
     before = {k: v.clone() for k, v in x.items() if v is not None}
