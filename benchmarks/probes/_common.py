@@ -34,3 +34,16 @@ def tile_pid(tile, per_group, num_pid_m, GROUP_M: tl.constexpr):
     first_m = (tile // per_group) * GROUP_M
     size_m = min(num_pid_m - first_m, GROUP_M)
     return first_m + (tile % size_m), (tile % per_group) // size_m
+
+
+@triton.jit
+def at_b_tile(a_desc, b_desc, pid_m, pid_n, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr):
+    """Tile (pid_m, pid_n) of A.T @ B in float32, for A (K, M) and B (K, N) read through
+    TMA descriptors of (BLOCK_K, BLOCK_M) and (BLOCK_K, BLOCK_N) blocks (dz.T @ h)."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        a = a_desc.load([k * BLOCK_K, pid_m * BLOCK_M])
+        b = b_desc.load([k * BLOCK_K, pid_n * BLOCK_N])
+        acc = tl.dot(a.T, b, acc)
+    return acc

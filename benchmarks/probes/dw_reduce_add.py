@@ -19,7 +19,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from torch_fce.bench.shapes import SHAPES
 from torch_fce.ops.workspace import chunk_rows
 
-from _common import ms, run_shapes, tile_pid
+from _common import at_b_tile, ms, run_shapes, tile_pid
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps, warp_specialize, epilogue halves)
 CONFIGS = [(128, 128, 64, 4, 4, False, False), (128, 128, 64, 4, 8, False, False),
@@ -40,11 +40,7 @@ def _dw_kernel(dz_desc, h_desc, gw_desc, M, N, K, ADD: tl.constexpr, BLOCK_M: tl
     for tile in tl.range(start, num_pid_m * num_pid_n, NUM_SMS, flatten=True,
                          warp_specialize=WS):
         pid_m, pid_n = tile_pid(tile, per_group, num_pid_m, GROUP_M)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k in range(0, tl.cdiv(K, BLOCK_K)):
-            a = dz_desc.load([k * BLOCK_K, pid_m * BLOCK_M])
-            b = h_desc.load([k * BLOCK_K, pid_n * BLOCK_N])
-            acc = tl.dot(a.T, b, acc)
+        acc = at_b_tile(dz_desc, h_desc, pid_m, pid_n, K, BLOCK_M, BLOCK_N, BLOCK_K)
         tile_c += NUM_SMS
         pid_m, pid_n = tile_pid(tile_c, per_group, num_pid_m, GROUP_M)
         m0, n0 = pid_m * BLOCK_M, pid_n * BLOCK_N

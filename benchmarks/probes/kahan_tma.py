@@ -17,7 +17,7 @@ from torch_fce.bench.shapes import SHAPES
 from torch_fce.ops.workspace import chunk_rows
 from torch_fce.ops.triton.kahan import _launch_kahan_addmm
 
-from _common import ms, run_shapes, tile_pid
+from _common import at_b_tile, ms, run_shapes, tile_pid
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps, warp_specialize); 128 x 256 tiles
 # need more shared memory than an H200 SM has for these operand layouts.
@@ -44,11 +44,7 @@ def _kahan_tma_kernel(
     for tile in tl.range(start, num_pid_m * num_pid_n, NUM_SMS, flatten=True,
                          warp_specialize=WS):
         pid_m, pid_n = tile_pid(tile, per_group, num_pid_m, GROUP_M)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k in range(0, tl.cdiv(K, BLOCK_K)):
-            a = a_desc.load([k * BLOCK_K, pid_m * BLOCK_M])
-            b = b_desc.load([k * BLOCK_K, pid_n * BLOCK_N])
-            acc = tl.dot(a.T, b, acc)
+        acc = at_b_tile(a_desc, b_desc, pid_m, pid_n, K, BLOCK_M, BLOCK_N, BLOCK_K)
         tile_c += NUM_SMS
         pid_m, pid_n = tile_pid(tile_c, per_group, num_pid_m, GROUP_M)
         at = [pid_m * BLOCK_M, pid_n * BLOCK_N]
