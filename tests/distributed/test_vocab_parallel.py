@@ -241,6 +241,28 @@ def _check_logprobs(rank, world):
     assert rel_err(grads[1].full_tensor(), ref_grads[1]) <= tol
 
 
+def _check_logprob_edges(rank, world):
+    # A NaN logit (class 20) is never the argmax, and a shard whose logits are all -inf
+    # (by its bias: all but rank 0's) adds nothing to a row whose max passes 1e31: entropy 0, finite
+    # gradients, as on one process.
+    start, end = SPLITS[world][rank], SPLITS[world][rank + 1]
+    w = torch.zeros(V, 1)
+    w[1], w[20] = 10.0, float("nan")
+    h, t = torch.ones(2, 1), torch.zeros(2, dtype=torch.long)
+    got = vocab_parallel_linear_logprobs(h, w[start:end], t, vocab_start=start, vocab_size=V)
+    assert got.argmax.tolist() == [1, 1]
+    w, b = torch.zeros(V, 1), torch.full((V,), float("-inf"))
+    w[:2, 0], b[:4] = torch.tensor([2.0, 1.0]), 0.0
+    leaves = (h.requires_grad_(), w[start:end].clone().requires_grad_(),
+              b[start:end].clone().requires_grad_())
+    out = vocab_parallel_linear_logprobs(leaves[0], leaves[1], t, leaves[2],
+                                         vocab_start=start, vocab_size=V,
+                                         temperature=1e-31, entropy=True)
+    assert out.entropy.tolist() == [0.0, 0.0] and out.logprob.tolist() == [0.0, 0.0]
+    grads = torch.autograd.grad((out.logprob + out.entropy).sum(), leaves)
+    assert all(g.isfinite().all() for g in grads)
+
+
 def _check_policy_loss(rank, world):
     # linear_policy_loss over uneven shards and many chunks (3-row workspace), for each
     # loss type, and through a Shard(0) DTensor weight, against one process: the loss,
@@ -326,6 +348,7 @@ def _worker(rank, world, path):
         _check_frozen_weight_and_no_grad(rank, world)
         _check_dtensor(world)
         _check_logprobs(rank, world)
+        _check_logprob_edges(rank, world)
         _check_policy_loss(rank, world)
         _check_verl(rank, world)
         _check_fsdp2(rank, world)

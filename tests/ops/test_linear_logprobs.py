@@ -319,7 +319,7 @@ def test_triton_logprob_forward_on_long_rows_with_ties_and_infinities(entropy):
     assert torch.equal(got[3], want[3]) and got[3][:2].tolist() == [7, 4096 + 9]
 
     def defined(out):  # the entropy and d are only formed when asked for; the all -inf
-        lp, ent, lse, _, stats = out[:5]  # row's max is a finite stand-in (-1e30 in Triton)
+        lp, ent, lse, _, stats = out[:5]  # row's max is a finite stand-in (float32's lowest)
         return (lp, lse, stats[[0, 1, 2, 4], :2]) + ((ent, stats[:, 2]) if entropy else ())
 
     for a, b in zip(defined(got), defined(want)):
@@ -334,6 +334,65 @@ def test_triton_logprob_forward_on_long_rows_with_ties_and_infinities(entropy):
         assert torch.equal(merged[3], want[3])
         for a, b in zip(defined(merged), defined(want)):
             assert torch.allclose(a, b, rtol=1e-5, atol=1e-6, equal_nan=True)
+
+
+@pytest.mark.parametrize("rows", [torch_logprob_rows, triton_logprob_rows],
+                         ids=["torch_rows", "triton_rows"])
+def test_logprob_rows_nan_never_wins_and_huge_maxima(rows):
+    # Whole rows and two merged tiles agree: a NaN logit is never the argmax (row 0's
+    # most likely finite class sits in the tile before the NaN's), and rows whose max
+    # passes 1e31 (row 1) or whose logits are all below -1e30 (row 2) keep finite
+    # statistics: no -inf * 0 when a tile's sums are rebased onto the running max.
+    logits = torch.tensor([[1.0, 10.0, 0.0, float("nan"), 5.0, 2.0],
+                           [2e31, 1e31, 0.0, 0.0, 3e31, -1e31],
+                           [-2e31, -3e31, -2e31, -5e31, -4e31, -2e31]], device=DEVICE)
+    target = torch.tensor([1, 4, 0], device=DEVICE)
+    inv_t = torch.ones(3, device=DEVICE)
+    opts = chunked.RowOptions(-100, 0.0, None)
+    whole = rows(logits.clone(), target, inv_t, opts, True, None, torch.float32)
+    total = empty_tile_stats(3, torch.float32, DEVICE)
+    for v0, v1 in ((0, 3), (3, 6)):
+        rows(logits[:, v0:v1].clone(), target, inv_t, opts, True, None, torch.float32,
+             col0=v0, into=total)
+    tiles = finish_stats(total, target, 6, -100, True)
+    for out in (whole, tiles):
+        logprob, ent, lse, argmax, stats = out[:5]
+        assert argmax.tolist() == [1, 4, 0]
+        assert logprob[0].isnan() and ent[0].isnan()  # the NaN still poisons its row
+        assert logprob[1:].tolist() == [0.0, 0.0] and ent[1] == 0.0
+        # row 2: three classes tie at the max, -2e31 + log 3 rounds to -2e31
+        assert lse[2] == -2e31 and torch.isclose(ent[2], torch.tensor(3.0).log().to(DEVICE))
+        assert stats[1:].isfinite().all()
+
+
+def test_linear_logprobs_huge_maxima_through_the_op():
+    # Both loop orders (N < V cuts the vocabulary): a max logit of 2e31 after the
+    # temperature gives a 0 entropy and finite gradients.
+    w = torch.tensor([[2.0], [1.0], [0.0], [0.0]], device=DEVICE, requires_grad=True)
+    for N in (2, 4):
+        h = torch.ones(N, 1, device=DEVICE, requires_grad=True)
+        out = torch_fce.linear_logprobs(h, w, torch.zeros(N, dtype=torch.long, device=DEVICE),
+                                        temperature=1e-31, entropy=True)
+        assert out.entropy.tolist() == [0.0] * N and out.logprob.tolist() == [0.0] * N
+        gh, gw = torch.autograd.grad((out.logprob + out.entropy).sum(), (h, w))
+        assert gh.isfinite().all() and gw.isfinite().all()
+
+
+@pytest.mark.parametrize("softcap", [None, 4.0])
+def test_ce_rows_nan_never_wins_and_logits_below_minus_1e30(softcap):
+    from torch_fce.ops.rows import RowOptions, torch_rows
+    from torch_fce.ops.triton.rows import triton_rows
+
+    logits = torch.tensor([[1.0, 10.0, float("nan"), 5.0],
+                           [-2e31, -2e31, -3e31, -4e31]], device=DEVICE)
+    target = torch.tensor([1, 0], device=DEVICE)
+    opts = RowOptions(-100, 0.0, softcap, argmax=True)
+    for rows in (torch_rows, triton_rows):
+        lse, nll, _, argmax, _ = rows(logits.clone(), target, None, None, None, opts,
+                                      torch.float32)
+        assert argmax.tolist() == [1, 0] and lse[0].isnan()
+        if softcap is None:
+            assert lse[1] == -2e31 and nll[1] == 0.0
 
 
 @pytest.mark.parametrize("rows", [torch_logprob_rows, triton_logprob_rows],

@@ -25,8 +25,9 @@ from ..ops.accumulate import GradAccumulator, _mm_f32
 from ..ops.checks import (check_inputs, check_logprob_options, check_options,
                           check_temperature)
 from ..ops.chunked import inverse_temperature, math_dtype_for
-from ..ops.rows import (RowOptions, grad_coefficients, softcapped, torch_shard_grad,
-                        torch_shard_stats)
+from ..ops.logprob_rows import rebased_ez
+from ..ops.rows import (RowOptions, first_max, grad_coefficients, softcapped,
+                        torch_shard_grad, torch_shard_stats)
 from ..ops.tokens import (advantages_tensor, counted_target_weights, grad_scales, reduce_loss,
                          temperature_tensor)
 from ..ops.workspace import chunk_rows
@@ -183,7 +184,7 @@ def _logprob_chunk(hidden, w, b, col, inv_t, opts, mdt, group, start, V, argmax=
     d = mu - M (each (n,)), the target's logit z_y and, unless argmax=False (then None:
     two collectives fewer), the first most likely class."""
     c, tanh = softcapped(F.linear(hidden, w, b), opts.softcap, mdt)
-    best, where = c.max(-1) if argmax else (None, None)
+    best, where = first_max(c) if argmax else (None, None)
     z = c.mul_(inv_t[:, None])
     m = z.amax(-1).clamp_min(torch.finfo(mdt).min)
     ex = (z - m[:, None]).exp_()
@@ -196,7 +197,7 @@ def _logprob_chunk(hidden, w, b, col, inv_t, opts, mdt, group, start, V, argmax=
     ez_here = torch.where(ex > 0, ex * (z - m[:, None]), 0.0).sum(-1)
     del ex
     sums = funcol.all_reduce(torch.stack(
-        [s_here * scale, (ez_here + (m - M) * s_here) * scale, zy]), "sum", group)
+        [s_here * scale, rebased_ez(ez_here, s_here, m, M) * scale, zy]), "sum", group)
     log_s, d, z_y = sums[0].log(), sums[1] / sums[0], sums[2]
     if not argmax:
         return z, tanh, M, log_s, d, z_y, None

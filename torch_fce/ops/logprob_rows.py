@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 import torch
 
-from .rows import softcapped
+from .rows import first_max, softcapped
 
 
 class TileStats(NamedTuple):
@@ -50,14 +50,20 @@ def empty_tile_stats(n, dtype, device):
     return TileStats(m, s, ez, best, torch.zeros(n, dtype=torch.int64, device=device), z_y)
 
 
+def rebased_ez(ez, s, m, m_new):
+    """ez = sum_c exp(z_c - m) (z_c - m) relative to a larger max m_new, before the
+    exp(m - m_new) scale: 0 for no classes (s = 0), where m - m_new may overflow."""
+    return torch.where(s > 0, ez + (m - m_new) * s, 0.0)
+
+
 def merge_tile_stats(total, tile):
     """Folds a tile's statistics into the running ones (total, updated in place): s and
     ez rebased to the larger max, the first most likely class kept on ties (a NaN never
     wins), the target's logit from the tile that holds it."""
     m = torch.maximum(total.m, tile.m)
     a, b = torch.exp(total.m - m), torch.exp(tile.m - m)
-    total.ez.copy_(a * (total.ez + (total.m - m) * total.s)
-                   + b * (tile.ez + (tile.m - m) * tile.s))
+    total.ez.copy_(a * rebased_ez(total.ez, total.s, total.m, m)
+                   + b * rebased_ez(tile.ez, tile.s, tile.m, m))
     total.s.copy_(a * total.s + b * tile.s)
     total.m.copy_(m)
     better = tile.best > total.best
@@ -84,8 +90,7 @@ def _tile_stats(z, target, inv_t, entropy, col0):
     """TileStats of softcapped logits z (n, V) of the classes [col0, col0 + V); z is
     scaled by inv_t in place."""
     n, V = z.shape
-    argmax = z.argmax(-1)  # of softcap(l): the same class as of z for inv_t > 0
-    best = z.gather(1, argmax[:, None]).squeeze(1)
+    best, argmax = first_max(z)  # of softcap(l): the same class as of z for inv_t > 0
     z.mul_(inv_t[:, None])
     col = target - col0
     here = (col >= 0) & (col < V)

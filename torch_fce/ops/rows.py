@@ -34,6 +34,14 @@ def softcapped(logits, softcap, math_dtype):
     return tanh * softcap, tanh
 
 
+def first_max(c):
+    """(max, its first column) of each row of c, as the Triton kernels: a NaN never
+    wins (a row of NaN gives -inf at column 0)."""
+    c = torch.where(c.isnan(), float("-inf"), c)
+    i = c.argmax(-1)
+    return c.gather(1, i[:, None]).squeeze(1), i
+
+
 def grad_coefficients(ce_scale, z_scale, w_y, lse, W, V, eps):
     """(A, B, C) of the module docstring, each (n,); C is None without smoothing.
 
@@ -105,7 +113,7 @@ def torch_rows(logits, target, class_weight, ce_scale, z_scale, opts, math_dtype
     z_y = z.gather(1, tgt[:, None]).squeeze(1)
     W = float(V) if cw is None else cw.sum()
     zsum = (z.sum(-1) if cw is None else z @ cw) if eps > 0.0 else None
-    argmax = z.argmax(-1) if opts.argmax else None
+    argmax = first_max(z)[1] if opts.argmax else None
     m = z.amax(-1, keepdim=True).clamp_min(torch.finfo(math_dtype).min)  # finite if all -inf
     e = z.sub_(m).exp_()  # z is consumed from here on
     total = e.sum(-1)

@@ -17,6 +17,13 @@ from .rows import _NEG_BIG, _argmax_update, _block_v, _load_z
 
 
 @triton.jit
+def _rebased_ez(ez, s, m, m_new):
+    """ez relative to a larger max m_new, before the exp(m - m_new) scale: 0 for no
+    classes (s = 0), where m - m_new may overflow to -inf (logprob_rows.rebased_ez)."""
+    return tl.where(s > 0.0, ez + (m - m_new) * s, 0.0)
+
+
+@triton.jit
 def _stats_sweep(row_ptr, V, inv_t, softcap, HAS_SOFTCAP: tl.constexpr,
                  WANT_ENTROPY: tl.constexpr, BLOCK_V: tl.constexpr):
     """(m, s, ez, best, argmax) of one row of z = softcap(l) * inv_t: the max, s =
@@ -42,7 +49,7 @@ def _stats_sweep(row_ptr, V, inv_t, softcap, HAS_SOFTCAP: tl.constexpr,
         scale = tl.exp(m - m_new)
         ex = tl.where(mask, tl.exp(z - m_new), 0.0)
         if WANT_ENTROPY:  # ez = sum_c exp(z_c - m) (z_c - m), rebased to the new max
-            ez = scale * (ez + (m - m_new) * s) + tl.sum(
+            ez = scale * _rebased_ez(ez, s, m, m_new) + tl.sum(
                 tl.where(ex > 0.0, ex * (z - m_new), 0.0), axis=0)
         s = s * scale + tl.sum(ex, axis=0)
         m = m_new
@@ -62,7 +69,8 @@ def _merge(acc_ptr, n, row, m, s, ez, best, z_y):
     b = tl.exp(m - mm)
     tl.store(acc_ptr + row, mm)
     tl.store(acc_ptr + n + row, a * s0 + b * s)
-    tl.store(acc_ptr + 2 * n + row, a * (ez0 + (m0 - mm) * s0) + b * (ez + (m - mm) * s))
+    tl.store(acc_ptr + 2 * n + row,
+             a * _rebased_ez(ez0, s0, m0, mm) + b * _rebased_ez(ez, s, m, mm))
     better = best > best0  # the first most likely class stays on ties; NaN never wins
     tl.store(acc_ptr + 3 * n + row, tl.where(better, best, best0))
     tl.store(acc_ptr + 4 * n + row, tl.load(acc_ptr + 4 * n + row) + z_y)

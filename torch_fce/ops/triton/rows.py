@@ -13,8 +13,9 @@ import torch
 import triton
 import triton.language as tl
 
-# Finite "minus infinity": keeps (m_old - m_new) finite for rows that are -inf so far.
-_NEG_BIG = tl.constexpr(-1.0e30)
+# float32's lowest, a finite "minus infinity" for running maxima: m_old - m_new stays a
+# number for rows that are -inf so far, and no finite logit is below it.
+_NEG_BIG = tl.constexpr(-3.4028234663852886e38)
 
 
 @triton.jit
