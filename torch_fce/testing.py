@@ -162,3 +162,16 @@ def capture_cuda_graph(step):
     with torch.cuda.graph(graph):
         out = step()
     return graph, out
+
+
+def word_tokenizer(V):
+    """A word-level tokenizer over V made-up words w0 ... w{V-1} (w0 unknown, w1
+    padding, w2 end of sequence): TRL's trainers need one."""
+    import tokenizers
+    import transformers
+
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(
+        {f"w{i}": i for i in range(V)}, unk_token="w0"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="w1",
+                                                eos_token="w2", unk_token="w0")

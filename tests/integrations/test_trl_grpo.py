@@ -13,12 +13,12 @@ import torch
 transformers = pytest.importorskip("transformers")
 trl = pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
-tokenizers = pytest.importorskip("tokenizers")
+pytest.importorskip("tokenizers")
 
 from trl.trainer.utils import entropy_from_logits, selective_log_softmax  # noqa: E402
 
 from torch_fce.integrations import trl as fce_trl  # noqa: E402
-from torch_fce.testing import rel_err  # noqa: E402
+from torch_fce.testing import rel_err, word_tokenizer  # noqa: E402
 
 pytestmark = pytest.mark.integration
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -36,14 +36,6 @@ def model_dir(tmp_path_factory):
     return path
 
 
-def _tokenizer():
-    vocab = {f"t{i}": i for i in range(V)}
-    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="t0"))
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="t1",
-                                                eos_token="t2", unk_token="t0")
-
-
 def _trainer(model_dir, tmp_path, **config):
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64)
     defaults = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=B,
@@ -56,8 +48,8 @@ def _trainer(model_dir, tmp_path, **config):
         return trl.GRPOTrainer(
             model=model,
             reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions],
-            args=args, train_dataset=datasets.Dataset.from_dict({"prompt": ["t3 t4 t5"] * B}),
-            processing_class=_tokenizer())
+            args=args, train_dataset=datasets.Dataset.from_dict({"prompt": ["w3 w4 w5"] * B}),
+            processing_class=word_tokenizer(V))
 
 
 def _exact_logps(trainer):

@@ -16,22 +16,11 @@ import warnings
 
 import torch
 
-from torch_fce.bench.measure import check_device, median_time, peak_extra_bytes
+from torch_fce.bench.measure import (add_device_option, add_size_options, check_device,
+                                     median_time, peak_extra_bytes)
 from torch_fce.bench.shapes import describe, environment
 from torch_fce.integrations import trl as fce_trl
-from torch_fce.testing import rel_err
-
-
-def _tokenizer(V):
-    """A word-level tokenizer over V made-up words (TRL's trainer needs one)."""
-    import tokenizers
-    import transformers
-
-    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(
-        {f"w{i}": i for i in range(V)}, unk_token="w0"))
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="w1",
-                                                eos_token="w2", unk_token="w0")
+from torch_fce.testing import rel_err, word_tokenizer
 
 
 def _trainer(args, path):
@@ -58,7 +47,7 @@ def _trainer(args, path):
         trainer = trl.GRPOTrainer(
             model=model, reward_funcs=lambda completions, **kw: [0.0] * len(completions),
             args=config, train_dataset=datasets.Dataset.from_dict({"prompt": ["w3"] * args.B}),
-            processing_class=_tokenizer(args.V))
+            processing_class=word_tokenizer(args.V))
     trainer.model.to(args.device).train()
     trainer.current_gradient_accumulation_steps = 1
     return trainer
@@ -82,15 +71,11 @@ def _batch(trainer, args):
 
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m torch_fce.bench grpo", description=__doc__)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                   help="cuda or cpu (default: cuda when available)")
-    p.add_argument("--V", type=int, default=151936, help="vocabulary size (default: 151936)")
-    p.add_argument("--D", type=int, default=1536, help="hidden size (default: 1536)")
-    p.add_argument("--layers", type=int, default=2, help="decoder layers (default: 2)")
-    p.add_argument("--B", type=int, default=16, help="completions per batch (default: 16)")
-    p.add_argument("--P", type=int, default=64, help="prompt tokens (default: 64)")
-    p.add_argument("--K", type=int, default=1024, help="completion tokens (default: 1024)")
-    p.add_argument("--reps", type=int, default=5, help="timed steps (default: 5)")
+    add_device_option(p)
+    add_size_options(p, V=(151936, "vocabulary size"), D=(1536, "hidden size"),
+                     layers=(2, "decoder layers"), B=(16, "completions per batch"),
+                     P=(64, "prompt tokens"), K=(1024, "completion tokens"),
+                     reps=(5, "timed steps"))
     args = p.parse_args(argv)
     check_device(p, args.device)
     import trl

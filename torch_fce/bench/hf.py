@@ -11,7 +11,8 @@ import torch
 
 from torch_fce.bench.shapes import describe, environment
 from torch_fce.integrations import transformers as fce_hf
-from torch_fce.bench.measure import check_device, median_time, peak_extra_bytes
+from torch_fce.bench.measure import (add_device_option, add_size_options, check_device,
+                                     median_time, peak_extra_bytes)
 
 
 def main(argv=None):
@@ -19,12 +20,9 @@ def main(argv=None):
 
     p = argparse.ArgumentParser(prog="python -m torch_fce.bench transformers",
                                 description=__doc__)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                   help="cuda or cpu (default: cuda when available)")
-    p.add_argument("--V", type=int, default=64000, help="vocabulary size (default: 64000)")
-    p.add_argument("--D", type=int, default=256, help="hidden size (default: 256)")
-    p.add_argument("--T", type=int, default=2048, help="tokens per sequence (default: 2048)")
-    p.add_argument("--B", type=int, default=1, help="sequences per batch (default: 1)")
+    add_device_option(p)
+    add_size_options(p, V=(64000, "vocabulary size"), D=(256, "hidden size"),
+                     T=(2048, "tokens per sequence"), B=(1, "sequences per batch"))
     args = p.parse_args(argv)
     check_device(p, args.device)
     config = transformers.LlamaConfig(

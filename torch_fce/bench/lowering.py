@@ -15,7 +15,8 @@ from torch._dynamo.utils import counters
 import torch_fce
 import torch_fce.lowering as lowering
 from torch_fce.bench.shapes import describe, environment
-from torch_fce.bench.measure import check_device, median_time, peak_extra_bytes
+from torch_fce.bench.measure import (add_device_option, add_size_options, check_device,
+                                     median_time, peak_extra_bytes)
 from torch_fce.bench.tiny_lm import TinyLM
 
 
@@ -46,13 +47,10 @@ def measure(fuse, args):
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m torch_fce.bench lowering", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                   help="cuda or cpu (default: cuda when available)")
-    p.add_argument("--V", type=int, default=32768, help="vocabulary size (default: 32768)")
-    p.add_argument("--D", type=int, default=128, help="model width (default: 128)")
-    p.add_argument("--layers", type=int, default=2, help="transformer layers (default: 2)")
-    p.add_argument("--B", type=int, default=4, help="sequences per batch (default: 4)")
-    p.add_argument("--T", type=int, default=512, help="tokens per sequence (default: 512)")
+    add_device_option(p)
+    add_size_options(p, V=(32768, "vocabulary size"), D=(128, "model width"),
+                     layers=(2, "transformer layers"), B=(4, "sequences per batch"),
+                     T=(512, "tokens per sequence"))
     p.add_argument("--dtype", default="float32", help="the model's dtype, e.g. bfloat16 (default: float32)")
     p.add_argument("--workspace-mib", default="default",
                    help="comma-separated logits workspaces for the fused step, in MiB or "

@@ -29,6 +29,18 @@ def with_workspace(fn, mib):
     return run
 
 
+def add_device_option(parser):
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="cuda or cpu (default: cuda when available)")
+
+
+def add_size_options(parser, **sizes):
+    """An integer option --NAME per NAME=(default, help)."""
+    for name, (default, what) in sizes.items():
+        parser.add_argument(f"--{name}", type=int, default=default,
+                            help=f"{what} (default: {default})")
+
+
 def check_device(parser, device):
     """Exits with a usage error naming --device unless torch can run on it."""
     try:

@@ -22,8 +22,8 @@ import torch.nn.functional as F
 
 import torch_fce
 from torch_fce.bench import rl
-from torch_fce.bench.measure import (check_device, median_time, peak_extra_bytes, times,
-                                     with_workspace)
+from torch_fce.bench.measure import (add_device_option, check_device, median_time,
+                                     peak_extra_bytes, times, with_workspace)
 from torch_fce.testing import make_inputs, rel_err
 
 
@@ -423,8 +423,7 @@ def _isolated(args, shapes, names):
 
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m torch_fce.bench shapes", description=__doc__)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                   help="cuda or cpu (default: cuda when available)")
+    add_device_option(p)
     p.add_argument("--shapes", default=None,
                    help="comma-separated names from %s or N:D:V (default: A,B,C on "
                         "CUDA, cpu on CPU)" % ",".join(SHAPES))

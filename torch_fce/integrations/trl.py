@@ -108,7 +108,6 @@ class ChunkedLogProbFunction:
         why = _unserved(weight, final_logit_softcapping, outputs)
         if why:
             raise ValueError(f"torch_fce does not serve {why}")
-        check_logprob_options(final_logit_softcapping, -100, True, accumulator)
         if torch.is_autocast_enabled(hidden.device.type):  # TRL computes in autocast's dtype
             dtype = torch.get_autocast_dtype(hidden.device.type)
             hidden = hidden.to(dtype)

@@ -19,11 +19,20 @@ _TRITON_ON_CPU = False
 _KAHAN_BLOCK_ELEMS = 1 << 24
 
 
-def _mm_f32(a_t, b):
-    """a_t @ b with float32 output from low-precision operands."""
-    if a_t.device.type == "cuda":
-        return torch.mm(a_t, b, out_dtype=torch.float32)
-    return a_t.float() @ b.float()
+def _mm_f32(a, b, out=None):
+    """a @ b summed in float32 or better: a float32 product of low-precision a and b, or
+    with out, the product rounded once into out's dtype (in place; no temporary on
+    CUDA)."""
+    low = a.dtype in (torch.bfloat16, torch.float16)
+    cuda_low = low and a.device.type == "cuda"
+    if out is not None and out.dtype == a.dtype and (cuda_low or not low):
+        return torch.mm(a, b, out=out)  # cuBLAS sums low-precision products in float32
+    if cuda_low and out is None:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    if cuda_low:  # float32 master weights' gradient
+        return torch.mm(a, b, out_dtype=torch.float32, out=out)
+    r = a.float() @ b.float() if low else a @ b  # on CPU, low precision upcasts first
+    return r if out is None else out.copy_(r)
 
 
 class GradAccumulator:

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from . import policy
-from .accumulate import GradAccumulator
+from .accumulate import GradAccumulator, _mm_f32
 from .logprob_rows import empty_tile_stats, finish_stats
 from .rows import RowOptions
 from .tokens import grad_scales, reduce_loss
@@ -94,24 +94,11 @@ def _run_vocab_tiles(hidden, weight, bias, row_fn, needs_grad, chunk_rows):
         if gh is not None:
             gh.add(dz.t(), w[v0:v1])
         if gw is not None:
-            _mm_into(dz.t(), hidden, gw[v0:v1])
+            _mm_f32(dz.t(), hidden, out=gw[v0:v1])
         if gb is not None:
             gb[v0:v1] = dz.sum(0, dtype=math_dtype_for(dtype))
         del dz
     return gh, gw, gb
-
-
-def _mm_into(a, b, out):
-    """out = a @ b, summed in float32 (or better) and rounded once into out's dtype."""
-    low = a.dtype in (torch.bfloat16, torch.float16)
-    if low and a.device.type != "cuda":
-        out.copy_(a.float() @ b.float())
-    elif a.dtype == out.dtype:
-        torch.mm(a, b, out=out)  # cuBLAS sums low-precision products in float32
-    elif low:  # float32 master weights
-        torch.mm(a, b, out_dtype=out.dtype, out=out)
-    else:  # float64 products into a float32 weight's gradient
-        out.copy_(a @ b)
 
 
 def by_vocab(N, V):
