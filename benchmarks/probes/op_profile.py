@@ -9,6 +9,9 @@ time the GPU waits for the host.
 
     python benchmarks/probes/op_profile.py A B      # needs one CUDA GPU
     PROBE_OBJECTIVE=logprobs PROBE_METHODS=fce-fp32,trl-head python op_profile.py D
+
+PROBE_TRACE_DIR=dir also profiles the host and writes each step's Chrome trace there
+(host op, launch and kernel), to find what the host does while the GPU waits.
 """
 
 import os
@@ -24,6 +27,7 @@ from torch_fce.bench.shapes import (SHAPES, SWEEP_WORKSPACE_MIB, _run, methods,
 from _common import run_shapes
 
 OBJECTIVE = os.environ.get("PROBE_OBJECTIVE", "ce")
+TRACE_DIR = os.environ.get("PROBE_TRACE_DIR")
 METHODS = os.environ.get("PROBE_METHODS", "fce-fp32").split(",")
 
 
@@ -35,10 +39,10 @@ def probe_shape(name):
         x["data"] = rl.policy_data(x["hidden"], x["weight"], x["target"])
     for method in METHODS:
         print(f"{name} {OBJECTIVE} {method}:")
-        _profile(lambda: _run(fns[method], x))
+        _profile(lambda: _run(fns[method], x), f"{name}_{OBJECTIVE}_{method}")
 
 
-def _profile(_step):
+def _profile(_step, tag):
     for _ in range(2):
         _step()
     torch.cuda.synchronize()
@@ -51,9 +55,13 @@ def _profile(_step):
     torch.cuda.synchronize()
     wall = (time.perf_counter() - t0) * 1e3
     print(f"  host returns after {host:.2f} ms, GPU span {start.elapsed_time(end):.2f} ms")
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if TRACE_DIR else [])
+    with profile(activities=activities) as prof:
         _step()
         torch.cuda.synchronize()
+    if TRACE_DIR:
+        os.makedirs(TRACE_DIR, exist_ok=True)
+        prof.export_chrome_trace(os.path.join(TRACE_DIR, f"{tag}.json"))
     kernels = {}
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
@@ -67,6 +75,10 @@ def _profile(_step):
     # The GPU's idle gaps of 20 us or more, between which kernels.
     gpu = sorted((e.time_range.start, e.time_range.end, e.name[:40]) for e in prof.events()
                  if e.device_type == torch.autograd.DeviceType.CUDA)
+    gaps = [s1 - e0 for (_, e0, _), (s1, _, _) in zip(gpu, gpu[1:])]
+    print(f"  first kernel to last: {(gpu[-1][1] - gpu[0][0]) / 1e3:.2f} ms, all gaps "
+          f"{sum(g for g in gaps if g > 0) / 1e3:.2f} ms, of 20 us or more "
+          f"{sum(g for g in gaps if g >= 20) / 1e3:.2f} ms")
     for (s0, e0, n0), (s1, _, n1) in zip(gpu, gpu[1:]):
         if s1 - e0 >= 20:
             print(f"  gap {(s1 - e0) / 1e3:6.3f} ms after {n0} before {n1}")
