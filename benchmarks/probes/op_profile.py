@@ -20,11 +20,13 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+import torch.nn.functional as F
+
 from torch_fce.bench import rl
 from torch_fce.bench.shapes import (SHAPES, SWEEP_WORKSPACE_MIB, _run, methods,
                                     shape_inputs)
 
-from _common import run_shapes
+from _common import ms, run_shapes
 
 OBJECTIVE = os.environ.get("PROBE_OBJECTIVE", "ce")
 TRACE_DIR = os.environ.get("PROBE_TRACE_DIR")
@@ -42,19 +44,38 @@ def probe_shape(name):
         _profile(lambda: _run(fns[method], x), f"{name}_{OBJECTIVE}_{method}")
 
 
+class _first_linear_event:
+    """Records a CUDA event where the step queues its first F.linear (the loop's first
+    logits GEMM): the GPU reaches it when the host has queued it and the work before."""
+
+    def __init__(self):
+        self.linear, self.event = F.linear, None
+
+        def linear(*args, **kwargs):
+            if self.event is None:
+                self.event = torch.cuda.Event(enable_timing=True)
+                self.event.record()
+            return self.linear(*args, **kwargs)
+        F.linear = linear
+
+
 def _profile(_step, tag):
     for _ in range(2):
         _step()
     torch.cuda.synchronize()
+    print(f"  step {ms(_step):.2f} ms (median of 10)")
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    first = _first_linear_event()
     t0 = time.perf_counter()
     start.record()
     _step()
     end.record()
     host = (time.perf_counter() - t0) * 1e3  # the host's own time: no sync inside
+    F.linear = first.linear
     torch.cuda.synchronize()
     wall = (time.perf_counter() - t0) * 1e3
-    print(f"  host returns after {host:.2f} ms, GPU span {start.elapsed_time(end):.2f} ms")
+    print(f"  host returns after {host:.2f} ms, GPU span {start.elapsed_time(end):.2f} ms, "
+          f"of which before the first logits GEMM {start.elapsed_time(first.event):.2f} ms")
     activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if TRACE_DIR else [])
     with profile(activities=activities) as prof:
         _step()

@@ -18,6 +18,8 @@ chunks re-read the weight gradient's (V x D), and each tile's weight gradient co
 whole out of one GEMM over all tokens.
 """
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -108,17 +110,25 @@ def by_vocab(N, V):
     return N < V
 
 
-def _ce_chunks(hidden, weight, target, bias, class_weight, opts, needs_grad, ce_scale,
-               z_scale, rows, chunk_rows, accumulator):
+def after_first_gemm(make):
+    """make(), formed on first use from a row function: once the loop has queued its
+    first logits GEMM, so the GPU runs it while the host queues make()'s small kernels
+    (before it, the GPU would wait on the host for each)."""
+    return functools.cache(make)
+
+
+def _ce_chunks(hidden, weight, target, bias, class_weight, opts, needs_grad, scales, rows,
+               chunk_rows, accumulator):
     """Cross entropy on the loop: (lse, nll, smooth) each (N,), plus argmax (N,) int64
-    when opts.argmax, and the gradients."""
+    when opts.argmax, and the gradients; scales() gives (ce_scale, z_scale), or scales
+    is None without gradients."""
     N, mdt = hidden.shape[0], math_dtype_for(hidden.dtype)
     terms = tuple(hidden.new_empty(N, dtype=mdt) for _ in range(3)) + (
         (hidden.new_empty(N, dtype=torch.int64),) if opts.argmax else ())
 
     def row_fn(logits, s, e):
-        scales = (None, None) if ce_scale is None else (ce_scale[s:e], z_scale[s:e])
-        *out, argmax, dz = rows(logits, target[s:e], class_weight, *scales, opts, mdt)
+        ce_z = (None, None) if scales is None else (t[s:e] for t in scales())
+        *out, argmax, dz = rows(logits, target[s:e], class_weight, *ce_z, opts, mdt)
         return out + ([argmax] if opts.argmax else []), dz
 
     grads = run_chunks(hidden, weight, bias, row_fn, terms, needs_grad, accumulator,
@@ -131,13 +141,13 @@ def linear_ce_fwd(hidden, weight, target, bias, class_weight, ignore_index, redu
                   chunk_rows):
     """fce::linear_ce_fwd on one device, given its row function and chunk size."""
     opts = RowOptions(ignore_index, label_smoothing, softcap, argmax=stats)
-    want = any(needs_grad)
-    ce_scale, z_scale = grad_scales(target, class_weight, ignore_index, reduction, z_loss,
-                                    math_dtype_for(hidden.dtype)) if want else (None, None)
+    scales = after_first_gemm(lambda: grad_scales(
+        target, class_weight, ignore_index, reduction, z_loss, math_dtype_for(hidden.dtype))
+    ) if any(needs_grad) else None
     with torch.autocast(hidden.device.type, enabled=False):
         (lse, nll, smooth, *argmax), grads = _ce_chunks(
-            hidden, weight, target, bias, class_weight, opts, needs_grad, ce_scale, z_scale,
-            rows, chunk_rows, accumulator)
+            hidden, weight, target, bias, class_weight, opts, needs_grad, scales, rows,
+            chunk_rows, accumulator)
         loss = reduce_loss(nll, smooth, lse, target, class_weight, ignore_index, reduction,
                            label_smoothing, z_loss, weight.shape[0])
     none = hidden.new_empty(0, dtype=lse.dtype), hidden.new_empty(0, dtype=torch.int64)
@@ -151,11 +161,11 @@ def linear_ce_bwd(grad_loss, hidden, weight, target, bias, class_weight, ignore_
     """fce::linear_ce_bwd on one device: recomputes the logits chunk by chunk."""
     mdt = math_dtype_for(hidden.dtype)
     opts = RowOptions(ignore_index, label_smoothing, softcap)
-    ce_scale, z_scale = grad_scales(
-        target, class_weight, ignore_index, reduction, z_loss, mdt, grad_loss=grad_loss)
+    scales = after_first_gemm(lambda: grad_scales(
+        target, class_weight, ignore_index, reduction, z_loss, mdt, grad_loss=grad_loss))
     with torch.autocast(hidden.device.type, enabled=False):
         _, grads = _ce_chunks(hidden, weight, target, bias, class_weight, opts, needs_grad,
-                              ce_scale, z_scale, rows, chunk_rows, accumulator)
+                              scales, rows, chunk_rows, accumulator)
     return _grad_outputs(hidden, weight, bias, grads, keep_f32=False)
 
 
@@ -165,27 +175,27 @@ def linear_logprobs_fwd(hidden, weight, target, bias, temperature, softcap, igno
     and row_stats (N, 3); entropy is (0,) unless asked for."""
     N, mdt = hidden.shape[0], math_dtype_for(hidden.dtype)
     V = weight.shape[0]
-    inv_t = inverse_temperature(temperature, N, hidden.device, mdt)
+    inv_t = after_first_gemm(lambda: inverse_temperature(temperature, N, hidden.device, mdt))
     opts = RowOptions(ignore_index, 0.0, softcap)
     out = [hidden.new_empty(N, dtype=mdt) for _ in range(3)] + [
         hidden.new_empty(N, dtype=torch.int64), hidden.new_empty(N, 3, dtype=mdt)]
     # Cut as the backward will: it recomputes the same GEMMs, so its logits are the
     # forward's bit for bit, and z - m is exact at each row's max.
     vocab = by_vocab(N, V)
-    total = empty_tile_stats(N, mdt, hidden.device) if vocab else None
+    total = after_first_gemm(lambda: empty_tile_stats(N, mdt, hidden.device))
 
     def row_fn(logits, s, e):
         if vocab:  # classes [s, e) of every token
-            rows(logits, target, inv_t, opts, entropy, None, mdt, col0=s, into=total)
+            rows(logits, target, inv_t(), opts, entropy, None, mdt, col0=s, into=total())
             return (), None
-        *terms, _ = rows(logits, target[s:e], inv_t[s:e], opts, entropy, None, mdt)
+        *terms, _ = rows(logits, target[s:e], inv_t()[s:e], opts, entropy, None, mdt)
         return terms, None
 
     with torch.autocast(hidden.device.type, enabled=False):
         run_chunks(hidden, weight, bias, row_fn, () if vocab else out, (False,) * 3, "fp32",
                    chunk_rows, by_vocab=vocab)
     if vocab:
-        out = finish_stats(total, target, V, ignore_index, entropy)
+        out = finish_stats(total(), target, V, ignore_index, entropy)
     logprob, ent, lse, argmax, row_stats = out
     return (logprob, ent if entropy else hidden.new_empty(0, dtype=mdt), lse, argmax,
             row_stats)
@@ -197,19 +207,18 @@ def linear_logprobs_bwd(grad_logprob, grad_entropy, row_stats, hidden, weight, t
     """fce::linear_logprobs_bwd on one device: recomputes the logits chunk by chunk and,
     with the forward's row statistics, forms the logits gradient in one pass over them."""
     N, mdt = hidden.shape[0], math_dtype_for(hidden.dtype)
-    inv_t = inverse_temperature(temperature, N, hidden.device, mdt)
+    inv_t = after_first_gemm(lambda: inverse_temperature(temperature, N, hidden.device, mdt))
     opts = RowOptions(ignore_index, 0.0, softcap)
-    per_token = [None if t is None else t.to(mdt)
-                 for t in (grad_logprob, grad_entropy, row_stats)]
-
+    per_token = after_first_gemm(lambda: [None if t is None else t.to(mdt)
+                                          for t in (grad_logprob, grad_entropy, row_stats)])
     vocab = by_vocab(N, weight.shape[0])
 
     def row_fn(logits, s, e):
         if vocab:  # classes [s, e) of every token
-            *_, dz = rows(logits, target, inv_t, opts, False, per_token, mdt, col0=s)
+            *_, dz = rows(logits, target, inv_t(), opts, False, per_token(), mdt, col0=s)
             return (), dz
-        grad = tuple(None if t is None else t[s:e] for t in per_token)
-        *_, dz = rows(logits, target[s:e], inv_t[s:e], opts, False, grad, mdt)
+        grad = tuple(None if t is None else t[s:e] for t in per_token())
+        *_, dz = rows(logits, target[s:e], inv_t()[s:e], opts, False, grad, mdt)
         return (), dz
 
     with torch.autocast(hidden.device.type, enabled=False):
@@ -236,14 +245,18 @@ def linear_policy_loss_fwd(hidden, weight, target, advantages, bias, old_logprob
                                        sapo_temperature_pos, sapo_temperature_neg, beta, kl,
                                        kl_ratio, entropy_coef)
     N, mdt = hidden.shape[0], math_dtype_for(hidden.dtype)
-    inv_t = inverse_temperature(temperature, N, hidden.device, mdt)
     row_opts = RowOptions(ignore_index, 0.0, softcap)
-    valid = target != ignore_index
-    weights = policy.token_weights(token_weights, valid, mdt)
     out = [hidden.new_empty(N, dtype=mdt) for _ in range(6)]  # loss_t, logprob, ... kl
     want = any(needs_grad)
 
+    @after_first_gemm
+    def per_token():  # 1 / T, whether counted, w_t
+        valid = target != ignore_index
+        return (inverse_temperature(temperature, N, hidden.device, mdt), valid,
+                policy.token_weights(token_weights, valid, mdt))
+
     def row_fn(logits, s, e):
+        inv_t, valid, weights = per_token()
         terms = []
 
         def upstream(logprob, entropy):
