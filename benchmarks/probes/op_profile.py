@@ -10,11 +10,14 @@ time the GPU waits for the host.
     python benchmarks/probes/op_profile.py A B      # needs one CUDA GPU
     PROBE_OBJECTIVE=logprobs PROBE_METHODS=fce-fp32,trl-head python op_profile.py D
 
+PROBE_HOST=1 also prints cProfile's view of the host's Python during ten steps.
 PROBE_TRACE_DIR=dir also profiles the host and writes each step's Chrome trace there
 (host op, launch and kernel), to find what the host does while the GPU waits.
 """
 
+import cProfile
 import os
+import pstats
 import time
 
 import torch
@@ -30,6 +33,7 @@ from _common import ms, run_shapes
 
 OBJECTIVE = os.environ.get("PROBE_OBJECTIVE", "ce")
 TRACE_DIR = os.environ.get("PROBE_TRACE_DIR")
+HOST = os.environ.get("PROBE_HOST") == "1"
 METHODS = os.environ.get("PROBE_METHODS", "fce-fp32").split(",")
 
 
@@ -53,6 +57,7 @@ class _first_linear_event:
 
         def linear(*args, **kwargs):
             if self.event is None:
+                self.host = time.perf_counter()
                 self.event = torch.cuda.Event(enable_timing=True)
                 self.event.record()
             return self.linear(*args, **kwargs)
@@ -75,7 +80,16 @@ def _profile(_step, tag):
     torch.cuda.synchronize()
     wall = (time.perf_counter() - t0) * 1e3
     print(f"  host returns after {host:.2f} ms, GPU span {start.elapsed_time(end):.2f} ms, "
-          f"of which before the first logits GEMM {start.elapsed_time(first.event):.2f} ms")
+          f"of which before the first logits GEMM {start.elapsed_time(first.event):.2f} ms "
+          f"(the host queues it after {(first.host - t0) * 1e3:.2f} ms)")
+    if HOST:
+        with cProfile.Profile() as host_prof:
+            for _ in range(10):
+                _step()
+                torch.cuda.synchronize()
+        stats = pstats.Stats(host_prof)
+        stats.sort_stats("tottime").print_stats(20)
+        stats.sort_stats("cumulative").print_stats(40)
     activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if TRACE_DIR else [])
     with profile(activities=activities) as prof:
         _step()
