@@ -18,7 +18,7 @@ chunks re-read the weight gradient's (V x D), and each tile's weight gradient co
 whole out of one GEMM over all tokens.
 """
 
-import functools
+import contextlib
 
 import torch
 import torch.nn.functional as F
@@ -114,7 +114,28 @@ def after_first_gemm(make):
     """make(), formed on first use from a row function: once the loop has queued its
     first logits GEMM, so the GPU runs it while the host queues make()'s small kernels
     (before it, the GPU would wait on the host for each)."""
-    return functools.cache(make)
+    made = []
+
+    def get():
+        if not made:
+            made.append(make())
+        return made[0]
+    return get
+
+
+def autocast_enabled(device_type):
+    try:
+        return torch.is_autocast_enabled(device_type)
+    except RuntimeError:  # a device type without autocast (meta): nothing to cast
+        return False
+
+
+def _no_autocast(hidden):
+    """The loop's products in the inputs' dtypes under a caller's autocast too (the
+    context is entered only then: it costs the host more than the check)."""
+    device = hidden.device.type
+    return torch.autocast(device, enabled=False) if autocast_enabled(device) \
+        else contextlib.nullcontext()
 
 
 def _ce_chunks(hidden, weight, target, bias, class_weight, opts, needs_grad, scales, rows,
@@ -144,7 +165,7 @@ def linear_ce_fwd(hidden, weight, target, bias, class_weight, ignore_index, redu
     scales = after_first_gemm(lambda: grad_scales(
         target, class_weight, ignore_index, reduction, z_loss, math_dtype_for(hidden.dtype))
     ) if any(needs_grad) else None
-    with torch.autocast(hidden.device.type, enabled=False):
+    with _no_autocast(hidden):
         (lse, nll, smooth, *argmax), grads = _ce_chunks(
             hidden, weight, target, bias, class_weight, opts, needs_grad, scales, rows,
             chunk_rows, accumulator)
@@ -163,7 +184,7 @@ def linear_ce_bwd(grad_loss, hidden, weight, target, bias, class_weight, ignore_
     opts = RowOptions(ignore_index, label_smoothing, softcap)
     scales = after_first_gemm(lambda: grad_scales(
         target, class_weight, ignore_index, reduction, z_loss, mdt, grad_loss=grad_loss))
-    with torch.autocast(hidden.device.type, enabled=False):
+    with _no_autocast(hidden):
         _, grads = _ce_chunks(hidden, weight, target, bias, class_weight, opts, needs_grad,
                               scales, rows, chunk_rows, accumulator)
     return _grad_outputs(hidden, weight, bias, grads, keep_f32=False)
@@ -191,7 +212,7 @@ def linear_logprobs_fwd(hidden, weight, target, bias, temperature, softcap, igno
         *terms, _ = rows(logits, target[s:e], inv_t()[s:e], opts, entropy, None, mdt)
         return terms, None
 
-    with torch.autocast(hidden.device.type, enabled=False):
+    with _no_autocast(hidden):
         run_chunks(hidden, weight, bias, row_fn, () if vocab else out, (False,) * 3, "fp32",
                    chunk_rows, by_vocab=vocab)
     if vocab:
@@ -221,7 +242,7 @@ def linear_logprobs_bwd(grad_logprob, grad_entropy, row_stats, hidden, weight, t
         *_, dz = rows(logits, target[s:e], inv_t()[s:e], opts, False, grad, mdt)
         return (), dz
 
-    with torch.autocast(hidden.device.type, enabled=False):
+    with _no_autocast(hidden):
         grads = run_chunks(hidden, weight, bias, row_fn, (), needs_grad, accumulator,
                            chunk_rows, by_vocab=vocab)
     return _grad_outputs(hidden, weight, bias, grads, keep_f32=False)
@@ -273,7 +294,7 @@ def linear_policy_loss_fwd(hidden, weight, target, advantages, bias, old_logprob
         loss_t, _, _, ratio, clipped, kl = terms
         return (loss_t, lp, ent, ratio, clipped, kl), dz
 
-    with torch.autocast(hidden.device.type, enabled=False):
+    with _no_autocast(hidden):
         grads = run_chunks(hidden, weight, bias, row_fn, out, needs_grad, accumulator,
                            chunk_rows)
     loss_t, *stats = out

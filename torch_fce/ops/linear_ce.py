@@ -5,6 +5,7 @@ import torch
 import torch.autograd.forward_ad as fwAD
 
 from .checks import check_inputs, check_options
+from .chunked import autocast_enabled
 from .schema import LIB
 
 
@@ -28,13 +29,6 @@ def _refuse_transforms(tensors):
         raise NotImplementedError(_NO_TRANSFORMS)
 
 
-def _autocast_enabled(device):
-    try:
-        return torch.is_autocast_enabled(device)
-    except RuntimeError:  # a device type without autocast (meta): nothing to cast
-        return False
-
-
 def int64_if_needed(target, ignore_index):
     """int32 targets compared with an ignore_index outside int32's range would wrap it
     around onto a real class: such an index matches no target, as with int64 ones."""
@@ -53,7 +47,7 @@ def _autocast(hidden, weight, bias):
     if not all(isinstance(t, torch.Tensor) for t in (hidden, weight, bias) if t is not None):
         return hidden, weight, bias  # check_inputs names the argument
     device = hidden.device.type
-    if not _autocast_enabled(device) or hidden.dtype == torch.float64:
+    if not autocast_enabled(device) or hidden.dtype == torch.float64:
         return hidden, weight, bias
     dtype = torch.get_autocast_dtype(device)
     if weight.dtype != torch.float32:

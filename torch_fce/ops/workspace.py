@@ -22,6 +22,7 @@ workspace around forward and backward alike, so that it cuts them as the forward
 """
 
 import contextlib
+import functools
 import os
 
 import torch
@@ -69,8 +70,13 @@ def workspace(nbytes):
         set_workspace(previous)
 
 
+@functools.cache
+def _total_memory(device):  # the driver query costs the host more than the op's checks
+    return torch.cuda.get_device_properties(device).total_memory
+
+
 def _default_cuda_bytes(V, D, itemsize, device):
-    cap = min(4 * _GIB, torch.cuda.get_device_properties(device).total_memory // 16)
+    cap = min(4 * _GIB, _total_memory(device) // 16)
     floor = min(_GIB, _FLOOR_ROWS * V * itemsize)
     return min(cap, max(floor, 2 * V * D * itemsize))
 
