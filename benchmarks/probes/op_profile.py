@@ -69,6 +69,14 @@ def _profile(_step, tag):
         _step()
     torch.cuda.synchronize()
     print(f"  step {ms(_step):.2f} ms (median of 10)")
+    rested = []
+    for _ in range(5):  # the GPU idle for 0.5 s first: clocks up after a sustained run
+        time.sleep(0.5)
+        t0 = time.perf_counter()
+        _step()
+        torch.cuda.synchronize()
+        rested.append(time.perf_counter() - t0)
+    print(f"  step after 0.5 s idle {sorted(rested)[2] * 1e3:.2f} ms (median of 5)")
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     first = _first_linear_event()
     t0 = time.perf_counter()
