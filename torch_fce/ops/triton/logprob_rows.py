@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .rows import _NEG_BIG, _block_max, _block_v, _load_z
+from .rows import _NEG_BIG, _argmax_update, _block_v, _load_z
 
 
 @triton.jit
@@ -30,32 +30,30 @@ def _stats_sweep(row_ptr, V, inv_t, softcap, HAS_SOFTCAP: tl.constexpr,
     sum_c exp(z_c - m), ez = sum_c exp(z_c - m) (z_c - m) (0 unless WANT_ENTROPY), the
     max of softcap(l) and its first column.
 
-    One reduction per block (the max of softcap(l) with its column; z's max is it times
-    inv_t, as rounding keeps order under a positive scale); s and ez are kept per lane,
-    relative to the row's running max, and reduced once at the end. ez kept online has
-    no 0 * -inf for masked or -inf logits, and no cancellation against m for confident
-    rows."""
+    ez kept online has no 0 * -inf for masked or -inf logits, and no cancellation
+    against m for confident rows."""
     cols = tl.arange(0, BLOCK_V)
     m = tl.max(tl.full([BLOCK_V], _NEG_BIG, tl.float32), axis=0)
-    s = tl.zeros([BLOCK_V], tl.float32)
-    ez = tl.zeros([BLOCK_V], tl.float32)
+    s = tl.sum(tl.zeros([BLOCK_V], tl.float32), axis=0)
+    ez = tl.sum(tl.zeros([BLOCK_V], tl.float32), axis=0)
     best = tl.max(tl.full([BLOCK_V], float("-inf"), tl.float32), axis=0)
     best_i = tl.sum(tl.zeros([BLOCK_V], tl.int64), axis=0)
     for v0 in range(0, V, BLOCK_V):
         offs = v0 + cols
         mask = offs < V
         c = _load_z(row_ptr + offs, mask, softcap, HAS_SOFTCAP)
-        bc, best, best_i = _block_max(c, v0, best, best_i, True)
+        # argmax of softcap(l) (the same class as of z for inv_t > 0), first one on ties
+        best, best_i = _argmax_update(c, v0, best, best_i)
         z = c * inv_t
-        m_new = tl.maximum(m, bc * inv_t)
+        m_new = tl.maximum(m, tl.max(z, axis=0))
         scale = tl.exp(m - m_new)
         ex = tl.where(mask, tl.exp(z - m_new), 0.0)
         if WANT_ENTROPY:  # ez = sum_c exp(z_c - m) (z_c - m), rebased to the new max
-            ez = scale * _rebased_ez(ez, s, m, m_new) + \
-                tl.where(ex > 0.0, ex * (z - m_new), 0.0)
-        s = s * scale + ex
+            ez = scale * _rebased_ez(ez, s, m, m_new) + tl.sum(
+                tl.where(ex > 0.0, ex * (z - m_new), 0.0), axis=0)
+        s = s * scale + tl.sum(ex, axis=0)
         m = m_new
-    return m, tl.sum(s, axis=0), tl.sum(ez, axis=0), best, best_i
+    return m, s, ez, best, best_i
 
 
 @triton.jit

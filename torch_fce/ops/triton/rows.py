@@ -39,19 +39,12 @@ def _load_z(ptrs, mask, softcap, HAS_SOFTCAP: tl.constexpr):
 
 
 @triton.jit
-def _block_max(z, v0, best, best_i, WANT_ARGMAX: tl.constexpr):
-    """(max, best, best_i) of a block z of columns starting at v0: its max (NaN left
-    out) and, with WANT_ARGMAX, the first maximum so far and its column, from the same
-    reduction (one per block: each costs the sweep a barrier)."""
-    z = tl.where(z == z, z, float("-inf"))  # a NaN never wins, wherever the tree meets it
-    if WANT_ARGMAX:
-        bv, bi = tl.max(z, axis=0, return_indices=True, return_indices_tie_break_left=True)
-        better = bv > best
-        best_i = tl.where(better, v0 + bi.to(tl.int64), best_i)
-        best = tl.where(better, bv, best)
-    else:
-        bv = tl.max(z, axis=0)
-    return bv, best, best_i
+def _argmax_update(z, v0, best, best_i):
+    """(best, best_i) after a block z of columns starting at v0: the first maximum so far
+    (a NaN never wins)."""
+    bv, bi = tl.max(z, axis=0, return_indices=True, return_indices_tie_break_left=True)
+    better = bv > best
+    return tl.where(better, bv, best), tl.where(better, v0 + bi.to(tl.int64), best_i)
 
 
 @triton.jit
@@ -59,11 +52,10 @@ def _lse_sweep(row_ptr, class_weight_ptr, V, softcap, HAS_SOFTCAP: tl.constexpr,
                HAS_CLASS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
                BLOCK_V: tl.constexpr, WANT_ARGMAX: tl.constexpr):
     """Sweep 1: (lse, sum_c w_c z_c, argmax) of one row, the logsumexp formed online;
-    argmax (the first most likely class) is 0 unless WANT_ARGMAX. The sum of exp is
-    kept per lane, relative to the row's running max, and reduced once at the end."""
+    argmax (the first most likely class) is 0 unless WANT_ARGMAX."""
     cols = tl.arange(0, BLOCK_V)
     m = tl.max(tl.full([BLOCK_V], _NEG_BIG, tl.float32), axis=0)
-    s = tl.zeros([BLOCK_V], tl.float32)
+    s = tl.sum(tl.zeros([BLOCK_V], tl.float32), axis=0)
     zsum = tl.zeros([BLOCK_V], tl.float32)
     best = tl.max(tl.full([BLOCK_V], float("-inf"), tl.float32), axis=0)
     best_i = tl.sum(tl.zeros([BLOCK_V], tl.int64), axis=0)
@@ -71,15 +63,16 @@ def _lse_sweep(row_ptr, class_weight_ptr, V, softcap, HAS_SOFTCAP: tl.constexpr,
         offs = v0 + cols
         mask = offs < V
         z = _load_z(row_ptr + offs, mask, softcap, HAS_SOFTCAP)
-        bz, best, best_i = _block_max(z, v0, best, best_i, WANT_ARGMAX)
-        m_new = tl.maximum(m, bz)
-        s = s * tl.exp(m - m_new) + tl.exp(z - m_new)
+        if WANT_ARGMAX:
+            best, best_i = _argmax_update(z, v0, best, best_i)
+        m_new = tl.maximum(m, tl.max(z, axis=0))
+        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
         m = m_new
         if HAS_SMOOTHING:
             w = tl.load(class_weight_ptr + offs, mask=mask, other=0.0).to(tl.float32) \
                 if HAS_CLASS_WEIGHT else 1.0
             zsum += tl.where(mask, z * w, 0.0)
-    return m + tl.log(tl.sum(s, axis=0)), tl.sum(zsum, axis=0), best_i
+    return m + tl.log(s), tl.sum(zsum, axis=0), best_i
 
 
 @triton.jit
