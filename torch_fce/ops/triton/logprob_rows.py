@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .rows import _NEG_BIG, _argmax_update, _block_v, _load_z
+from .rows import _NEG_BIG, _block_max, _block_v, _load_z
 
 
 @triton.jit
@@ -42,10 +42,12 @@ def _stats_sweep(row_ptr, V, inv_t, softcap, HAS_SOFTCAP: tl.constexpr,
         offs = v0 + cols
         mask = offs < V
         c = _load_z(row_ptr + offs, mask, softcap, HAS_SOFTCAP)
-        # argmax of softcap(l) (the same class as of z for inv_t > 0), first one on ties
-        best, best_i = _argmax_update(c, v0, best, best_i)
+        # argmax of softcap(l) (the same class as of z for inv_t > 0), first one on ties;
+        # z's max is the block's max times inv_t (rounding keeps order under a positive
+        # scale), so one reduction serves both
+        bc, best, best_i = _block_max(c, v0, best, best_i, True)
         z = c * inv_t
-        m_new = tl.maximum(m, tl.max(z, axis=0))
+        m_new = tl.maximum(m, bc * inv_t)
         scale = tl.exp(m - m_new)
         ex = tl.where(mask, tl.exp(z - m_new), 0.0)
         if WANT_ENTROPY:  # ez = sum_c exp(z_c - m) (z_c - m), rebased to the new max

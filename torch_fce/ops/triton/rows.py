@@ -39,12 +39,20 @@ def _load_z(ptrs, mask, softcap, HAS_SOFTCAP: tl.constexpr):
 
 
 @triton.jit
-def _argmax_update(z, v0, best, best_i):
-    """(best, best_i) after a block z of columns starting at v0: the first maximum so far
-    (a NaN never wins)."""
-    bv, bi = tl.max(z, axis=0, return_indices=True, return_indices_tie_break_left=True)
-    better = bv > best
-    return tl.where(better, bv, best), tl.where(better, v0 + bi.to(tl.int64), best_i)
+def _block_max(z, v0, best, best_i, WANT_ARGMAX: tl.constexpr):
+    """(max, best, best_i) of a block z of columns starting at v0: its max and, with
+    WANT_ARGMAX, the first maximum so far and its column (a NaN never wins). The
+    column's reduction, the costly one, runs only for a block that may hold a new
+    maximum: after a row's first few blocks, rarely."""
+    bz = tl.max(z, axis=0)
+    if WANT_ARGMAX:
+        if (bz > best) | (bz != bz):  # a NaN max (where the reduction keeps NaN) too
+            bv, bi = tl.max(tl.where(z == z, z, float("-inf")), axis=0, return_indices=True,
+                            return_indices_tie_break_left=True)
+            better = bv > best
+            best_i = tl.where(better, v0 + bi.to(tl.int64), best_i)
+            best = tl.where(better, bv, best)
+    return bz, best, best_i
 
 
 @triton.jit
@@ -63,9 +71,8 @@ def _lse_sweep(row_ptr, class_weight_ptr, V, softcap, HAS_SOFTCAP: tl.constexpr,
         offs = v0 + cols
         mask = offs < V
         z = _load_z(row_ptr + offs, mask, softcap, HAS_SOFTCAP)
-        if WANT_ARGMAX:
-            best, best_i = _argmax_update(z, v0, best, best_i)
-        m_new = tl.maximum(m, tl.max(z, axis=0))
+        bz, best, best_i = _block_max(z, v0, best, best_i, WANT_ARGMAX)
+        m_new = tl.maximum(m, bz)
         s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
         m = m_new
         if HAS_SMOOTHING:
