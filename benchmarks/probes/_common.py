@@ -1,8 +1,11 @@
-"""What the probes share: timing, plain cross-entropy row options, grouped tile order."""
+"""What the probes share: timing, the first logits GEMM's mark, plain cross-entropy row
+options, grouped tile order."""
 
 import sys
+import time
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -20,6 +23,27 @@ def run_shapes(probe_shape):
     for name in sys.argv[1:] or "ABC":
         probe_shape(name)
         torch.cuda.empty_cache()  # the shape's tensors died with the call
+
+
+class first_linear:
+    """`with first_linear() as first:` marks where the block queues its first F.linear
+    (the loop's first logits GEMM): first.host, the host's perf_counter then, and
+    first.event, a CUDA event the GPU reaches once it has run the work queued before."""
+
+    def __enter__(self):
+        self.linear, self.host, self.event = F.linear, None, None
+
+        def linear(*args, **kwargs):
+            if self.host is None:
+                self.host = time.perf_counter()
+                self.event = torch.cuda.Event(enable_timing=True)
+                self.event.record()
+            return self.linear(*args, **kwargs)
+        F.linear = linear
+        return self
+
+    def __exit__(self, *exc):
+        F.linear = self.linear
 
 
 def ms(fn):

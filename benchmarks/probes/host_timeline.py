@@ -13,10 +13,11 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
 
 from torch_fce.bench import rl
 from torch_fce.bench.shapes import SHAPES, _run, methods, shape_inputs
+
+from _common import first_linear
 
 OBJECTIVE = os.environ.get("PROBE_OBJECTIVE", "ce")
 
@@ -28,15 +29,10 @@ def main(name, min_us=10.0):
     for _ in range(3):
         step()
     torch.cuda.synchronize()
-    linear, calls, open_calls = F.linear, [], []
-    reached = []
-
-    def first_linear(*args, **kwargs):
-        reached.append(time.perf_counter())
-        return linear(*args, **kwargs)
+    calls, open_calls = [], []
 
     def tracer(frame, event, arg):
-        if reached:
+        if first.host is not None:
             return
         now = time.perf_counter()
         if event in ("call", "c_call"):
@@ -49,18 +45,17 @@ def main(name, min_us=10.0):
             start, depth, what, i = open_calls.pop()
             calls[i] = (start, now - start, depth, what)
 
-    F.linear = first_linear
-    t0 = time.perf_counter()
-    sys.setprofile(tracer)
-    try:
-        step()
-    finally:
-        sys.setprofile(None)
-        F.linear = linear
-    print(f"{name} {OBJECTIVE}: the first F.linear after {(reached[0] - t0) * 1e6:.0f} us "
+    with first_linear() as first:
+        t0 = time.perf_counter()
+        sys.setprofile(tracer)
+        try:
+            step()
+        finally:
+            sys.setprofile(None)
+    print(f"{name} {OBJECTIVE}: the first F.linear after {(first.host - t0) * 1e6:.0f} us "
           f"(traced)")
     for start, depth, what, i in open_calls:  # still running at the first F.linear
-        calls[i] = (start, reached[0] - start, depth, what + " [open]")
+        calls[i] = (start, first.host - start, depth, what + " [open]")
     for c in calls:
         if c is not None and c[1] * 1e6 >= min_us:
             print(f"{(c[0] - t0) * 1e6:8.0f} {c[1] * 1e6:7.0f} us {'  ' * c[2]}{c[3]}")

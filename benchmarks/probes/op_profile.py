@@ -23,13 +23,11 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-import torch.nn.functional as F
-
 from torch_fce.bench import rl
 from torch_fce.bench.shapes import (SHAPES, SWEEP_WORKSPACE_MIB, _run, methods,
                                     shape_inputs)
 
-from _common import ms, run_shapes
+from _common import first_linear, ms, run_shapes
 
 OBJECTIVE = os.environ.get("PROBE_OBJECTIVE", "ce")
 TRACE_DIR = os.environ.get("PROBE_TRACE_DIR")
@@ -48,22 +46,6 @@ def probe_shape(name):
         _profile(lambda: _run(fns[method], x), f"{name}_{OBJECTIVE}_{method}")
 
 
-class _first_linear_event:
-    """Records a CUDA event where the step queues its first F.linear (the loop's first
-    logits GEMM): the GPU reaches it when the host has queued it and the work before."""
-
-    def __init__(self):
-        self.linear, self.event = F.linear, None
-
-        def linear(*args, **kwargs):
-            if self.event is None:
-                self.host = time.perf_counter()
-                self.event = torch.cuda.Event(enable_timing=True)
-                self.event.record()
-            return self.linear(*args, **kwargs)
-        F.linear = linear
-
-
 def _profile(_step, tag):
     for _ in range(2):
         _step()
@@ -78,13 +60,12 @@ def _profile(_step, tag):
         rested.append(time.perf_counter() - t0)
     print(f"  step after 0.5 s idle {sorted(rested)[2] * 1e3:.2f} ms (median of 5)")
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    first = _first_linear_event()
-    t0 = time.perf_counter()
-    start.record()
-    _step()
-    end.record()
-    host = (time.perf_counter() - t0) * 1e3  # the host's own time: no sync inside
-    F.linear = first.linear
+    with first_linear() as first:
+        t0 = time.perf_counter()
+        start.record()
+        _step()
+        end.record()
+        host = (time.perf_counter() - t0) * 1e3  # the host's own time: no sync inside
     torch.cuda.synchronize()
     wall = (time.perf_counter() - t0) * 1e3
     print(f"  host returns after {host:.2f} ms, GPU span {start.elapsed_time(end):.2f} ms, "
