@@ -2,8 +2,11 @@
 
 import torch
 
-from .ops.checks import check_inputs, check_logprob_options, check_options
-from .ops.linear_ce import int64_if_needed
+from .ops.checks import check_inputs
+from .ops.entry import int64_if_needed
+from .ops.linear_ce import CEOptions
+from .ops.linear_logprobs import LogProbOptions
+from .ops.linear_policy_loss import PolicyOptions
 from .ops.tokens import advantages_tensor, temperature_tensor
 from .results import LogProbs, LossStats, PolicyStats
 
@@ -53,12 +56,10 @@ def linear_cross_entropy(hidden, weight, target, bias=None, class_weight=None, *
     # Checked here too: the dispatcher's own type errors would not name the option.
     # Under torch.compile the op's fake kernel checks them: an error raised here would
     # reach the caller as Dynamo's "Observed exception", without its message.
+    opts = CEOptions(ignore_index, reduction, label_smoothing, softcap, z_loss, accumulator)
     if not torch.compiler.is_compiling():
-        check_options(reduction, label_smoothing, softcap, z_loss, accumulator, ignore_index)
+        opts.check()
     target = _shifted(hidden, weight, target, bias, class_weight, ignore_index, shift)
-    options = dict(ignore_index=ignore_index, reduction=reduction,
-                   label_smoothing=label_smoothing, softcap=softcap, z_loss=z_loss,
-                   accumulator=accumulator)
     if not isinstance(return_stats, bool):
         raise TypeError(f"return_stats must be a bool, got {type(return_stats).__name__}")
     if _is_dtensor(weight):  # sharded by vocabulary: the vocab-parallel loss
@@ -66,12 +67,12 @@ def linear_cross_entropy(hidden, weight, target, bias=None, class_weight=None, *
             raise NotImplementedError("return_stats with a DTensor (vocab-sharded) weight")
         from .distributed.dtensor import dtensor_linear_cross_entropy
 
-        return dtensor_linear_cross_entropy(hidden, weight, target, bias, class_weight,
-                                            **options)
+        return dtensor_linear_cross_entropy(hidden, weight, target, bias, class_weight, opts)
     if not return_stats:
-        return torch.ops.fce.linear_ce(hidden, weight, target, bias, class_weight, **options)
+        return torch.ops.fce.linear_ce(hidden, weight, target, bias, class_weight,
+                                       **opts._asdict())
     loss, lse, argmax = torch.ops.fce.linear_ce_stats(hidden, weight, target, bias,
-                                                      class_weight, **options)
+                                                      class_weight, **opts._asdict())
     return loss, LossStats(lse, argmax, _z_loss_term(lse.detach(), target, ignore_index,
                                                      reduction, z_loss))
 
@@ -110,19 +111,17 @@ def linear_logprobs(hidden, weight, target, bias=None, *, temperature=1.0, softc
         weight sharded on dim 0 runs the vocab-parallel version (torch_fce.distributed).
     """
     # Checked here too, as for linear_cross_entropy (under torch.compile: by the op).
+    opts = LogProbOptions(softcap, ignore_index, entropy, accumulator)
     if not torch.compiler.is_compiling():
-        check_logprob_options(softcap, ignore_index, entropy, accumulator)
+        opts.check()
     temperature = temperature_tensor(temperature, target)
     target = _shifted(hidden, weight, target, bias, None, ignore_index, shift)
     if _is_dtensor(weight):  # sharded by vocabulary: the vocab-parallel log-probs
         from .distributed.dtensor import dtensor_linear_logprobs
 
-        return dtensor_linear_logprobs(hidden, weight, target, bias, temperature,
-                                       softcap=softcap, ignore_index=ignore_index,
-                                       entropy=entropy, accumulator=accumulator)
+        return dtensor_linear_logprobs(hidden, weight, target, bias, temperature, opts)
     out = torch.ops.fce.linear_logprobs(hidden, weight, target, bias, temperature,
-                                        softcap=softcap, ignore_index=ignore_index,
-                                        entropy=entropy, accumulator=accumulator)
+                                        **opts._asdict())
     return LogProbs(out[0], out[1] if entropy else None, out[2], out[3])
 
 
@@ -158,25 +157,22 @@ def linear_policy_loss(hidden, weight, target, advantages, bias=None, *, old_log
         (loss, PolicyStats): the float32 scalar loss (differentiable w.r.t. hidden,
         weight and bias) and the detached per-token statistics.
     """
+    opts = PolicyOptions(loss_type, epsilon_low, epsilon_high, delta, sapo_temperature_pos,
+                         sapo_temperature_neg, beta, kl, kl_ratio, entropy_coef, softcap,
+                         ignore_index, accumulator)
     if not torch.compiler.is_compiling():  # as linear_cross_entropy: under compile, the op
-        check_logprob_options(softcap, ignore_index, True, accumulator)
+        opts.check()
     temperature = temperature_tensor(temperature, target)
     target = _shifted(hidden, weight, target, bias, None, ignore_index, shift)
     advantages = advantages_tensor(advantages, target)
-    options = dict(loss_type=loss_type, epsilon_low=epsilon_low, epsilon_high=epsilon_high,
-                   delta=delta, sapo_temperature_pos=sapo_temperature_pos,
-                   sapo_temperature_neg=sapo_temperature_neg, beta=beta, kl=kl,
-                   kl_ratio=kl_ratio, entropy_coef=entropy_coef, softcap=softcap,
-                   ignore_index=ignore_index, accumulator=accumulator)
+    per_token = (old_logprobs, ref_logprobs, token_weights, temperature)
     if _is_dtensor(weight):  # sharded by vocabulary: the vocab-parallel policy loss
         from .distributed.dtensor import dtensor_linear_policy_loss
 
         return dtensor_linear_policy_loss(hidden, weight, target, advantages, bias,
-                                          old_logprobs, ref_logprobs, token_weights,
-                                          temperature, **options)
+                                          per_token, opts)
     out = torch.ops.fce.linear_policy_loss(hidden, weight, target, advantages, bias,
-                                           old_logprobs, ref_logprobs, token_weights,
-                                           temperature, **options)
+                                           *per_token, **opts._asdict())
     return out[0], PolicyStats(*out[1:])
 
 

@@ -3,7 +3,7 @@
 from torch import nn
 
 from .functional import linear_cross_entropy
-from .ops.checks import check_options
+from .ops.linear_ce import CEOptions
 
 
 class LinearCrossEntropyLoss(nn.Module):
@@ -16,7 +16,7 @@ class LinearCrossEntropyLoss(nn.Module):
                  label_smoothing=0.0, softcap=None, z_loss=0.0, accumulator="fp32",
                  shift=False):
         super().__init__()
-        check_options(reduction, label_smoothing, softcap, z_loss, accumulator, ignore_index)
+        CEOptions(ignore_index, reduction, label_smoothing, softcap, z_loss, accumulator).check()
         self.register_buffer("class_weight", class_weight)
         self.options = dict(ignore_index=ignore_index, reduction=reduction,
                             label_smoothing=label_smoothing, softcap=softcap, z_loss=z_loss,

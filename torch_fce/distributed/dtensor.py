@@ -33,35 +33,34 @@ def _vocab_shard(weight, bias):
     return mesh.get_group(dims[0]), offset[0], weight.shape[0]
 
 
-def dtensor_linear_cross_entropy(hidden, weight, target, bias, class_weight, **options):
-    """Loss for a vocab-sharded DTensor weight; the result, a plain tensor, is the same on
+def dtensor_linear_cross_entropy(hidden, weight, target, bias, class_weight, opts):
+    """Loss for a vocab-sharded DTensor weight (opts: a CEOptions); the result, a plain tensor, is the same on
     every rank."""
     group, start, V = _vocab_shard(weight, bias)
     return vocab_parallel_linear_cross_entropy(
         _local(hidden), weight.to_local(), _local(target),
         None if bias is None else bias.to_local(), _local(class_weight),
-        vocab_start=start, vocab_size=V, group=group, **options)
+        vocab_start=start, vocab_size=V, group=group, **opts._asdict())
 
 
-def dtensor_linear_logprobs(hidden, weight, target, bias, temperature, **options):
+def dtensor_linear_logprobs(hidden, weight, target, bias, temperature, opts):
     """linear_logprobs for a vocab-sharded DTensor weight; plain outputs, the same on
     every rank."""
     group, start, V = _vocab_shard(weight, bias)
     return vocab_parallel_linear_logprobs(
         _local(hidden), weight.to_local(), _local(target),
         None if bias is None else bias.to_local(), temperature=_local(temperature),
-        vocab_start=start, vocab_size=V, group=group, **options)
+        vocab_start=start, vocab_size=V, group=group, **opts._asdict())
 
 
-def dtensor_linear_policy_loss(hidden, weight, target, advantages, bias, old_logprobs,
-                               ref_logprobs, token_weights, temperature, **options):
+def dtensor_linear_policy_loss(hidden, weight, target, advantages, bias, per_token, opts):
     """linear_policy_loss for a vocab-sharded DTensor weight: (loss, PolicyStats), plain
     tensors, the same on every rank."""
     group, start, V = _vocab_shard(weight, bias)
     return vocab_parallel_linear_policy_loss(
         _local(hidden), weight.to_local(), _local(target), _local(advantages),
-        None if bias is None else bias.to_local(), old_logprobs=_local(old_logprobs),
-        ref_logprobs=_local(ref_logprobs), token_weights=_local(token_weights),
-        temperature=_local(temperature), vocab_start=start, vocab_size=V, group=group,
-        **options)
+        None if bias is None else bias.to_local(),
+        **{name: _local(t) for name, t in zip(
+            ("old_logprobs", "ref_logprobs", "token_weights", "temperature"), per_token)},
+        vocab_start=start, vocab_size=V, group=group, **opts._asdict())
 

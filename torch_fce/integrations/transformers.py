@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from ..functional import linear_cross_entropy
-from ..ops.checks import check_options
+from ..ops.linear_ce import CEOptions
 
 try:
     from torch.distributed.tensor import DTensor
@@ -353,8 +353,7 @@ def detach(model):
 
 def apply(model, *, accumulator="fp32", z_loss=0.0, label_smoothing=0.0):
     """Patches a transformers causal LM (in place, reversibly) to train without logits."""
-    check_options("mean", label_smoothing, softcap=None, z_loss=z_loss,
-                  accumulator=accumulator)
+    CEOptions(label_smoothing=label_smoothing, z_loss=z_loss, accumulator=accumulator).check()
     original = model.forward  # accelerate's hook wrapper, if dispatched: kept inside
     attach(model)
     getattr(model, _OPTIONS).update(accumulator=accumulator, z_loss=z_loss,

@@ -23,7 +23,7 @@ import warnings
 import torch
 
 from ..functional import linear_logprobs, linear_policy_loss
-from ..ops.checks import check_logprob_options
+from ..ops.linear_logprobs import LogProbOptions
 from . import transformers as fce_hf
 from .transformers import _OPTIONS, capture_of, head_operands
 
@@ -155,7 +155,7 @@ def fused_lm_head(accumulator="fp32"):
     the drop-in does not serve runs TRL's kernel, with a warning."""
     import trl.trainer.utils as trl_utils
 
-    check_logprob_options(None, -100, True, accumulator)
+    LogProbOptions(accumulator=accumulator).check()
     theirs = trl_utils._ChunkedLogProbFunction
 
     class _Ours:
@@ -255,7 +255,7 @@ def apply(trainer, *, accumulator="fp32"):
     """
     if "_compute_loss" in vars(trainer):
         raise ValueError("torch_fce is already applied to this trainer")
-    check_logprob_options(None, -100, True, accumulator)
+    LogProbOptions(accumulator=accumulator).check()
     why = _unsupported(trainer)
     if why is None:
         try:

@@ -1,11 +1,5 @@
-"""Registers the fce:: ops: schemas, fake kernels, autograd and per-device kernels."""
+"""Registers the fce:: ops. Each op's room (linear_ce, linear_logprobs,
+linear_policy_loss) holds its options, schemas, entry, fake kernels, autograd and
+implementation; dispatch.py picks each device's row functions (docs/design.md)."""
 
-from . import schema  # noqa: F401  (defines the ops; must come first)
-from . import autograd, cpu, fake, linear_ce, linear_logprobs, linear_policy_loss  # noqa: F401
-
-try:  # the CUDA backend needs Triton; without it CUDA tensors use the PyTorch backend
-    import triton  # noqa: F401
-except ImportError:
-    pass
-else:
-    from . import cuda  # noqa: F401
+from . import grads, linear_ce, linear_logprobs, linear_policy_loss  # noqa: F401

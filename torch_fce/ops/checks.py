@@ -9,57 +9,23 @@ import os
 
 import torch
 
+from .options import as_float, check_choice, check_int, got, value as _value
+
 # Opt-in eager check of target ranges on CUDA (it syncs with the host): without it,
 # out-of-range targets give NaN losses and are never read out of bounds (docs/api.md).
 CHECK_TARGETS = os.environ.get("TORCH_FCE_CHECK_TARGETS") == "1"
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 TARGET_DTYPES = (torch.int64, torch.int32)
-REDUCTIONS = ("mean", "sum", "none")
 ACCUMULATORS = ("fp32", "kahan", "input")
 
 
-def _value(cond, msg):
-    if isinstance(cond, bool):  # static shapes: a plain raise, which every Dynamo traces
-        if not cond:
-            raise ValueError(msg)
-    else:
-        torch._check_with(ValueError, cond, lambda: msg)
-
-
-def _float(name, x):
-    try:
-        return float(x)
-    except (TypeError, ValueError):
-        raise TypeError(f"{name} must be a float, got {type(x).__name__}") from None
-
-
-def _got(x):
-    # While Dynamo traces (dynamic=True) options are symbolic floats, which it cannot
-    # format into a message: there the message names the option without its value. The
-    # fake kernels, which check options under torch.compile, are not traced by Dynamo.
-    return "" if torch.compiler.is_dynamo_compiling() else f", got {x}"
-
-
-def check_options(reduction, label_smoothing, softcap, z_loss, accumulator, ignore_index=-100):
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-    if accumulator not in ACCUMULATORS:
-        raise ValueError(f"accumulator must be one of {ACCUMULATORS}, got {accumulator!r}")
-    if not isinstance(ignore_index, (int, torch.SymInt)) or isinstance(ignore_index, bool):
-        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
-    if not 0.0 <= _float("label_smoothing", label_smoothing) <= 1.0:
-        raise ValueError(f"label_smoothing must be in [0, 1]{_got(label_smoothing)}")
-    if softcap is not None and not 0.0 < _float("softcap", softcap) < float("inf"):
-        raise ValueError(f"softcap must be None or a finite float > 0{_got(softcap)}")
-    if not _float("z_loss", z_loss) >= 0.0:
-        raise ValueError(f"z_loss must be >= 0{_got(z_loss)}")
-
-
-def check_logprob_options(softcap, ignore_index, entropy, accumulator):
-    check_options("none", 0.0, softcap, 0.0, accumulator, ignore_index)
-    if not isinstance(entropy, bool):
-        raise TypeError(f"entropy must be a bool, got {type(entropy).__name__}")
+def check_common(opts):
+    """The options every op's record has: ignore_index, softcap, accumulator."""
+    check_choice("accumulator", opts.accumulator, ACCUMULATORS)
+    check_int("ignore_index", opts.ignore_index)
+    if opts.softcap is not None and not 0.0 < as_float("softcap", opts.softcap) < float("inf"):
+        raise ValueError(f"softcap must be None or a finite float > 0{got(opts.softcap)}")
 
 
 def check_temperature(temperature, target):
@@ -101,8 +67,10 @@ def _check_tensor(name, t):
         raise TypeError(f"{name} must be a Tensor, got {type(t).__name__}")
 
 
-def check_inputs(hidden, weight, target, bias, class_weight):
-    """Checks shapes, dtypes and devices; hidden (*, D), weight (V, D), target (*)."""
+def check_inputs(hidden, weight, target, bias, class_weight, vocab=None):
+    """Checks shapes, dtypes and devices; hidden (*, D), weight (V, D), target (*).
+    vocab: the whole vocabulary's size, class_weight's length, when weight holds a
+    shard of it (vocab-parallel; bias is the shard's)."""
     for name, t in (("hidden", hidden), ("weight", weight), ("target", target)):
         _check_tensor(name, t)
     if hidden.dtype not in FLOAT_DTYPES:
@@ -135,10 +103,10 @@ def check_inputs(hidden, weight, target, bias, class_weight):
             f"target must have hidden's leading shape {tuple(hidden.shape[:-1])}, "
             f"got {tuple(target.shape)}",
         )
-    V = weight.shape[0]
-    for name, t, dtypes in (
-        ("bias", bias, (hidden.dtype, weight.dtype)),
-        ("class_weight", class_weight, FLOAT_DTYPES),
+    for name, t, dtypes, V, what in (
+        ("bias", bias, (hidden.dtype, weight.dtype), weight.shape[0], "V"),
+        ("class_weight", class_weight, FLOAT_DTYPES,
+         weight.shape[0] if vocab is None else vocab, "V" if vocab is None else "vocab_size"),
     ):
         if t is None:
             continue
@@ -146,8 +114,9 @@ def check_inputs(hidden, weight, target, bias, class_weight):
         if t.dtype not in dtypes:
             raise TypeError(f"{name} must have dtype in {dtypes}, got {t.dtype}")
         if t.dim() != 1:
-            raise ValueError(f"{name} must have shape (V,) = ({V},), got {tuple(t.shape)}")
-        _value(t.shape[0] == V, f"{name} must have shape (V,) = ({V},), got {tuple(t.shape)}")
+            raise ValueError(f"{name} must have shape ({what},) = ({V},), got {tuple(t.shape)}")
+        _value(t.shape[0] == V, f"{name} must have shape ({what},) = ({V},), got "
+                                f"{tuple(t.shape)}")
     for name, t in (("weight", weight), ("target", target), ("bias", bias),
                     ("class_weight", class_weight)):
         if t is not None and t.device != hidden.device:

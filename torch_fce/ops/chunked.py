@@ -1,64 +1,126 @@
-"""The token-chunked loop shared by every backend.
+"""The token-chunked loop shared by every op, backend and vocabulary layout.
 
 Per chunk of n tokens: logits = hidden @ weight.T + bias (one GEMM into an (n, V)
 buffer), a row function turns them into per-token terms and, when gradients are
 wanted, the logits gradient dz, then dz @ weight gives the hidden gradient and dz.T @
 hidden is added to the weight gradient. Memory beyond inputs and outputs is the (n, V)
 chunk plus the gradient accumulator (and, for float32 master weights, the weight in
-hidden's dtype for the GEMMs); n is chosen per backend from a fixed budget.
-Backends differ only in the row function and the chunk size. Cross entropy
-(rows.py, triton/rows.py) and the log-probs (logprob_rows.py, triton/logprob_rows.py)
-are two row functions on the same loop.
+hidden's dtype for the GEMMs); n comes from the workspace (workspace.py).
 
-The log-probs, whose backward has its row statistics from the forward, cut the same
-workspace along the vocabulary instead when there are fewer tokens than classes: the
-forward merges each tile's statistics per row (logprob_rows.TileStats); the
-backward re-reads a float32 sum of the hidden gradient (N x D) across tiles where token
-chunks re-read the weight gradient's (V x D), and each tile's weight gradient comes
-whole out of one GEMM over all tokens.
+Row functions (the `RowFn` protocol below) are each op's math; the backends differ
+only in which row functions they bring (dispatch.py). Two layouts ride the same loop:
+- vocabulary tiles (`by_vocab`): the log-probs with fewer tokens than classes cut the
+  same workspace along the vocabulary; row functions then see every token's logits of
+  classes [v0, v1) and merge per-row statistics across tiles; the hidden gradient is a
+  float32 sum across tiles;
+- vocabulary shards (`Shard`, vocab-parallel): each rank holds rows [vocab_start,
+  vocab_start + Vs) of the head. The row functions reduce their shard's logits to
+  per-row statistics and `Shard.all_reduce` (the collective hook) makes them global
+  before any gradient is formed; the hidden gradient's float32 partial sums are
+  all-reduced once at the end, the weight and bias gradients stay local.
 """
 
 import contextlib
+from typing import NamedTuple, Optional, Protocol
 
 import torch
 import torch.nn.functional as F
 
-from . import policy
 from .accumulate import GradAccumulator, _mm_f32
-from .logprob_rows import empty_tile_stats, finish_stats
-from .rows import RowOptions
-from .tokens import grad_scales, reduce_loss
+from .workspace import chunk_rows as _workspace_rows
+
+
+class RowFn(Protocol):
+    """row_fn(logits, s, e) -> (terms, dz): logits is the loop's (n, cols) buffer,
+    which the row function may overwrite (dz is written over it where it can). With
+    token chunks, [s, e) are the chunk's tokens and terms the per-token results, each
+    written into the loop's (N,) `outputs`; with vocabulary tiles, [s, e) are the
+    tile's classes, every token's logits are given and terms is () (the row function
+    keeps its own per-row statistics). dz is None when no gradient is wanted."""
+
+    def __call__(self, logits: torch.Tensor, s: int, e: int) -> tuple: ...
+
+
+class Shard(NamedTuple):
+    """Where this rank's classes sit in the vocabulary: rows [vocab_start, vocab_start +
+    weight.shape[0]) of a head of vocab_size classes, across the process group named
+    `group`. `Shard()` is one device (the whole vocabulary on this rank)."""
+    group: Optional[str] = None
+    vocab_start: int = 0
+    vocab_size: int = -1
+
+    def vocab(self, weight):
+        """The whole vocabulary's size V."""
+        return weight.shape[0] if self.group is None else self.vocab_size
+
+    def all_reduce(self, t, op):
+        """The collective hook: t reduced ("sum", "max", "min") across the group; t
+        itself on one device."""
+        if self.group is None:
+            return t
+        import torch.distributed._functional_collectives as funcol
+
+        out = funcol.all_reduce(t, op, self.group)
+        # eager: a plain tensor back (under tracing the wait is implicit)
+        return out.wait() if isinstance(out, funcol.AsyncCollectiveTensor) else out
+
+
+ONE_DEVICE = Shard()
 
 
 def math_dtype_for(dtype):
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def run_chunks(hidden, weight, bias, row_fn, outputs, needs_grad, accumulator, chunk_rows,
-               by_vocab=False):
-    """The loop. row_fn(logits, s, e) -> (terms, dz) for the chunk of tokens [s, e):
-    per-token terms written into the (N,) buffers of `outputs`, and the logits gradient
-    dz (None when no gradient is wanted). Returns (grad_hidden, grad_weight, grad_bias),
-    each None unless flagged in needs_grad; grad_weight/grad_bias in the accumulator's
-    dtype.
-
-    With by_vocab, the same workspace of chunk_rows x V logits is cut along the
-    vocabulary: row_fn(logits, v0, v1) gets every token's logits of classes [v0, v1)
-    and returns ((), dz) (it keeps its own per-token results); the hidden gradient is
-    summed in the math dtype, the weight and bias gradients come in their output
-    dtypes."""
-    if by_vocab:
-        return _run_vocab_tiles(hidden, weight, bias, row_fn, needs_grad, chunk_rows)
-    N, D = hidden.shape
+def chunk_rows_for(hidden, weight, shard=ONE_DEVICE):
+    """Token rows per chunk. Every rank of a shard group must cut the same chunks
+    (each chunk's statistics are all-reduced), so a shard's size comes from V / world
+    size, not from this rank's rows: with uneven shards a larger shard's chunk exceeds
+    the workspace by its share over V / world size."""
     V = weight.shape[0]
+    if shard.group is not None:
+        import torch.distributed as dist
+
+        world = dist.get_world_size(dist.distributed_c10d._resolve_process_group(
+            shard.group))
+        V = -(-shard.vocab_size // world)
+    return _workspace_rows(hidden.shape[0], max(1, V), hidden.shape[1], hidden.dtype,
+                           hidden.device)
+
+
+def run_chunks(hidden, weight, bias, row_fn, outputs, needs_grad, accumulator, chunk_rows,
+               by_vocab=False, shard=ONE_DEVICE):
+    """The loop: row_fn (a RowFn) per chunk of chunk_rows tokens (by_vocab: per tile
+    of as many logits, along the vocabulary). Returns (grad_hidden, grad_weight,
+    grad_bias), each None unless flagged in needs_grad; grad_weight a GradAccumulator
+    (token chunks) or a tensor in its output dtype (tiles); grad_hidden in hidden's
+    dtype on one device with token chunks, else a float32 sum (the tiles' or the
+    shards'), all-reduced across a shard group."""
+    if by_vocab:
+        gh, gw, gb = _run_vocab_tiles(hidden, weight, bias, row_fn, needs_grad, chunk_rows)
+    else:
+        gh, gw, gb = _run_token_chunks(hidden, weight, bias, row_fn, outputs, needs_grad,
+                                       accumulator, chunk_rows, shard)
+    if gh is not None and shard.group is not None:
+        gh = shard.all_reduce(gh.result(math_dtype_for(hidden.dtype))
+                              if isinstance(gh, GradAccumulator) else gh, "sum")
+    return gh, gw, gb
+
+
+def _run_token_chunks(hidden, weight, bias, row_fn, outputs, needs_grad, accumulator,
+                      chunk_rows, shard):
+    N, D = hidden.shape
     dtype = hidden.dtype
     mdt = math_dtype_for(dtype)
     w = weight.to(dtype)  # products run in hidden's dtype (master weights: as autocast)
     b = None if bias is None else bias.to(dtype)
-    gh = hidden.new_empty(hidden.shape) if needs_grad[0] else None
-    gw = GradAccumulator(accumulator, (V, D), dtype, weight.dtype, hidden.device) \
+    # A shard's hidden gradient is a partial sum across ranks: float32 until all-reduced.
+    partial = shard.group is not None and dtype != mdt
+    gh = hidden.new_empty(hidden.shape, dtype=mdt if partial else dtype) \
+        if needs_grad[0] else None
+    gw = GradAccumulator(accumulator, weight.shape, dtype, weight.dtype, hidden.device) \
         if needs_grad[1] else None
-    gb = hidden.new_zeros(V, dtype=mdt) if needs_grad[2] else None
+    gb = hidden.new_zeros(weight.shape[0], dtype=mdt) if needs_grad[2] else None
     for s in range(0, N, chunk_rows):
         e = min(N, s + chunk_rows)
         h = hidden[s:e]
@@ -66,7 +128,10 @@ def run_chunks(hidden, weight, bias, row_fn, outputs, needs_grad, accumulator, c
         for out, term in zip(outputs, terms):
             out[s:e] = term
         if gh is not None:
-            torch.mm(dz, w, out=gh[s:e])
+            if partial:
+                _mm_f32(dz, w, out=gh[s:e])
+            else:
+                torch.mm(dz, w, out=gh[s:e])
         if gw is not None:
             gw.add(dz, h)
         if gb is not None:
@@ -106,7 +171,7 @@ def _run_vocab_tiles(hidden, weight, bias, row_fn, needs_grad, chunk_rows):
 def by_vocab(N, V):
     """Whether the log-probs (forward and backward alike) cut their workspace along the
     vocabulary: when there are fewer tokens than classes (the float32 sum the backward
-    re-reads per tile, N x D, is then the smaller one)."""
+    re-reads per tile, N x D, is then the smaller one). V is this rank's classes."""
     return N < V
 
 
@@ -130,176 +195,12 @@ def autocast_enabled(device_type):
         return False
 
 
-def _no_autocast(hidden):
+def no_autocast(hidden):
     """The loop's products in the inputs' dtypes under a caller's autocast too (the
     context is entered only then: it costs the host more than the check)."""
     device = hidden.device.type
     return torch.autocast(device, enabled=False) if autocast_enabled(device) \
         else contextlib.nullcontext()
-
-
-def _ce_chunks(hidden, weight, target, bias, class_weight, opts, needs_grad, scales, rows,
-               chunk_rows, accumulator):
-    """Cross entropy on the loop: (lse, nll, smooth) each (N,), plus argmax (N,) int64
-    when opts.argmax, and the gradients; scales() gives (ce_scale, z_scale), or scales
-    is None without gradients."""
-    N, mdt = hidden.shape[0], math_dtype_for(hidden.dtype)
-    terms = tuple(hidden.new_empty(N, dtype=mdt) for _ in range(3)) + (
-        (hidden.new_empty(N, dtype=torch.int64),) if opts.argmax else ())
-
-    def row_fn(logits, s, e):
-        ce_z = (None, None) if scales is None else (t[s:e] for t in scales())
-        *out, argmax, dz = rows(logits, target[s:e], class_weight, *ce_z, opts, mdt)
-        return out + ([argmax] if opts.argmax else []), dz
-
-    grads = run_chunks(hidden, weight, bias, row_fn, terms, needs_grad, accumulator,
-                       chunk_rows)
-    return terms, grads
-
-
-def linear_ce_fwd(hidden, weight, target, bias, class_weight, ignore_index, reduction,
-                  label_smoothing, softcap, z_loss, accumulator, needs_grad, stats, *, rows,
-                  chunk_rows):
-    """fce::linear_ce_fwd on one device, given its row function and chunk size."""
-    opts = RowOptions(ignore_index, label_smoothing, softcap, argmax=stats)
-    scales = after_first_gemm(lambda: grad_scales(
-        target, class_weight, ignore_index, reduction, z_loss, math_dtype_for(hidden.dtype))
-    ) if any(needs_grad) else None
-    with _no_autocast(hidden):
-        (lse, nll, smooth, *argmax), grads = _ce_chunks(
-            hidden, weight, target, bias, class_weight, opts, needs_grad, scales, rows,
-            chunk_rows, accumulator)
-        loss = reduce_loss(nll, smooth, lse, target, class_weight, ignore_index, reduction,
-                           label_smoothing, z_loss, weight.shape[0])
-    none = hidden.new_empty(0, dtype=lse.dtype), hidden.new_empty(0, dtype=torch.int64)
-    return (loss, *_grad_outputs(hidden, weight, bias, grads, accumulator == "fp32"),
-            *((lse, argmax[0]) if stats else none))
-
-
-def linear_ce_bwd(grad_loss, hidden, weight, target, bias, class_weight, ignore_index,
-                  reduction, label_smoothing, softcap, z_loss, accumulator, needs_grad, *,
-                  rows, chunk_rows):
-    """fce::linear_ce_bwd on one device: recomputes the logits chunk by chunk."""
-    mdt = math_dtype_for(hidden.dtype)
-    opts = RowOptions(ignore_index, label_smoothing, softcap)
-    scales = after_first_gemm(lambda: grad_scales(
-        target, class_weight, ignore_index, reduction, z_loss, mdt, grad_loss=grad_loss))
-    with _no_autocast(hidden):
-        _, grads = _ce_chunks(hidden, weight, target, bias, class_weight, opts, needs_grad,
-                              scales, rows, chunk_rows, accumulator)
-    return _grad_outputs(hidden, weight, bias, grads, keep_f32=False)
-
-
-def linear_logprobs_fwd(hidden, weight, target, bias, temperature, softcap, ignore_index,
-                        entropy, *, rows, chunk_rows):
-    """fce::linear_logprobs_fwd on one device: (logprob, entropy, lse, argmax), each (N,),
-    and row_stats (N, 3); entropy is (0,) unless asked for."""
-    N, mdt = hidden.shape[0], math_dtype_for(hidden.dtype)
-    V = weight.shape[0]
-    inv_t = after_first_gemm(lambda: inverse_temperature(temperature, N, hidden.device, mdt))
-    opts = RowOptions(ignore_index, 0.0, softcap)
-    out = [hidden.new_empty(N, dtype=mdt) for _ in range(3)] + [
-        hidden.new_empty(N, dtype=torch.int64), hidden.new_empty(N, 3, dtype=mdt)]
-    # Cut as the backward will: it recomputes the same GEMMs, so its logits are the
-    # forward's bit for bit, and z - m is exact at each row's max.
-    vocab = by_vocab(N, V)
-    total = after_first_gemm(lambda: empty_tile_stats(N, mdt, hidden.device))
-
-    def row_fn(logits, s, e):
-        if vocab:  # classes [s, e) of every token
-            rows(logits, target, inv_t(), opts, entropy, None, mdt, col0=s, into=total())
-            return (), None
-        *terms, _ = rows(logits, target[s:e], inv_t()[s:e], opts, entropy, None, mdt)
-        return terms, None
-
-    with _no_autocast(hidden):
-        run_chunks(hidden, weight, bias, row_fn, () if vocab else out, (False,) * 3, "fp32",
-                   chunk_rows, by_vocab=vocab)
-    if vocab:
-        out = finish_stats(total(), target, V, ignore_index, entropy)
-    logprob, ent, lse, argmax, row_stats = out
-    return (logprob, ent if entropy else hidden.new_empty(0, dtype=mdt), lse, argmax,
-            row_stats)
-
-
-def linear_logprobs_bwd(grad_logprob, grad_entropy, row_stats, hidden, weight, target,
-                        bias, temperature, softcap, ignore_index, accumulator, needs_grad, *,
-                        rows, chunk_rows):
-    """fce::linear_logprobs_bwd on one device: recomputes the logits chunk by chunk and,
-    with the forward's row statistics, forms the logits gradient in one pass over them."""
-    N, mdt = hidden.shape[0], math_dtype_for(hidden.dtype)
-    inv_t = after_first_gemm(lambda: inverse_temperature(temperature, N, hidden.device, mdt))
-    opts = RowOptions(ignore_index, 0.0, softcap)
-    per_token = after_first_gemm(lambda: [None if t is None else t.to(mdt)
-                                          for t in (grad_logprob, grad_entropy, row_stats)])
-    vocab = by_vocab(N, weight.shape[0])
-
-    def row_fn(logits, s, e):
-        if vocab:  # classes [s, e) of every token
-            *_, dz = rows(logits, target, inv_t(), opts, False, per_token(), mdt, col0=s)
-            return (), dz
-        grad = tuple(None if t is None else t[s:e] for t in per_token())
-        *_, dz = rows(logits, target[s:e], inv_t()[s:e], opts, False, grad, mdt)
-        return (), dz
-
-    with _no_autocast(hidden):
-        grads = run_chunks(hidden, weight, bias, row_fn, (), needs_grad, accumulator,
-                           chunk_rows, by_vocab=vocab)
-    return _grad_outputs(hidden, weight, bias, grads, keep_f32=False)
-
-
-# Where ignore_index sits among fce::linear_policy_loss_fwd's arguments after temperature.
-POLICY_IGNORE_INDEX = 11
-
-
-def linear_policy_loss_fwd(hidden, weight, target, advantages, bias, old_logprobs,
-                           ref_logprobs, token_weights, temperature, loss_type, epsilon_low,
-                           epsilon_high, delta, sapo_temperature_pos, sapo_temperature_neg,
-                           beta, kl, kl_ratio, entropy_coef, softcap, ignore_index,
-                           accumulator, needs_grad, *, rows, chunk_rows):
-    """fce::linear_policy_loss_fwd on one device: (loss, grad_hidden, grad_weight,
-    grad_bias, logprob, entropy, ratio, clipped, kl). Per chunk the row function forms
-    the log-probs and entropies, policy.policy_terms their loss terms and upstream
-    gradients, and the row function the logits gradient from the same chunk: the
-    gradients come with the forward's GEMM and the two gradient GEMMs."""
-    opts = policy.check_policy_options(loss_type, epsilon_low, epsilon_high, delta,
-                                       sapo_temperature_pos, sapo_temperature_neg, beta, kl,
-                                       kl_ratio, entropy_coef)
-    N, mdt = hidden.shape[0], math_dtype_for(hidden.dtype)
-    row_opts = RowOptions(ignore_index, 0.0, softcap)
-    out = [hidden.new_empty(N, dtype=mdt) for _ in range(6)]  # loss_t, logprob, ... kl
-    want = any(needs_grad)
-
-    @after_first_gemm
-    def per_token():  # 1 / T, whether counted, w_t
-        valid = target != ignore_index
-        return (inverse_temperature(temperature, N, hidden.device, mdt), valid,
-                policy.token_weights(token_weights, valid, mdt))
-
-    def row_fn(logits, s, e):
-        inv_t, valid, weights = per_token()
-        terms = []
-
-        def upstream(logprob, entropy):
-            terms.extend(policy.policy_terms(
-                logprob, entropy, valid[s:e], advantages[s:e],
-                None if old_logprobs is None else old_logprobs[s:e],
-                None if ref_logprobs is None else ref_logprobs[s:e], weights[s:e], opts))
-            return terms[1], terms[2] if opts.entropy_coef != 0.0 else None
-
-        lp, ent, *_, dz = rows(logits, target[s:e], inv_t[s:e], row_opts, True,
-                               upstream if want else None, mdt)
-        if not want:
-            upstream(lp, ent)
-        loss_t, _, _, ratio, clipped, kl = terms
-        return (loss_t, lp, ent, ratio, clipped, kl), dz
-
-    with _no_autocast(hidden):
-        grads = run_chunks(hidden, weight, bias, row_fn, out, needs_grad, accumulator,
-                           chunk_rows)
-    loss_t, *stats = out
-    return (loss_t.sum(), *_grad_outputs(hidden, weight, bias, grads, accumulator == "fp32"),
-            *stats)
 
 
 def inverse_temperature(temperature, N, device, dtype):
@@ -315,7 +216,7 @@ def grad_dtype(dtype, keep_f32):
     return torch.promote_types(dtype, torch.float32) if keep_f32 else dtype
 
 
-def _grad_outputs(hidden, weight, bias, grads, keep_f32):
+def grad_outputs(hidden, weight, bias, grads, keep_f32):
     """Casts gradients to their output dtypes; (0,) placeholders for those not wanted."""
     gh, gw, gb = grads
     if isinstance(gh, GradAccumulator):  # summed across vocabulary tiles
@@ -323,7 +224,7 @@ def _grad_outputs(hidden, weight, bias, grads, keep_f32):
     if isinstance(gw, GradAccumulator):  # summed across token chunks
         gw = gw.result(grad_dtype(weight.dtype, keep_f32))
     return (
-        hidden.new_empty(0) if gh is None else gh,
+        hidden.new_empty(0) if gh is None else gh.to(hidden.dtype),
         hidden.new_empty(0) if gw is None else gw,
         hidden.new_empty(0) if gb is None else gb.to(grad_dtype(bias.dtype, keep_f32)),
     )

@@ -1,99 +1,282 @@
-"""fce::linear_ce and linear_ce_stats: validate, apply autocast, flatten and pick the
-gradient strategy."""
+"""The cross entropy's room: fce::linear_ce and linear_ce_stats, whole.
+
+Its options (CEOptions), the schemas, the public ops' entry (validate, autocast,
+flatten, pick the gradient strategy), the fake kernels, the autograd formula and the
+implementation on the chunk loop, for one device or a vocabulary shard.
+
+`linear_ce` and `linear_ce_stats` are CompositeImplicitAutograd: under autograd and
+tracing they decompose into the internal linear_ce_fwd / linear_ce_bwd, which carry
+the fake kernels, the per-device kernels and the autograd formula. That split lets the
+forward compute the gradients (3 GEMMs instead of 4) when the loss is a scalar, while
+`torch.ops.fce.linear_ce` itself stays one node in pre-grad graphs.
+"""
+
+from typing import NamedTuple, Optional
 
 import torch
-import torch.autograd.forward_ad as fwAD
 
-from .checks import check_inputs, check_options
-from .chunked import autocast_enabled
-from .schema import LIB
+from . import checks, grads
+from .chunked import (ONE_DEVICE, Shard, after_first_gemm, chunk_rows_for, grad_outputs,
+                      math_dtype_for, no_autocast, run_chunks)
+from .dispatch import LIB, kernel
+from .entry import autocast_operands, flat, int64_if_needed, needs_grad, refuse_transforms, rows
+from .options import as_float, check_choice, check_int, got, schema_args, take
+from .rows import grad_coefficients
+from .tokens import counted_target_weights, grad_scales, reduce_loss
 
-
-_NO_TRANSFORMS = (
-    "torch_fce's ops (fce::linear_ce, fce::linear_logprobs) have no forward-mode "
-    "derivative and no torch.func derivative "
-    "(grad, jvp, jacrev, hessian, dual tensors; vmap of the forward alone runs): use "
-    "torch.autograd (loss.backward() or torch.autograd.grad) for its gradients"
-)
+REDUCTIONS = ("mean", "sum", "none")
 
 
-def _refuse_transforms(tensors):
-    """Forward AD and functorch's derivatives would otherwise see a tangent of 0 or an
-    internal error; vmap alone is served by torch's per-sample fallback."""
-    if any(isinstance(t, torch.Tensor) and torch._C._functorch.is_gradtrackingtensor(t)
-           for t in tensors):
-        raise NotImplementedError(_NO_TRANSFORMS)
-    if fwAD._current_level >= 0 and any(
-            isinstance(t, torch.Tensor) and fwAD.unpack_dual(t).tangent is not None
-            for t in tensors):
-        raise NotImplementedError(_NO_TRANSFORMS)
+class CEOptions(NamedTuple):
+    """linear_cross_entropy's options (docs/api.md), in the schemas' order."""
+    ignore_index: int = -100
+    reduction: str = "mean"
+    label_smoothing: float = 0.0
+    softcap: Optional[float] = None
+    z_loss: float = 0.0
+    accumulator: str = "fp32"
+
+    def check(self):
+        """Raises naming the option; returns self."""
+        check_choice("reduction", self.reduction, REDUCTIONS)
+        checks.check_common(self)
+        if not 0.0 <= as_float("label_smoothing", self.label_smoothing) <= 1.0:
+            raise ValueError(f"label_smoothing must be in [0, 1]{got(self.label_smoothing)}")
+        if not as_float("z_loss", self.z_loss) >= 0.0:
+            raise ValueError(f"z_loss must be >= 0{got(self.z_loss)}")
+        return self
 
 
-def int64_if_needed(target, ignore_index):
-    """int32 targets compared with an ignore_index outside int32's range would wrap it
-    around onto a real class: such an index matches no target, as with int64 ones."""
-    if isinstance(target, torch.Tensor) and target.dtype == torch.int32 \
-            and not -2**31 <= ignore_index < 2**31:
-        return target.long()
-    return target
+_OPTS, _SHARD = schema_args(CEOptions), schema_args(Shard)
+_TENSORS = ("Tensor hidden, Tensor weight, Tensor target, Tensor? bias=None, "
+            "Tensor? class_weight=None")
+LIB.define(f"linear_ce({_TENSORS}, *, {schema_args(CEOptions, True)}) -> Tensor")
+# linear_ce with the token statistics of the same pass: lse and argmax, target.shape.
+LIB.define(f"linear_ce_stats({_TENSORS}, *, {schema_args(CEOptions, True)}) "
+           "-> (Tensor loss, Tensor lse, Tensor argmax)")
+# hidden (N, D), target (N,); a Shard: weight holds this rank's classes. Returns the
+# loss (() or (N,)) and, for the inputs flagged in needs_grad, the gradients of the loss
+# with unit upstream gradient ((0,) otherwise; requested only for reduction "mean"/
+# "sum"). grad_weight and grad_bias are float32 with the "fp32" accumulator (rounded
+# once, in the backward; float64 for float64 weights and bias), else in the weight's and
+# the bias's dtypes. With stats (one device), also each token's lse and argmax ((0,)
+# otherwise).
+LIB.define(
+    "linear_ce_fwd(Tensor hidden, Tensor weight, Tensor target, Tensor? bias, "
+    f"Tensor? class_weight, {_OPTS}, {_SHARD}, bool[3] needs_grad, bool stats) "
+    "-> (Tensor loss, Tensor grad_hidden, Tensor grad_weight, Tensor grad_bias, "
+    "Tensor lse, Tensor argmax)")
+# Gradients for the upstream gradient grad_loss (() or (N,) as the loss), recomputing
+# the logits.
+LIB.define(
+    "linear_ce_bwd(Tensor grad_loss, Tensor hidden, Tensor weight, Tensor target, "
+    f"Tensor? bias, Tensor? class_weight, {_OPTS}, {_SHARD}, bool[3] needs_grad) "
+    "-> (Tensor grad_hidden, Tensor grad_weight, Tensor grad_bias)")
 
 
-def _autocast(hidden, weight, bias):
-    """As F.linear under torch.autocast: products in the autocast dtype.
+# ---- the public ops ----------------------------------------------------------------
 
-    A float32 weight stays float32 (master weights): the kernels run the products in
-    hidden's dtype and sum its gradient in float32; a bias stays float32 with it.
-    """
-    if not all(isinstance(t, torch.Tensor) for t in (hidden, weight, bias) if t is not None):
-        return hidden, weight, bias  # check_inputs names the argument
-    device = hidden.device.type
-    if not autocast_enabled(device) or hidden.dtype == torch.float64:
-        return hidden, weight, bias
-    dtype = torch.get_autocast_dtype(device)
-    if weight.dtype != torch.float32:
-        weight = weight.to(dtype)
-    if bias is not None and bias.dtype not in (dtype, weight.dtype):
-        bias = bias.to(dtype)
-    return hidden.to(dtype), weight, bias
-
-
-def _linear_ce(hidden, weight, target, bias, class_weight, ignore_index, reduction,
-               label_smoothing, softcap, z_loss, accumulator, stats):
-    """(loss, lse, argmax): the token statistics (0,) unless stats."""
-    check_options(reduction, label_smoothing, softcap, z_loss, accumulator, ignore_index)
-    _refuse_transforms((hidden, weight, bias, class_weight))
-    hidden, weight, bias = _autocast(hidden, weight, bias)  # dtypes are checked after it
-    check_inputs(hidden, weight, target, bias, class_weight)
+def forward(hidden, weight, target, bias, class_weight, opts, stats, shard=ONE_DEVICE):
+    """(loss, lse, argmax) of the checked inputs, the token statistics (0,) unless
+    stats. Also the vocab-parallel entry (distributed/vocab_parallel.py)."""
+    refuse_transforms((hidden, weight, bias, class_weight))
+    hidden, weight, bias = autocast_operands(hidden, weight, bias)  # dtypes checked after
+    checks.check_inputs(hidden, weight, target, bias, class_weight, shard.vocab(weight)
+                        if isinstance(weight, torch.Tensor) else None)
     if class_weight is not None and class_weight.requires_grad and torch.is_grad_enabled():
         raise ValueError("class_weight must not require grad: its gradient is not computed "
                          "(as F.cross_entropy's weight); pass class_weight.detach()")
-    target = int64_if_needed(target, ignore_index)
+    target = int64_if_needed(target, opts.ignore_index)
     # Scalar losses get their gradients in the forward (one GEMM fewer). Per-token losses
     # need the upstream gradient first, and so does float16, whose logits gradient would
     # underflow if rounded before a loss scale (GradScaler) is applied: both recompute
     # the logits in the backward.
-    grad = torch.is_grad_enabled() and reduction != "none" and hidden.dtype != torch.float16
-    needs = [grad and t is not None and t.requires_grad for t in (hidden, weight, bias)]
+    needs = needs_grad(hidden, weight, bias, opts.reduction != "none"
+                       and hidden.dtype != torch.float16)
     loss, *_, lse, argmax = torch.ops.fce.linear_ce_fwd(
-        hidden.reshape(-1, hidden.shape[-1]), weight, target.reshape(-1), bias, class_weight,
-        ignore_index, reduction, label_smoothing, softcap, z_loss, accumulator, needs, stats)
-    loss = loss.reshape(target.shape) if reduction == "none" else loss
+        rows(hidden), weight, flat(target), bias, class_weight, *opts, *shard, needs, stats)
+    loss = loss.reshape(target.shape) if opts.reduction == "none" else loss
     if stats:
         lse, argmax = lse.reshape(target.shape), argmax.reshape(target.shape)
     return loss, lse, argmax
 
 
 @torch.library.impl(LIB, "linear_ce", "CompositeImplicitAutograd")
-def linear_ce(hidden, weight, target, bias=None, class_weight=None, *, ignore_index=-100,
-              reduction="mean", label_smoothing=0.0, softcap=None, z_loss=0.0,
-              accumulator="fp32"):
-    return _linear_ce(hidden, weight, target, bias, class_weight, ignore_index, reduction,
-                      label_smoothing, softcap, z_loss, accumulator, False)[0]
+def _linear_ce(hidden, weight, target, bias=None, class_weight=None, **options):
+    return forward(hidden, weight, target, bias, class_weight, CEOptions(**options).check(),
+                   False)[0]
 
 
 @torch.library.impl(LIB, "linear_ce_stats", "CompositeImplicitAutograd")
-def linear_ce_stats(hidden, weight, target, bias=None, class_weight=None, *,
-                    ignore_index=-100, reduction="mean", label_smoothing=0.0, softcap=None,
-                    z_loss=0.0, accumulator="fp32"):
-    return _linear_ce(hidden, weight, target, bias, class_weight, ignore_index, reduction,
-                      label_smoothing, softcap, z_loss, accumulator, True)
+def _linear_ce_stats(hidden, weight, target, bias=None, class_weight=None, **options):
+    return forward(hidden, weight, target, bias, class_weight, CEOptions(**options).check(),
+                   True)
+
+
+# ---- fake kernels ------------------------------------------------------------------
+
+def _checked(hidden, weight, target, bias, class_weight, args):
+    opts, rest = take(CEOptions, args)
+    shard, rest = take(Shard, rest)
+    opts.check()
+    checks.check_inputs(hidden, weight, target, bias, class_weight, shard.vocab(weight))
+    return opts, shard, rest
+
+
+@torch.library.register_fake("fce::linear_ce_fwd")
+def _fwd_fake(hidden, weight, target, bias, class_weight, *args):
+    opts, _, (needs, stats) = _checked(hidden, weight, target, bias, class_weight, args)
+    shape = target.shape if opts.reduction == "none" else ()
+    # float32 (float64 for float64 inputs, which exist for gradcheck)
+    mdt = torch.promote_types(hidden.dtype, torch.float32)
+    n = target.shape[0] if stats else 0
+    return (hidden.new_empty(shape, dtype=mdt),
+            *grads.fake_grads(hidden, weight, bias, needs, opts.accumulator == "fp32"),
+            hidden.new_empty(n, dtype=mdt), hidden.new_empty(n, dtype=torch.int64))
+
+
+@torch.library.register_fake("fce::linear_ce_bwd")
+def _bwd_fake(grad_loss, hidden, weight, target, bias, class_weight, *args):
+    _, _, (needs,) = _checked(hidden, weight, target, bias, class_weight, args)
+    return grads.fake_grads(hidden, weight, bias, needs, keep_f32=False)
+
+
+# ---- autograd ----------------------------------------------------------------------
+
+_AT = (0, 1, 3)  # hidden, weight and bias among linear_ce_fwd's arguments
+
+
+def _setup(ctx, inputs, output):
+    hidden, weight, target, bias, class_weight, *args = inputs
+    opts, rest = take(CEOptions, args)
+    shard, (needs, _) = take(Shard, rest)
+    _, gh, gw, gb, lse, argmax = output
+    ctx.mark_non_differentiable(gh, gw, gb, lse, argmax)
+    ctx.set_materialize_grads(False)  # else autograd makes zero "gradients" of gh, gw, gb
+    ctx.dtypes = grads.dtypes(hidden, weight, bias)
+    ctx.precomputed = any(needs)
+    ctx.opts, ctx.shard = opts, shard
+    ctx.save_for_backward(hidden, weight, target, bias, class_weight,
+                          *((gh, gw, gb) if ctx.precomputed else ()))
+
+
+def _backward(ctx, grad_loss, *_):
+    """Scales the gradients the forward formed, or (reduction "none", float16 inputs)
+    recomputes the logits chunk by chunk with the upstream gradient applied before
+    anything is rounded (linear_ce_bwd)."""
+    if grad_loss is None:  # the loss got no gradient (grads are not materialised)
+        return grads.input_grads(ctx, _AT, ())
+    saved = ctx.saved_tensors  # raises if an input was modified in place since
+    needs = grads.needs(ctx, _AT)
+    create_graph = torch.is_grad_enabled()
+    with torch.no_grad():
+        if ctx.precomputed:
+            out = grads.scaled(saved[5:], grad_loss, ctx.dtypes, needs)
+        else:
+            out = torch.ops.fce.linear_ce_bwd(grad_loss, *saved, *ctx.opts, *ctx.shard,
+                                              needs)
+    out = [g if need else None for g, need in zip(out, needs)]
+    if create_graph:
+        out = grads.first_order(out, (grad_loss, *saved[:5]))
+    return grads.input_grads(ctx, _AT, out)
+
+
+torch.library.register_autograd("fce::linear_ce_fwd", _backward, setup_context=_setup)
+
+
+# ---- the implementation, on the chunk loop -----------------------------------------
+
+@kernel("linear_ce_fwd")
+def _fwd(hidden, weight, target, bias, class_weight, *args, backend):
+    opts, rest = take(CEOptions, args)
+    shard, (needs, stats) = take(Shard, rest)
+    V = shard.vocab(weight)
+    if backend.check_values:
+        checks.check_target_range(target, V, opts.ignore_index)
+    scales = after_first_gemm(lambda: grad_scales(
+        target, class_weight, opts.ignore_index, opts.reduction, opts.z_loss,
+        math_dtype_for(hidden.dtype))) if any(needs) else None
+    with no_autocast(hidden):
+        (lse, nll, smooth, argmax), gradients = _chunks(
+            hidden, weight, target, bias, class_weight, opts, shard, needs, scales, stats,
+            backend)
+        loss = reduce_loss(nll, smooth, lse, target, class_weight, opts.ignore_index,
+                           opts.reduction, opts.label_smoothing, opts.z_loss, V)
+    none = hidden.new_empty(0, dtype=lse.dtype), hidden.new_empty(0, dtype=torch.int64)
+    return (loss, *grad_outputs(hidden, weight, bias, gradients, opts.accumulator == "fp32"),
+            *((lse, argmax) if stats else none))
+
+
+@kernel("linear_ce_bwd", hidden=1)
+def _bwd(grad_loss, hidden, weight, target, bias, class_weight, *args, backend):
+    opts, rest = take(CEOptions, args)
+    shard, (needs,) = take(Shard, rest)
+    scales = after_first_gemm(lambda: grad_scales(
+        target, class_weight, opts.ignore_index, opts.reduction, opts.z_loss,
+        math_dtype_for(hidden.dtype), grad_loss=grad_loss))
+    with no_autocast(hidden):
+        _, gradients = _chunks(hidden, weight, target, bias, class_weight, opts, shard,
+                               needs, scales, False, backend)
+    return grad_outputs(hidden, weight, bias, gradients, keep_f32=False)
+
+
+def _chunks(hidden, weight, target, bias, class_weight, opts, shard, needs, scales, argmax,
+            backend):
+    """The cross entropy on the loop: (lse, nll, smooth, argmax) each (N,) (argmax None
+    unless asked for) and the gradients; scales() gives (ce_scale, z_scale), or scales is
+    None without gradients."""
+    N, mdt = hidden.shape[0], math_dtype_for(hidden.dtype)
+    terms = [hidden.new_empty(N, dtype=mdt) for _ in range(3)] + (
+        [hidden.new_empty(N, dtype=torch.int64)] if argmax else [])
+    if shard.group is None:
+        def row_fn(logits, s, e):
+            if scales is None:
+                out, dz = backend.ce.stats(logits, target[s:e], class_weight, opts, argmax,
+                                           mdt), None
+            else:
+                out, dz = backend.ce.stats_then_grad(
+                    logits, target[s:e], class_weight, tuple(t[s:e] for t in scales()), opts,
+                    argmax, mdt)
+            return out if argmax else out[:3], dz
+    else:
+        row_fn = _shard_row_fn(hidden, weight, target, class_weight, opts, shard, scales,
+                               backend)
+    gradients = run_chunks(hidden, weight, bias, row_fn, terms, needs, opts.accumulator,
+                           chunk_rows_for(hidden, weight, shard), shard=shard)
+    return (*terms[:3], terms[3] if argmax else None), gradients
+
+
+def _shard_row_fn(hidden, weight, target, class_weight, opts, shard, scales, backend):
+    """The row function of a vocabulary shard: the shard's (lse, z_y, zsum), all-reduced
+    (a max, then one stacked sum) into the whole vocabulary's, then the shard's dz from
+    the global lse and the coefficients a single device uses."""
+    mdt, Vs, V = math_dtype_for(hidden.dtype), weight.shape[0], shard.vocab_size
+    start = shard.vocab_start
+    cw = None if class_weight is None else class_weight[start:start + Vs]
+    smoothing = opts.label_smoothing > 0.0
+
+    @after_first_gemm
+    def per_token():
+        W = float(V) if class_weight is None else class_weight.to(mdt).sum()
+        here = (target >= start) & (target < start + Vs) & (target != opts.ignore_index)
+        # A target outside [0, V) lives on no rank: NaN, as on one device (not lse).
+        valid, w_y = counted_target_weights(target, class_weight, opts.ignore_index, V, mdt)
+        return W, torch.where(here, target - start, -1).int(), valid, w_y
+
+    def row_fn(logits, s, e):
+        W, col, valid, w_y = per_token()
+        lse_here, z_y, zsum = backend.ce.shard_stats(logits, col[s:e], cw, opts, mdt)
+        M = shard.all_reduce(lse_here, "max")
+        parts = [torch.exp(lse_here - M), z_y] + ([zsum] if smoothing else [])
+        sums = shard.all_reduce(torch.stack(parts), "sum")
+        lse = M + sums[0].log()
+        v = valid[s:e]
+        nll = torch.where(v, w_y[s:e] * (lse - sums[1]), 0.0)
+        smooth = torch.where(v, W * lse - sums[2], 0.0) if smoothing else torch.zeros_like(lse)
+        if scales is None:
+            return (lse, nll, smooth), None
+        coeffs = grad_coefficients(*(t[s:e] for t in scales()), w_y[s:e], lse, W, V,
+                                   opts.label_smoothing)
+        return (lse, nll, smooth), backend.ce.shard_grad(logits, col[s:e], cw, lse, *coeffs,
+                                                         opts, mdt)
+    return row_fn

@@ -1,25 +1,223 @@
-"""fce::linear_logprobs: validates, applies autocast, flattens, calls the forward op."""
+"""The log-probs' room: fce::linear_logprobs, whole.
+
+Its options (LogProbOptions), the schemas, the public op's entry, the fake kernels,
+the autograd formula and the implementation on the chunk loop (token chunks or
+vocabulary tiles; one device or a vocabulary shard). Every output is per token, so the
+forward forms no gradient: the backward recomputes the logits with the upstream
+gradients and the forward's row statistics.
+"""
+
+from typing import NamedTuple, Optional
 
 import torch
 
-from .checks import check_inputs, check_logprob_options, check_temperature
-from .linear_ce import _autocast, _refuse_transforms, int64_if_needed
-from .schema import LIB
+from . import checks, grads
+from .chunked import (ONE_DEVICE, Shard, after_first_gemm, by_vocab, chunk_rows_for,
+                      grad_outputs, inverse_temperature, math_dtype_for, no_autocast,
+                      run_chunks)
+from .dispatch import LIB, kernel
+from .entry import autocast_operands, flat, int64_if_needed, refuse_transforms, rows
+from .logprob_rows import all_reduce_tile_stats, empty_tile_stats, finish_stats
+from .options import check_bool, schema_args, take
+
+
+class LogProbOptions(NamedTuple):
+    """linear_logprobs' options (docs/rl.md), in the schemas' order; accumulator is for
+    the backward's weight-gradient sum."""
+    softcap: Optional[float] = None
+    ignore_index: int = -100
+    entropy: bool = False
+    accumulator: str = "fp32"
+
+    def check(self):
+        """Raises naming the option; returns self."""
+        checks.check_common(self)
+        check_bool("entropy", self.entropy)
+        return self
+
+
+_OPTS, _SHARD = schema_args(LogProbOptions), schema_args(Shard)
+# The log-softmax of softcap(logits) / temperature at target, its entropy, logsumexp
+# and argmax, each target.shape (entropy (0,) unless entropy=True). temperature: None
+# (1) or target.shape.
+LIB.define(
+    "linear_logprobs(Tensor hidden, Tensor weight, Tensor target, Tensor? bias=None, "
+    f"Tensor? temperature=None, *, {schema_args(LogProbOptions, True)}) "
+    "-> (Tensor logprob, Tensor entropy, Tensor lse, Tensor argmax)")
+# hidden (N, D), target and temperature (N,). Also row_stats (N, 3), the per-token
+# statistics relative to the row's max m of z: (m, log sum_c exp(z_c - m), sum_c p_c
+# (z_c - m)) (the last 0 unless entropy). The backward recomputes the logits but not
+# these, and forms p_c and z_c - mu from z_c - m, which is exact near the max: lse
+# alone would lose 1 - p on confident rows.
+LIB.define(
+    "linear_logprobs_fwd(Tensor hidden, Tensor weight, Tensor target, Tensor? bias, "
+    f"Tensor? temperature, {_OPTS}, {_SHARD}) -> (Tensor logprob, Tensor entropy, "
+    "Tensor lse, Tensor argmax, Tensor row_stats)")
+LIB.define(
+    "linear_logprobs_bwd(Tensor grad_logprob, Tensor? grad_entropy, Tensor row_stats, "
+    "Tensor hidden, Tensor weight, Tensor target, Tensor? bias, Tensor? temperature, "
+    f"{_OPTS}, {_SHARD}, bool[3] needs_grad) "
+    "-> (Tensor grad_hidden, Tensor grad_weight, Tensor grad_bias)")
+
+
+# ---- the public op -----------------------------------------------------------------
+
+def forward(hidden, weight, target, bias, temperature, opts, shard=ONE_DEVICE):
+    """The op's outputs for checked options; also the vocab-parallel entry."""
+    refuse_transforms((hidden, weight, bias, temperature))
+    hidden, weight, bias = autocast_operands(hidden, weight, bias)  # dtypes checked after
+    checks.check_inputs(hidden, weight, target, bias, None)
+    checks.check_temperature(temperature, target)
+    target = int64_if_needed(target, opts.ignore_index)
+    out = torch.ops.fce.linear_logprobs_fwd(rows(hidden), weight, flat(target), bias,
+                                            flat(temperature), *opts, *shard)
+    shape = target.shape
+    return (out[0].reshape(shape), out[1].reshape(shape) if opts.entropy else out[1],
+            out[2].reshape(shape), out[3].reshape(shape))
 
 
 @torch.library.impl(LIB, "linear_logprobs", "CompositeImplicitAutograd")
-def linear_logprobs(hidden, weight, target, bias=None, temperature=None, *, softcap=None,
-                    ignore_index=-100, entropy=False, accumulator="fp32"):
-    check_logprob_options(softcap, ignore_index, entropy, accumulator)
-    _refuse_transforms((hidden, weight, bias, temperature))
-    hidden, weight, bias = _autocast(hidden, weight, bias)  # dtypes are checked after it
-    check_inputs(hidden, weight, target, bias, None)
-    check_temperature(temperature, target)
-    target = int64_if_needed(target, ignore_index)
-    out = torch.ops.fce.linear_logprobs_fwd(
-        hidden.reshape(-1, hidden.shape[-1]), weight, target.reshape(-1), bias,
-        None if temperature is None else temperature.reshape(-1), softcap, ignore_index,
-        entropy, accumulator)
-    shape = target.shape
-    return (out[0].reshape(shape), out[1].reshape(shape) if entropy else out[1],
-            out[2].reshape(shape), out[3].reshape(shape))
+def _linear_logprobs(hidden, weight, target, bias=None, temperature=None, **options):
+    return forward(hidden, weight, target, bias, temperature,
+                   LogProbOptions(**options).check())
+
+
+# ---- fake kernels ------------------------------------------------------------------
+
+@torch.library.register_fake("fce::linear_logprobs_fwd")
+def _fwd_fake(hidden, weight, target, bias, temperature, *args):
+    opts = take(LogProbOptions, args)[0].check()
+    checks.check_inputs(hidden, weight, target, bias, None)
+    checks.check_temperature(temperature, target)
+    N, mdt = target.shape[0], torch.promote_types(hidden.dtype, torch.float32)
+    return (hidden.new_empty(N, dtype=mdt),
+            hidden.new_empty(N if opts.entropy else 0, dtype=mdt),
+            hidden.new_empty(N, dtype=mdt), hidden.new_empty(N, dtype=torch.int64),
+            hidden.new_empty(N, 3, dtype=mdt))
+
+
+@torch.library.register_fake("fce::linear_logprobs_bwd")
+def _bwd_fake(grad_logprob, grad_entropy, row_stats, hidden, weight, target, bias,
+              temperature, *args):
+    (needs,) = take(Shard, take(LogProbOptions, args)[1])[1]
+    return grads.fake_grads(hidden, weight, bias, needs, keep_f32=False)
+
+
+# ---- autograd ----------------------------------------------------------------------
+
+_AT = (0, 1, 3)  # hidden, weight and bias among linear_logprobs_fwd's arguments
+
+
+def _setup(ctx, inputs, output):
+    hidden, weight, target, bias, temperature, *args = inputs
+    opts, rest = take(LogProbOptions, args)
+    ctx.mark_non_differentiable(*output[2:])  # lse, argmax, row_stats
+    ctx.set_materialize_grads(False)
+    ctx.opts, ctx.shard = opts, take(Shard, rest)[0]
+    # The forward's row statistics spare the backward a statistics pass over the logits
+    # (an internal output: the user cannot edit it in place).
+    ctx.save_for_backward(hidden, weight, target, bias, temperature, output[4])
+
+
+def _backward(ctx, grad_logprob, grad_entropy, *_):
+    """The logits are recomputed with both upstream gradients."""
+    if not ctx.opts.entropy:
+        grad_entropy = None
+    if grad_logprob is None and grad_entropy is None:
+        return grads.input_grads(ctx, _AT, ())
+    *saved, row_stats = ctx.saved_tensors  # raises if an input was modified in place since
+    needs = grads.needs(ctx, _AT)
+    create_graph = torch.is_grad_enabled()
+    with torch.no_grad():
+        if grad_logprob is None:
+            grad_logprob = torch.zeros_like(saved[2], dtype=grad_entropy.dtype)
+        out = torch.ops.fce.linear_logprobs_bwd(grad_logprob, grad_entropy, row_stats,
+                                                *saved, *ctx.opts, *ctx.shard, needs)
+    out = [g if need else None for g, need in zip(out, needs)]
+    if create_graph:
+        out = grads.first_order(out, (grad_logprob, grad_entropy, *saved))
+    return grads.input_grads(ctx, _AT, out)
+
+
+torch.library.register_autograd("fce::linear_logprobs_fwd", _backward, setup_context=_setup)
+
+
+# ---- the implementation, on the chunk loop -----------------------------------------
+
+@kernel("linear_logprobs_fwd")
+def _fwd(hidden, weight, target, bias, temperature, *args, backend):
+    """(logprob, entropy, lse, argmax) each (N,), and row_stats (N, 3); entropy (0,)
+    unless asked for. A shard (and vocabulary tiles) merges per-row statistics across
+    its blocks of classes, then across the group, then finishes them."""
+    opts, rest = take(LogProbOptions, args)
+    shard = take(Shard, rest)[0]
+    V = shard.vocab(weight)
+    if backend.check_values:
+        checks.check_target_range(target, V, opts.ignore_index)
+        checks.check_temperature_values(temperature)
+    N, mdt = hidden.shape[0], math_dtype_for(hidden.dtype)
+    inv_t = after_first_gemm(lambda: inverse_temperature(temperature, N, hidden.device, mdt))
+    out = [hidden.new_empty(N, dtype=mdt) for _ in range(3)] + [
+        hidden.new_empty(N, dtype=torch.int64), hidden.new_empty(N, 3, dtype=mdt)]
+    # Cut as the backward will: it recomputes the same GEMMs, so its logits are the
+    # forward's bit for bit, and z - m is exact at each row's max.
+    vocab = by_vocab(N, weight.shape[0])
+    merged = vocab or shard.group is not None
+    total = after_first_gemm(lambda: empty_tile_stats(N, mdt, hidden.device))
+    start = shard.vocab_start
+
+    def row_fn(logits, s, e):
+        if vocab:  # classes [s, e) of every token
+            backend.logprobs.tile_stats(logits, target, inv_t(), opts, opts.entropy, mdt,
+                                        start + s, total())
+            return (), None
+        if merged:  # a shard's classes of tokens [s, e)
+            part = empty_tile_stats(e - s, mdt, hidden.device)
+            backend.logprobs.tile_stats(logits, target[s:e], inv_t()[s:e], opts,
+                                        opts.entropy, mdt, start, part)
+            return part, None
+        return backend.logprobs.stats(logits, target[s:e], inv_t()[s:e], opts,
+                                      opts.entropy, mdt), None
+
+    with no_autocast(hidden):
+        # Token chunks of a shard write their partial statistics into a TileStats of N.
+        parts = empty_tile_stats(N, mdt, hidden.device) if merged and not vocab else None
+        run_chunks(hidden, weight, bias, row_fn, () if vocab else (parts or out),
+                   (False,) * 3, "fp32", chunk_rows_for(hidden, weight, shard),
+                   by_vocab=vocab)
+    if merged:
+        stats = total() if vocab else parts
+        out = finish_stats(all_reduce_tile_stats(stats, shard) if shard.group else stats,
+                           target, V, opts.ignore_index, opts.entropy)
+    logprob, ent, lse, argmax, row_stats = out
+    return (logprob, ent if opts.entropy else hidden.new_empty(0, dtype=mdt), lse, argmax,
+            row_stats)
+
+
+@kernel("linear_logprobs_bwd", hidden=3)
+def _bwd(grad_logprob, grad_entropy, row_stats, hidden, weight, target, bias, temperature,
+         *args, backend):
+    """Recomputes the logits chunk by chunk and, with the forward's row statistics,
+    forms the logits gradient in one pass over them."""
+    opts, rest = take(LogProbOptions, args)
+    shard, (needs,) = take(Shard, rest)
+    N, mdt = hidden.shape[0], math_dtype_for(hidden.dtype)
+    inv_t = after_first_gemm(lambda: inverse_temperature(temperature, N, hidden.device, mdt))
+    per_token = after_first_gemm(lambda: [None if t is None else t.to(mdt)
+                                          for t in (grad_logprob, grad_entropy, row_stats)])
+    vocab = by_vocab(N, weight.shape[0])
+    start = shard.vocab_start
+
+    def row_fn(logits, s, e):
+        if vocab:  # classes [s, e) of every token
+            return (), backend.logprobs.grad(logits, target, inv_t(), opts, *per_token(), mdt,
+                                             start + s)
+        g_lp, g_h, stats = (None if t is None else t[s:e] for t in per_token())
+        return (), backend.logprobs.grad(logits, target[s:e], inv_t()[s:e], opts, g_lp, g_h,
+                                         stats, mdt, start)
+
+    with no_autocast(hidden):
+        gradients = run_chunks(hidden, weight, bias, row_fn, (), needs, opts.accumulator,
+                               chunk_rows_for(hidden, weight, shard), by_vocab=vocab,
+                               shard=shard)
+    return grad_outputs(hidden, weight, bias, gradients, keep_f32=False)

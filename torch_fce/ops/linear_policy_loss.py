@@ -1,33 +1,316 @@
-"""fce::linear_policy_loss: validates, applies autocast, flattens, calls the forward op
-(which forms the gradients: the loss is a scalar)."""
+"""The policy loss's room: fce::linear_policy_loss, whole.
+
+Its options (PolicyOptions), each loss type's per-token formula, the schemas, the
+public op's entry, the fake kernel, the autograd formula and the implementation on the
+chunk loop (one device or a vocabulary shard).
+
+The loss is sum_t w_t * (policy_t + beta * kl_t - entropy_coef * entropy_t) over the
+tokens not ignored, with r_t = exp(logprob_t - old_t) (1 without old log-probs, with
+the derivative of exp(logprob - logprob.detach())), A_t the advantage and, as TRL 1.16's
+GRPOTrainer writes them at token-level importance sampling:
+  clip       -min(min(r, delta) * A, clamp(r, 1 - eps_low, 1 + eps_high) * A)
+  cispo      -min(r, eps_high).detach() * A * logprob
+  sapo       -sigmoid(tau (r - 1)) * 4 / tau * A,  tau = tau_pos if A > 0 else tau_neg
+  reinforce  -r * A
+  kl: k1 logprob - ref, k2 (logprob - ref)^2 / 2, k3 exp(ref - logprob) - (ref - logprob) - 1,
+  times r with kl_ratio (TRL's use_bias_correction_kl; r differentiated as above)
+  (with beta 0 a statistic only)
+The loss is a scalar, so the forward forms the gradients (3 GEMMs): per chunk the row
+function forms the log-probs and entropies, `_terms` each token's loss term, autograd on
+those (n,) vectors its derivatives g_lp, g_h with torch's own tie rules (min splits a
+tie's gradient in halves, clamp passes it at its bounds), and the row function the
+logits gradient dz = g_lp * dlogprob/dz + g_h * dentropy/dz from the same chunk. A new
+loss type is a new branch of `_policy_term`: no calculus by hand.
+"""
+
+from typing import NamedTuple, Optional
 
 import torch
 
-from .linear_ce import _autocast, _refuse_transforms, int64_if_needed
-from .policy import check_policy_inputs
-from .schema import LIB
+from . import checks, grads
+from .chunked import (ONE_DEVICE, Shard, after_first_gemm, chunk_rows_for, grad_outputs,
+                      inverse_temperature, math_dtype_for, no_autocast, run_chunks)
+from .dispatch import LIB, kernel
+from .logprob_rows import all_reduce_tile_stats, empty_tile_stats, finish_stats
+from .entry import autocast_operands, flat, int64_if_needed, needs_grad, refuse_transforms, rows
+from .options import as_float, check_choice, got, schema_args, take
+
+LOSS_TYPES = ("clip", "cispo", "sapo", "reinforce")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
+
+class PolicyOptions(NamedTuple):
+    """linear_policy_loss' options (docs/rl.md), in the schemas' order."""
+    loss_type: str = "clip"
+    epsilon_low: float = 0.2
+    epsilon_high: Optional[float] = None  # None: epsilon_low
+    delta: Optional[float] = None
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
+    beta: float = 0.0
+    kl: str = "k3"
+    kl_ratio: bool = False
+    entropy_coef: float = 0.0
+    softcap: Optional[float] = None
+    ignore_index: int = -100
+    accumulator: str = "fp32"
+
+    def check(self):
+        """Raises naming the option; returns the record with epsilon_high resolved."""
+        check_choice("loss_type", self.loss_type, LOSS_TYPES)
+        check_choice("kl", self.kl, KL_ESTIMATORS)
+        checks.check_common(self)
+        if not 0.0 <= as_float("epsilon_low", self.epsilon_low) < float("inf"):
+            raise ValueError(f"epsilon_low must be a finite float >= 0{got(self.epsilon_low)}")
+        high = self.epsilon_low if self.epsilon_high is None else self.epsilon_high
+        if not 0.0 <= as_float("epsilon_high", high) < float("inf"):
+            raise ValueError(f"epsilon_high must be None or a finite float >= 0{got(high)}")
+        if self.delta is not None and not 0.0 < as_float("delta", self.delta) < float("inf"):
+            raise ValueError(f"delta must be None or a finite float > 0{got(self.delta)}")
+        for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
+            if not 0.0 < as_float(name, getattr(self, name)) < float("inf"):
+                raise ValueError(f"{name} must be a finite float > 0{got(getattr(self, name))}")
+        if not 0.0 <= as_float("beta", self.beta) < float("inf"):
+            raise ValueError(f"beta must be a finite float >= 0{got(self.beta)}")
+        if not -float("inf") < as_float("entropy_coef", self.entropy_coef) < float("inf"):
+            raise ValueError(f"entropy_coef must be a finite float{got(self.entropy_coef)}")
+        return self._replace(epsilon_high=high, kl_ratio=bool(self.kl_ratio))
+
+
+# ---- the per-token math ------------------------------------------------------------
+
+def _policy_term(lp, A, old, opts):
+    """(term, ratio, clipped) of each token, differentiable in lp."""
+    r = torch.exp(lp - (lp.detach() if old is None else old))
+    if opts.loss_type == "clip":
+        low, high = 1.0 - opts.epsilon_low, 1.0 + opts.epsilon_high
+        c1 = r if opts.delta is None else torch.clamp(r, max=opts.delta)
+        term = -torch.minimum(c1 * A, torch.clamp(r, low, high) * A)
+        clipped = ((c1 < low) & (A < 0)) | ((c1 > high) & (A > 0))
+    elif opts.loss_type == "cispo":
+        term = -torch.clamp(r, max=opts.epsilon_high).detach() * A * lp
+        clipped = (r > opts.epsilon_high) & (A > 0)  # TRL's cispo_clip_ratio
+    elif opts.loss_type == "sapo":
+        # fills, not host-to-device copies (which a CUDA graph capture refuses)
+        tau = torch.where(A > 0, torch.full_like(A, opts.sapo_temperature_pos),
+                          torch.full_like(A, opts.sapo_temperature_neg))
+        term = -torch.sigmoid(tau * (r - 1.0)) * 4.0 / tau * A
+        clipped = torch.zeros_like(A, dtype=torch.bool)
+    else:  # reinforce
+        term, clipped = -r * A, torch.zeros_like(A, dtype=torch.bool)
+    return term, r, clipped
+
+
+def _kl(lp, ref, r, opts):
+    diff = lp - ref
+    if opts.kl == "k1":
+        kl = diff
+    elif opts.kl == "k2":
+        kl = 0.5 * diff * diff
+    else:
+        kl = torch.exp(-diff) + diff - 1.0
+    return r * kl if opts.kl_ratio else kl
+
+
+def _terms(logprob, entropy, valid, advantages, old, ref, weights, opts):
+    """(loss_t, g_lp, g_h, ratio, clipped, kl) each (n,): the weighted loss term of each
+    token, its derivatives w.r.t. the token's log-prob and entropy (g_h None without
+    an entropy term), 0 at ignored tokens. Autograd differentiates the formula on these
+    (n,) vectors below the op's own autograd (inference_mode(False) lifts the
+    dispatcher's exclusion of the autograd keys; the tensors entering that small graph
+    are cloned, so none is an inference tensor). The formula is elementwise: the
+    gradient of the sum is each token's derivative."""
+    mdt = logprob.dtype
+    with torch.inference_mode(False), torch.enable_grad():
+        # ignored tokens: no NaN from their logits
+        lp = torch.where(valid, logprob, 0.0).clone().requires_grad_()
+        ent = entropy.clone().requires_grad_() if opts.entropy_coef != 0.0 else None
+        A = advantages.to(mdt).clone()
+        w = torch.where(valid, weights.to(mdt), 0.0).clone()
+        term, r, clipped = _policy_term(lp, A, None if old is None else old.to(mdt).clone(),
+                                        opts)
+        kl = _kl(lp, ref.to(mdt).clone(), r, opts) if ref is not None else None
+        if kl is not None and opts.beta != 0.0:  # beta 0: a statistic (no 0 * inf)
+            term = term + opts.beta * kl
+        if ent is not None:
+            term = term - opts.entropy_coef * ent
+        loss_t = w * term
+        g_lp, g_h = torch.autograd.grad(loss_t.sum(), (lp, ent) if ent is not None else (lp,),
+                                        allow_unused=True) + ((None,) if ent is None else ())
+    zero = torch.zeros_like(logprob)
+    return (torch.where(valid, loss_t.detach(), zero), torch.where(valid, g_lp, zero), g_h,
+            torch.where(valid, r.detach(), zero), (clipped & valid).to(mdt),
+            zero if kl is None else torch.where(valid, kl.detach(), zero))
+
+
+def token_weights(token_weights, valid, dtype):
+    """w_t: the given weights, or 1 / (number of tokens not ignored) (1 when none is)."""
+    if token_weights is not None:
+        return token_weights.to(dtype)
+    return valid.to(dtype) / valid.sum().clamp_min(1).to(dtype)
+
+
+# ---- schemas and the public op -----------------------------------------------------
+
+_OPTS, _SHARD = schema_args(PolicyOptions), schema_args(Shard)
+_PER_TOKEN = ("old_logprobs", "ref_logprobs", "token_weights", "temperature")
+LIB.define(
+    "linear_policy_loss(Tensor hidden, Tensor weight, Tensor target, Tensor advantages, "
+    "Tensor? bias=None, " + ", ".join(f"Tensor? {n}=None" for n in _PER_TOKEN) +
+    f", *, {schema_args(PolicyOptions, True)}) -> (Tensor loss, Tensor logprob, "
+    "Tensor entropy, Tensor ratio, Tensor clipped, Tensor kl)")
+# hidden (N, D), the per-token tensors (N,). The loss is a scalar, so the forward forms
+# the gradients for a unit upstream gradient (3 GEMMs), as linear_ce_fwd does.
+LIB.define(
+    "linear_policy_loss_fwd(Tensor hidden, Tensor weight, Tensor target, "
+    "Tensor advantages, Tensor? bias, " + ", ".join(f"Tensor? {n}" for n in _PER_TOKEN) +
+    f", {_OPTS}, {_SHARD}, bool[3] needs_grad) -> (Tensor loss, Tensor grad_hidden, "
+    "Tensor grad_weight, Tensor grad_bias, Tensor logprob, Tensor entropy, Tensor ratio, "
+    "Tensor clipped, Tensor kl)")
+
+
+def check_inputs(hidden, weight, target, advantages, bias, per_token, opts):
+    """The tensors' checks, in eager mode and in the fake kernel (under torch.compile);
+    per_token: old_logprobs, ref_logprobs, token_weights, temperature."""
+    checks.check_inputs(hidden, weight, target, bias, None)
+    if hidden.dtype == torch.float16:
+        raise TypeError("hidden must be bfloat16, float32 or float64 for linear_policy_loss, "
+                        "got torch.float16 (its gradient is formed in the forward, where a "
+                        "GradScaler's scale could not keep it from underflowing)")
+    if advantages is None:
+        raise TypeError("advantages must be a Tensor, got NoneType")
+    for name, t in zip(("advantages",) + _PER_TOKEN, (advantages, *per_token)):
+        checks.check_per_token(name, t, target)
+    if opts.beta != 0.0 and per_token[1] is None:
+        raise ValueError("ref_logprobs must be given when beta != 0 (the KL term's reference)")
+
+
+def forward(hidden, weight, target, advantages, bias, per_token, opts, shard=ONE_DEVICE):
+    """(loss, logprob, entropy, ratio, clipped, kl) for checked options; also the
+    vocab-parallel entry."""
+    refuse_transforms((hidden, weight, bias, advantages, *per_token))
+    hidden, weight, bias = autocast_operands(hidden, weight, bias)  # dtypes checked after
+    check_inputs(hidden, weight, target, advantages, bias, per_token, opts)
+    target = int64_if_needed(target, opts.ignore_index)
+    loss, _, _, _, *stats = torch.ops.fce.linear_policy_loss_fwd(
+        rows(hidden), weight, flat(target), flat(advantages), bias,
+        *(flat(t) for t in per_token), *opts, *shard, needs_grad(hidden, weight, bias))
+    return (loss, *(t.reshape(target.shape) for t in stats))
 
 
 @torch.library.impl(LIB, "linear_policy_loss", "CompositeImplicitAutograd")
-def linear_policy_loss(hidden, weight, target, advantages, bias=None, old_logprobs=None,
-                       ref_logprobs=None, token_weights=None, temperature=None, *,
-                       loss_type="clip", epsilon_low=0.2, epsilon_high=None, delta=None,
-                       sapo_temperature_pos=1.0, sapo_temperature_neg=1.05, beta=0.0,
-                       kl="k3", kl_ratio=False, entropy_coef=0.0, softcap=None,
-                       ignore_index=-100, accumulator="fp32"):
-    options = (loss_type, epsilon_low, epsilon_high, delta, sapo_temperature_pos,
-               sapo_temperature_neg, beta, kl, kl_ratio, entropy_coef, softcap, ignore_index,
-               accumulator)
-    per_token = (advantages, old_logprobs, ref_logprobs, token_weights, temperature)
-    _refuse_transforms((hidden, weight, bias, *per_token))
-    hidden, weight, bias = _autocast(hidden, weight, bias)  # dtypes are checked after it
-    check_policy_inputs(hidden, weight, target, advantages, bias, old_logprobs, ref_logprobs,
-                        token_weights, temperature, *options)
-    target = int64_if_needed(target, ignore_index)
-    grad = torch.is_grad_enabled()
-    needs = [grad and t is not None and t.requires_grad for t in (hidden, weight, bias)]
-    flat = [None if t is None else t.reshape(-1) for t in per_token]
-    loss, _, _, _, *stats = torch.ops.fce.linear_policy_loss_fwd(
-        hidden.reshape(-1, hidden.shape[-1]), weight, target.reshape(-1), flat[0], bias,
-        *flat[1:], *options, needs)
-    return (loss, *(t.reshape(target.shape) for t in stats))
+def _linear_policy_loss(hidden, weight, target, advantages, bias=None, old_logprobs=None,
+                        ref_logprobs=None, token_weights=None, temperature=None, **options):
+    return forward(hidden, weight, target, advantages, bias,
+                   (old_logprobs, ref_logprobs, token_weights, temperature),
+                   PolicyOptions(**options).check())
+
+
+@torch.library.register_fake("fce::linear_policy_loss_fwd")
+def _fwd_fake(hidden, weight, target, advantages, bias, *args):
+    per_token, args = args[:4], args[4:]
+    opts, rest = take(PolicyOptions, args)
+    opts = opts.check()
+    check_inputs(hidden, weight, target, advantages, bias, per_token, opts)
+    (needs,) = take(Shard, rest)[1]
+    mdt = torch.promote_types(hidden.dtype, torch.float32)
+    return (hidden.new_empty((), dtype=mdt),
+            *grads.fake_grads(hidden, weight, bias, needs, opts.accumulator == "fp32"),
+            *(hidden.new_empty(target.shape[0], dtype=mdt) for _ in range(5)))
+
+
+# ---- autograd ----------------------------------------------------------------------
+
+_AT = (0, 1, 4)  # hidden, weight and bias among linear_policy_loss_fwd's arguments
+
+
+def _setup(ctx, inputs, output):
+    hidden, weight, bias = (inputs[i] for i in _AT)
+    ctx.mark_non_differentiable(*output[1:])
+    ctx.set_materialize_grads(False)
+    ctx.dtypes = grads.dtypes(hidden, weight, bias)
+    # The gradients the forward formed (for a unit upstream gradient), and the inputs, so
+    # that editing one in place before the backward raises.
+    ctx.save_for_backward(hidden, weight, bias, *output[1:4])
+
+
+def _backward(ctx, grad_loss, *_):
+    """The forward's gradients scaled by the upstream gradient, rounded once."""
+    if grad_loss is None:
+        return grads.input_grads(ctx, _AT, ())
+    *inputs, gh, gw, gb = ctx.saved_tensors
+    create_graph = torch.is_grad_enabled()
+    with torch.no_grad():
+        out = grads.scaled((gh, gw, gb), grad_loss, ctx.dtypes, grads.needs(ctx, _AT))
+    if create_graph:
+        out = grads.first_order(out, (grad_loss, *inputs))
+    return grads.input_grads(ctx, _AT, out)
+
+
+torch.library.register_autograd("fce::linear_policy_loss_fwd", _backward,
+                                setup_context=_setup)
+
+
+# ---- the implementation, on the chunk loop -----------------------------------------
+
+@kernel("linear_policy_loss_fwd")
+def _fwd(hidden, weight, target, advantages, bias, old_logprobs, ref_logprobs,
+         token_weights_, temperature, *args, backend):
+    """(loss, grad_hidden, grad_weight, grad_bias, logprob, entropy, ratio, clipped, kl):
+    per chunk the row function's statistics (global across a shard group), `_terms`
+    their loss terms and upstream gradients, and the row function's dz from the same
+    chunk."""
+    opts, rest = take(PolicyOptions, args)
+    opts = opts.check()
+    shard, (needs,) = take(Shard, rest)
+    if backend.check_values:
+        checks.check_target_range(target, shard.vocab(weight), opts.ignore_index)
+        checks.check_temperature_values(temperature)
+    N, mdt = hidden.shape[0], math_dtype_for(hidden.dtype)
+    out = [hidden.new_empty(N, dtype=mdt) for _ in range(6)]  # loss_t, logprob, ... kl
+    want = any(needs)
+
+    @after_first_gemm
+    def per_token():  # 1 / T, whether counted, w_t
+        valid = target != opts.ignore_index
+        return (inverse_temperature(temperature, N, hidden.device, mdt), valid,
+                token_weights(token_weights_, valid, mdt))
+
+    def row_fn(logits, s, e):
+        inv_t, valid, weights = per_token()
+        terms = []
+
+        def upstream(logprob, entropy):
+            terms.extend(_terms(
+                logprob, entropy, valid[s:e], advantages[s:e],
+                None if old_logprobs is None else old_logprobs[s:e],
+                None if ref_logprobs is None else ref_logprobs[s:e], weights[s:e], opts))
+            return terms[1], terms[2]
+
+        if want:
+            lp, ent, *_, dz = backend.logprobs.stats_then_grad(
+                logits, target[s:e], inv_t[s:e], opts, upstream, mdt, shard)
+        else:
+            lp, ent, *_ = _stats(backend, logits, target[s:e], inv_t[s:e], opts, mdt, shard)
+            upstream(lp, ent)
+            dz = None
+        loss_t, _, _, ratio, clipped, kl = terms
+        return (loss_t, lp, ent, ratio, clipped, kl), dz
+
+    with no_autocast(hidden):
+        gradients = run_chunks(hidden, weight, bias, row_fn, out, needs, opts.accumulator,
+                               chunk_rows_for(hidden, weight, shard), shard=shard)
+    loss_t, *stats = out
+    return (loss_t.sum(), *grad_outputs(hidden, weight, bias, gradients,
+                                        opts.accumulator == "fp32"), *stats)
+
+
+def _stats(backend, logits, target, inv_t, opts, mdt, shard):
+    """The log-prob outputs of a chunk without gradients (global across a shard)."""
+    if shard.group is None:
+        return backend.logprobs.stats(logits, target, inv_t, opts, True, mdt)
+    part = empty_tile_stats(logits.shape[0], mdt, logits.device)
+    backend.logprobs.tile_stats(logits, target, inv_t, opts, True, mdt, shard.vocab_start,
+                                part)
+    return finish_stats(all_reduce_tile_stats(part, shard), target, shard.vocab_size,
+                        opts.ignore_index, True)

@@ -19,7 +19,7 @@ TileStats, its raw sums relative to its own max; merge_tile_stats folds tiles to
 and finish_stats turns whole rows' sums into the outputs.
 """
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -104,42 +104,88 @@ def _tile_stats(z, target, inv_t, entropy, col0):
     return TileStats(m.squeeze(1), s, ez, best, argmax + col0, z_y)
 
 
-def torch_logprob_rows(logits, target, inv_t, opts, entropy, grad, math_dtype, col0=None,
-                       into=None):
-    """Returns (logprob, entropy, lse, argmax, row_stats, dz) for logits (n, V).
+def all_reduce_tile_stats(stats, shard):
+    """A vocabulary shard's TileStats made global across the shard group (the collective
+    hook): the max, the sums rebased to it, the target logit (held by one rank) and the
+    first most likely class (the lowest index among the ranks holding the max)."""
+    M = shard.all_reduce(stats.m, "max")
+    scale = torch.exp(stats.m - M)
+    sums = shard.all_reduce(torch.stack([stats.s * scale,
+                                         rebased_ez(stats.ez, stats.s, stats.m, M) * scale,
+                                         stats.z_y]), "sum")
+    best = shard.all_reduce(stats.best, "max")
+    idx = torch.where(stats.best == best, stats.argmax, shard.vocab_size)
+    return TileStats(M, sums[0], sums[1], best, shard.all_reduce(idx, "min"), sums[2])
 
-    logits is the backend's chunk buffer and is overwritten. inv_t (n,) is 1/T (NaN for
-    a temperature that is not > 0). Without grad (the forward): the per-token terms and
-    row_stats (n, 3) = (m, log s, d), dz None; entropy says whether to form it (else its
-    slot and d are not meant to be read); with col0, the logits are the classes [col0,
-    col0 + V) of a vocabulary tile, whose statistics are merged into the running
-    TileStats `into` (returns None). With grad = (g_lp, g_h, row_stats) (the backward):
-    the upstream gradients, (n,) each (g_h None without an entropy gradient), and the
-    forward's row_stats; only dz, in logits' dtype, the other slots None; the logits may
-    be a tile's (col0). With grad a function (logprob, entropy) -> (g_lp, g_h) (a loss
-    formed in the forward): the forward's outputs and dz for the upstream gradients it
-    returns. Targets are whole-vocabulary indices.
-    """
-    n, V = logits.shape
+
+class LogProbRows(NamedTuple):
+    """The log-probs' row functions on one backend. logits (n, cols) is the loop's
+    buffer (overwritten); target holds whole-vocabulary indices; inv_t (n,) is 1/T
+    (NaN for a temperature that is not > 0); opts is the op's options record (softcap
+    and ignore_index are read).
+      stats(logits, target, inv_t, opts, entropy, math_dtype)
+          -> (logprob, entropy, lse, argmax, row_stats) of whole rows; row_stats (n, 3)
+          = (m, log s, d); entropy (and d) not meant to be read unless asked for
+      tile_stats(logits, target, inv_t, opts, entropy, math_dtype, col0, into)
+          merges the statistics of the classes [col0, col0 + cols) (a vocabulary tile
+          or shard) into the running TileStats `into`
+      grad(logits, target, inv_t, opts, g_lp, g_h, row_stats, math_dtype, col0=0) -> dz
+          for upstream gradients g_lp, g_h (n,) (g_h None without an entropy gradient),
+          from the forward's row statistics; the classes [col0, col0 + cols)
+      stats_then_grad(logits, target, inv_t, opts, upstream, math_dtype, shard)
+          -> (logprob, entropy, lse, argmax, row_stats, dz): a loss formed in the
+          forward: upstream(logprob, entropy) -> (g_lp, g_h) gives the upstream
+          gradients from the chunk's statistics (made global across a Shard group
+          first), dz follows from the same logits (no second GEMM)."""
+    stats: Callable
+    tile_stats: Callable
+    grad: Callable
+    stats_then_grad: Callable
+
+
+def torch_logprob_stats(logits, target, inv_t, opts, entropy, math_dtype):
+    """LogProbRows.stats in PyTorch."""
+    z, _ = softcapped(logits, opts.softcap, math_dtype)
+    stats = _tile_stats(z, target, inv_t, entropy, 0)
+    return finish_stats(stats, target, logits.shape[1], opts.ignore_index, entropy)
+
+
+def torch_logprob_tile_stats(logits, target, inv_t, opts, entropy, math_dtype, col0, into):
+    """LogProbRows.tile_stats in PyTorch."""
+    z, _ = softcapped(logits, opts.softcap, math_dtype)
+    merge_tile_stats(into, _tile_stats(z, target, inv_t, entropy, col0))
+
+
+def torch_logprob_grad(logits, target, inv_t, opts, g_lp, g_h, row_stats, math_dtype,
+                       col0=0):
+    """LogProbRows.grad in PyTorch."""
     z, tanh = softcapped(logits, opts.softcap, math_dtype)
-    valid = target != opts.ignore_index
-    if grad is None or callable(grad):
-        stats = _tile_stats(z, target, inv_t, entropy, 0 if col0 is None else col0)
-        if col0 is not None:
-            return merge_tile_stats(into, stats)
-        outputs = finish_stats(stats, target, V, opts.ignore_index, entropy)
-        if grad is None:
-            return (*outputs, None)
-        # The forward with its gradient (a loss of the per-token terms): the upstream
-        # gradients from the terms, then dz from the same z, with no second GEMM.
-        g_lp, g_h = grad(outputs[0], outputs[1])
-        row_stats = outputs[4]
-        z.sub_(row_stats[:, :1])  # z - m
+    z.mul_(inv_t[:, None]).sub_(row_stats[:, :1])  # z - m
+    return _logits_grad(z, tanh, logits.dtype, target, inv_t, opts, g_lp, g_h, row_stats,
+                        col0)
+
+
+def torch_logprob_stats_then_grad(logits, target, inv_t, opts, upstream, math_dtype, shard):
+    """LogProbRows.stats_then_grad in PyTorch."""
+    z, tanh = softcapped(logits, opts.softcap, math_dtype)
+    if shard.group is None:
+        stats, V = _tile_stats(z, target, inv_t, True, 0), logits.shape[1]
     else:
-        g_lp, g_h, row_stats = grad
-        outputs = (None,) * 5
-        z.mul_(inv_t[:, None]).sub_(row_stats[:, :1])  # z - m
-    col0 = 0 if col0 is None else col0
+        V = shard.vocab_size
+        stats = all_reduce_tile_stats(_tile_stats(z, target, inv_t, True, shard.vocab_start),
+                                      shard)
+    outputs = finish_stats(stats, target, V, opts.ignore_index, True)
+    g_lp, g_h = upstream(outputs[0], outputs[1])
+    row_stats = outputs[4]
+    z.sub_(row_stats[:, :1])  # z - m
+    return (*outputs, _logits_grad(z, tanh, logits.dtype, target, inv_t, opts, g_lp, g_h,
+                                   row_stats, shard.vocab_start))
+
+
+def _logits_grad(z, tanh, dtype, target, inv_t, opts, g_lp, g_h, row_stats, col0):
+    """dz in dtype from z - m (n, cols) of the classes [col0, col0 + cols) (consumed)."""
+    V = z.shape[1]
+    valid = target != opts.ignore_index
     m, log_s, d = row_stats.unbind(1)
     g = torch.where(valid, g_lp, 0.0)
     p = z.sub(log_s[:, None]).exp_()
@@ -159,4 +205,8 @@ def torch_logprob_rows(logits, target, inv_t, opts, entropy, grad, math_dtype, c
         dz.mul_(1.0 - tanh * tanh)
     # Ignored rows get exactly 0, whatever their logits (a NaN hidden state).
     dz.masked_fill_((~valid)[:, None], 0.0)
-    return (*outputs, dz.to(logits.dtype))
+    return dz.to(dtype)
+
+
+TORCH_LOGPROB_ROWS = LogProbRows(torch_logprob_stats, torch_logprob_tile_stats,
+                                 torch_logprob_grad, torch_logprob_stats_then_grad)

@@ -10,18 +10,39 @@ C = s * eps / V, W = sum_c w_c, s the per-token CE gradient scale and t the per-
 z-loss scale (see tokens.grad_scales).
 """
 
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
 from .tokens import counted_target_weights
 
 
-class RowOptions(NamedTuple):
-    ignore_index: int
-    label_smoothing: float
-    softcap: Optional[float]
-    argmax: bool = False  # also return each row's most likely class (token statistics)
+class CETerms(NamedTuple):
+    """A chunk's per-token cross-entropy terms, each (n,): lse, nll, smooth (zeros
+    without label smoothing) and argmax (int64, the first most likely class; None
+    unless asked for)."""
+    lse: torch.Tensor
+    nll: torch.Tensor
+    smooth: torch.Tensor
+    argmax: Optional[torch.Tensor]
+
+
+class CERows(NamedTuple):
+    """The cross entropy's row functions on one backend. opts is the op's options
+    record (ops/linear_ce.CEOptions: ignore_index, label_smoothing, softcap are read);
+    logits (n, V) is the loop's buffer and may be overwritten.
+      stats(logits, target, class_weight, opts, argmax, math_dtype) -> CETerms
+      stats_then_grad(logits, target, class_weight, scales, opts, argmax, math_dtype)
+          -> (CETerms, dz): scales = (ce_scale, z_scale) (n,) (tokens.grad_scales); dz
+          in logits' dtype, written over logits where it can
+      shard_stats(logits, col, cw, opts, math_dtype) -> (lse, z_y, zsum) of a
+          vocabulary shard (vocab-parallel: all-reduced before shard_grad)
+      shard_grad(logits, col, cw, lse, a, b, c, opts, math_dtype) -> dz of a shard,
+          from the global lse and grad_coefficients"""
+    stats: Callable
+    stats_then_grad: Callable
+    shard_stats: Callable
+    shard_grad: Callable
 
 
 def softcapped(logits, softcap, math_dtype):
@@ -95,14 +116,20 @@ def torch_shard_grad(logits, col, cw, lse, a, b, c, opts, math_dtype):
     return logits_grad_(e, 1.0, col, a, b, c, cw, tanh).to(logits.dtype)
 
 
-def torch_rows(logits, target, class_weight, ce_scale, z_scale, opts, math_dtype):
-    """Returns (lse, nll, smooth, argmax, dz) for logits (n, V); dz is None without
-    ce_scale, argmax (int64, the first most likely class) None unless opts.argmax.
+def torch_ce_stats(logits, target, class_weight, opts, argmax, math_dtype):
+    """CERows.stats in PyTorch."""
+    return _torch_rows(logits, target, class_weight, None, opts, argmax, math_dtype)[0]
 
-    logits is the backend's own chunk buffer: it is overwritten (the math runs in place
-    to keep the passes over the chunk few). ce_scale/z_scale: (n,) math_dtype. dz has
-    logits' dtype.
-    """
+
+def torch_ce_stats_then_grad(logits, target, class_weight, scales, opts, argmax,
+                             math_dtype):
+    """CERows.stats_then_grad in PyTorch."""
+    return _torch_rows(logits, target, class_weight, scales, opts, argmax, math_dtype)
+
+
+def _torch_rows(logits, target, class_weight, scales, opts, want_argmax, math_dtype):
+    """(CETerms, dz) for logits (n, V); dz is None without scales. The math runs in
+    place over logits to keep the passes over the chunk few."""
     n, V = logits.shape
     eps = opts.label_smoothing
     z, tanh = softcapped(logits, opts.softcap, math_dtype)
@@ -113,15 +140,20 @@ def torch_rows(logits, target, class_weight, ce_scale, z_scale, opts, math_dtype
     z_y = z.gather(1, tgt[:, None]).squeeze(1)
     W = float(V) if cw is None else cw.sum()
     zsum = (z.sum(-1) if cw is None else z @ cw) if eps > 0.0 else None
-    argmax = first_max(z)[1] if opts.argmax else None
+    argmax = first_max(z)[1] if want_argmax else None
     m = z.amax(-1, keepdim=True).clamp_min(torch.finfo(math_dtype).min)  # finite if all -inf
     e = z.sub_(m).exp_()  # z is consumed from here on
     total = e.sum(-1)
     lse = m.squeeze(1) + total.log()
     nll = torch.where(valid, w_y * (lse - z_y), 0.0)  # ignored rows may be NaN
     smooth = torch.where(valid, W * lse - zsum, 0.0) if eps > 0.0 else torch.zeros_like(lse)
-    if ce_scale is None:
-        return lse, nll, smooth, argmax, None
-    a, b, c = grad_coefficients(ce_scale, z_scale, w_y, lse, W, V, eps)
+    terms = CETerms(lse, nll, smooth, argmax)
+    if scales is None:
+        return terms, None
+    a, b, c = grad_coefficients(*scales, w_y, lse, W, V, eps)
     dz = logits_grad_(e, 1.0 / total, torch.where(valid, tgt, -1), a, b, c, cw, tanh)
-    return lse, nll, smooth, argmax, dz.to(logits.dtype)
+    return terms, dz.to(logits.dtype)
+
+
+TORCH_CE_ROWS = CERows(torch_ce_stats, torch_ce_stats_then_grad, torch_shard_stats,
+                       torch_shard_grad)

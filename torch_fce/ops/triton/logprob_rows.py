@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..logprob_rows import (LogProbRows, all_reduce_tile_stats, empty_tile_stats,
+                            finish_stats)
 from .rows import _NEG_BIG, _block_max, _block_v, _load_z
 
 
@@ -156,29 +158,47 @@ def _linear_logprobs_rows_kernel(
             tl.store(row_ptr + offs, dz.to(row_ptr.dtype.element_ty), mask=mask)
 
 
-def triton_logprob_rows(logits, target, inv_t, opts, entropy, grad, math_dtype, col0=None,
-                        into=None):
-    """Row function for chunked.linear_logprobs_*, as logprob_rows.torch_logprob_rows:
-    without grad (logprob, entropy, lse, argmax, row_stats, None) (entropy undefined
-    unless asked for), or with col0 a vocabulary tile's statistics merged into the
-    running TileStats `into` (made by logprob_rows.empty_tile_stats); with grad =
-    (g_lp, g_h, row_stats), (None,) * 5 + (dz,), dz written over logits (a tile's with
-    col0). logits (n, V) with unit stride along V; target, inv_t, g_lp and g_h (n,),
-    row_stats (n, 3). With grad a function (logprob, entropy) -> (g_lp, g_h) (a loss
-    formed in the forward): the forward's outputs and dz for those gradients, from a
-    forward sweep and a gradient sweep over the chunk."""
+def triton_logprob_stats(logits, target, inv_t, opts, entropy, math_dtype):
+    """LogProbRows.stats (logprob_rows.py) on the Triton kernel: one sweep per row."""
     assert math_dtype == torch.float32
-    if not callable(grad):
-        return _launch(logits, target, inv_t, opts, entropy, grad, col0, into)
-    logprob, ent, lse, argmax, stats, _ = _launch(logits, target, inv_t, opts, entropy, None)
-    g_lp, g_h = grad(logprob, ent)
-    *_, dz = _launch(logits, target, inv_t, opts, False, (g_lp, g_h, stats))
-    return logprob, ent, lse, argmax, stats, dz
+    return _launch(logits, target, inv_t, opts, entropy, None)[:5]
+
+
+def triton_logprob_tile_stats(logits, target, inv_t, opts, entropy, math_dtype, col0, into):
+    """LogProbRows.tile_stats: the tile's sums merged into `into` (made by
+    logprob_rows.empty_tile_stats) in the kernel."""
+    assert math_dtype == torch.float32
+    _launch(logits, target, inv_t, opts, entropy, None, col0, into)
+
+
+def triton_logprob_grad(logits, target, inv_t, opts, g_lp, g_h, row_stats, math_dtype,
+                        col0=0):
+    """LogProbRows.grad: dz written over logits (returned)."""
+    assert math_dtype == torch.float32
+    return _launch(logits, target, inv_t, opts, False, (g_lp, g_h, row_stats), col0)[5]
+
+
+def triton_logprob_stats_then_grad(logits, target, inv_t, opts, upstream, math_dtype, shard):
+    """LogProbRows.stats_then_grad: a forward sweep, the upstream gradients, a gradient
+    sweep over the same chunk (a shard's sums are merged into a fresh TileStats and
+    made global between the two)."""
+    if shard.group is None:
+        outputs = triton_logprob_stats(logits, target, inv_t, opts, True, math_dtype)
+    else:
+        stats = empty_tile_stats(logits.shape[0], torch.float32, logits.device)
+        triton_logprob_tile_stats(logits, target, inv_t, opts, True, math_dtype,
+                                  shard.vocab_start, stats)
+        outputs = finish_stats(all_reduce_tile_stats(stats, shard), target,
+                               shard.vocab_size, opts.ignore_index, True)
+    g_lp, g_h = upstream(outputs[0], outputs[1])
+    return (*outputs, triton_logprob_grad(logits, target, inv_t, opts, g_lp, g_h,
+                                          outputs[4], math_dtype, shard.vocab_start))
 
 
 def _launch(logits, target, inv_t, opts, entropy, grad, col0=None, into=None):
-    """One launch of the kernel: the forward sweep (of whole rows, or of a tile merged
-    into `into`), or the gradient sweep for grad = (g_lp, g_h, row_stats)."""
+    """One launch of the kernel: the forward sweep (of whole rows with col0 None, or of
+    the classes [col0, col0 + V) merged into `into`), or the gradient sweep for grad =
+    (g_lp, g_h, row_stats)."""
     n, V = logits.shape
     assert logits.stride(1) == 1
     # Unit-stride indexing in the kernel: views (an expanded temperature) are copied.
@@ -213,3 +233,7 @@ def _launch(logits, target, inv_t, opts, entropy, grad, col0=None, into=None):
     if tile:
         return None
     return logprob, ent, lse, argmax, stats, None
+
+
+TRITON_LOGPROB_ROWS = LogProbRows(triton_logprob_stats, triton_logprob_tile_stats,
+                                  triton_logprob_grad, triton_logprob_stats_then_grad)

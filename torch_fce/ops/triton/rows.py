@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..rows import CERows, CETerms
+
 # float32's lowest, a finite "minus infinity" for running maxima: m_old - m_new stays a
 # number for rows that are -inf so far, and no finite logit is below it.
 _NEG_BIG = tl.constexpr(-3.4028234663852886e38)
@@ -202,31 +204,40 @@ def _flags(logits, cw, opts):
                 num_warps=8)
 
 
-def triton_rows(logits, target, class_weight, ce_scale, z_scale, opts, math_dtype):
-    """Row function for the cross entropy on chunked.run_chunks: (lse, nll, smooth,
-    argmax, dz), dz written over logits, argmax None unless opts.argmax.
+def triton_ce_stats(logits, target, class_weight, opts, argmax, math_dtype):
+    """CERows.stats (rows.py) on the Triton kernel: one sweep per row."""
+    return _launch_rows(logits, target, class_weight, None, opts, argmax, math_dtype)[0]
 
-    logits (n, V) with unit stride along V, target (n,), ce_scale/z_scale (n,) float32.
-    """
+
+def triton_ce_stats_then_grad(logits, target, class_weight, scales, opts, argmax,
+                              math_dtype):
+    """CERows.stats_then_grad on the Triton kernel: two sweeps per row, dz written over
+    logits."""
+    return _launch_rows(logits, target, class_weight, scales, opts, argmax, math_dtype)
+
+
+def _launch_rows(logits, target, class_weight, scales, opts, want_argmax, math_dtype):
+    """(CETerms, dz) of logits (n, V) with unit stride along V, target (n,), scales
+    None or (ce_scale, z_scale) (n,) float32."""
     n, V = logits.shape
     assert math_dtype == torch.float32
     lse, nll, smooth = (logits.new_empty(n, dtype=torch.float32) for _ in range(3))
-    argmax = logits.new_empty(n, dtype=torch.int64) if opts.argmax else None
-    has_grad = ce_scale is not None
+    argmax = logits.new_empty(n, dtype=torch.int64) if want_argmax else None
+    has_grad = scales is not None
+    ce_scale, z_scale = scales if has_grad else (lse, lse)
     # The kernel indexes targets and class weights with unit stride; callers may pass
     # views (labels[:, 0], an expanded target), which are copied here.
     target = target.contiguous()
     cw = class_weight.float().contiguous() if class_weight is not None else None
     w_sum = cw.sum() if cw is not None else lse
     _linear_ce_rows_kernel[(n,)](
-        logits, target, cw if cw is not None else lse, w_sum,
-        ce_scale if has_grad else lse, z_scale if has_grad else lse,
-        lse, nll, smooth, argmax if opts.argmax else lse,
+        logits, target, cw if cw is not None else lse, w_sum, ce_scale, z_scale,
+        lse, nll, smooth, argmax if want_argmax else lse,
         V, opts.ignore_index, opts.label_smoothing,
         opts.softcap if opts.softcap is not None else 1.0,
-        logits.stride(0), HAS_GRAD=has_grad, WANT_ARGMAX=opts.argmax,
+        logits.stride(0), HAS_GRAD=has_grad, WANT_ARGMAX=want_argmax,
         **_flags(logits, cw, opts))
-    return lse, nll, smooth, argmax, logits if has_grad else None
+    return CETerms(lse, nll, smooth, argmax), logits if has_grad else None
 
 
 def triton_shard_stats(logits, col, cw, opts, math_dtype):
@@ -251,3 +262,7 @@ def triton_shard_grad(logits, col, cw, lse, a, b, c, opts, math_dtype):
         logits.shape[1], opts.softcap if opts.softcap is not None else 1.0,
         logits.stride(0), **_flags(logits, cw, opts))
     return logits
+
+
+TRITON_CE_ROWS = CERows(triton_ce_stats, triton_ce_stats_then_grad, triton_shard_stats,
+                        triton_shard_grad)

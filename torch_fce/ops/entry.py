@@ -1,0 +1,70 @@
+"""What every public op does before its internal op: refuse what it cannot differentiate,
+apply autocast as F.linear would, and flatten the token dimensions."""
+
+import torch
+import torch.autograd.forward_ad as fwAD
+
+from .chunked import autocast_enabled
+
+_NO_TRANSFORMS = (
+    "torch_fce's ops (fce::linear_ce, fce::linear_logprobs, fce::linear_policy_loss) have "
+    "no forward-mode derivative and no torch.func derivative "
+    "(grad, jvp, jacrev, hessian, dual tensors; vmap of the forward alone runs): use "
+    "torch.autograd (loss.backward() or torch.autograd.grad) for its gradients"
+)
+
+
+def refuse_transforms(tensors):
+    """Forward AD and functorch's derivatives would otherwise see a tangent of 0 or an
+    internal error; vmap alone is served by torch's per-sample fallback."""
+    if any(isinstance(t, torch.Tensor) and torch._C._functorch.is_gradtrackingtensor(t)
+           for t in tensors):
+        raise NotImplementedError(_NO_TRANSFORMS)
+    if fwAD._current_level >= 0 and any(
+            isinstance(t, torch.Tensor) and fwAD.unpack_dual(t).tangent is not None
+            for t in tensors):
+        raise NotImplementedError(_NO_TRANSFORMS)
+
+
+def int64_if_needed(target, ignore_index):
+    """int32 targets compared with an ignore_index outside int32's range would wrap it
+    around onto a real class: such an index matches no target, as with int64 ones."""
+    if isinstance(target, torch.Tensor) and target.dtype == torch.int32 \
+            and not -2**31 <= ignore_index < 2**31:
+        return target.long()
+    return target
+
+
+def autocast_operands(hidden, weight, bias):
+    """As F.linear under torch.autocast: products in the autocast dtype.
+
+    A float32 weight stays float32 (master weights): the kernels run the products in
+    hidden's dtype and sum its gradient in float32; a bias stays float32 with it.
+    """
+    if not all(isinstance(t, torch.Tensor) for t in (hidden, weight, bias) if t is not None):
+        return hidden, weight, bias  # check_inputs names the argument
+    device = hidden.device.type
+    if not autocast_enabled(device) or hidden.dtype == torch.float64:
+        return hidden, weight, bias
+    dtype = torch.get_autocast_dtype(device)
+    if weight.dtype != torch.float32:
+        weight = weight.to(dtype)
+    if bias is not None and bias.dtype not in (dtype, weight.dtype):
+        bias = bias.to(dtype)
+    return hidden.to(dtype), weight, bias
+
+
+def needs_grad(hidden, weight, bias, enabled=True):
+    """[hidden, weight, bias] flags: which gradients the forward should form."""
+    grad = enabled and torch.is_grad_enabled()
+    return [grad and t is not None and t.requires_grad for t in (hidden, weight, bias)]
+
+
+def rows(hidden):
+    """hidden (*, D) as (N, D)."""
+    return hidden.reshape(-1, hidden.shape[-1])
+
+
+def flat(t):
+    """A per-token tensor (*) as (N,); None stays None."""
+    return None if t is None else t.reshape(-1)

@@ -1,0 +1,99 @@
+"""What the ops' autograd formulas share: scaling gradients the forward formed, first
+order only, and the fake kernels' gradient outputs.
+
+When the forward computed the gradients (scalar losses), the backward only scales them
+by the scalar upstream gradient (fce::scale_grad). Saved tensors are never modified,
+so retain_graph and repeated backwards stay correct. The inputs are saved in every
+case, so editing one in place before the backward raises torch's version-counter error
+instead of returning stale gradients.
+"""
+
+import torch
+
+from .chunked import grad_dtype
+from .dispatch import HAS_TRITON, LIB
+
+_NO_DOUBLE = (
+    "torch_fce's ops (fce::linear_ce, fce::linear_logprobs, fce::linear_policy_loss) do "
+    "not support double backward: their gradients are first order (create_graph=True "
+    "gives usable gradients that cannot be differentiated again)"
+)
+
+# grad * scale rounded once to dtype (the backward of a loss whose gradients the forward
+# computed); scale is the 0-d upstream gradient.
+LIB.define("scale_grad(Tensor grad, Tensor scale, ScalarType dtype) -> Tensor")
+
+
+@torch.library.impl(LIB, "scale_grad", "CompositeExplicitAutograd")
+def _scale_grad(grad, scale, dtype):
+    if grad.device.type == "cuda" and HAS_TRITON:
+        if torch.float64 in (grad.dtype, dtype):  # the kernel multiplies in float32
+            return (grad * scale.to(grad)).to(dtype)
+        from .triton.scale import _launch_scale_cast  # one pass: no float32 temporary
+
+        out = grad.new_empty(grad.shape, dtype=dtype)
+        _launch_scale_cast(grad.contiguous(), scale.to(grad.device), out)
+        return out
+    return torch.mul(grad, scale, out=grad.new_empty(grad.shape, dtype=dtype))
+
+
+@torch.library.register_fake("fce::scale_grad")
+def _scale_grad_fake(grad, scale, dtype):
+    return grad.new_empty(grad.shape, dtype=dtype)
+
+
+def scaled(grads, grad_loss, dtypes, needs):
+    """Gradients the forward formed for a unit upstream gradient, scaled by grad_loss and
+    rounded to their dtypes in one pass (no float32 temporary of the weight's size)."""
+    return [torch.ops.fce.scale_grad(g, grad_loss, dtype) if need else None
+            for g, dtype, need in zip(grads, dtypes, needs)]
+
+
+def dtypes(hidden, weight, bias):
+    return hidden.dtype, weight.dtype, None if bias is None else bias.dtype
+
+
+def first_order(grads, inputs):
+    """The gradients, usable; differentiating them once more (backward, grad, hvp, w.r.t.
+    any input or upstream gradient) raises."""
+    inputs = [t for t in inputs if t is not None]
+    return [None if g is None else _OnceDifferentiable.apply(g, *inputs) for g in grads]
+
+
+class _OnceDifferentiable(torch.autograd.Function):
+    """grad itself, as a function of the op's inputs whose derivative raises.
+
+    Inputs that do not require grad (an integer target) are passed but ignored."""
+
+    @staticmethod
+    def forward(ctx, grad, *inputs):
+        return grad.view_as(grad)
+
+    @staticmethod
+    def backward(ctx, *_):
+        raise RuntimeError(_NO_DOUBLE)
+
+
+def input_grads(ctx, at, grads):
+    """The backward's return value: grads (hidden, weight, bias) at the argument
+    positions `at`, None for every other argument."""
+    out = [None] * len(ctx.needs_input_grad)
+    for i, g in zip(at, grads):
+        out[i] = g
+    return tuple(out)
+
+
+def needs(ctx, at):
+    """ctx.needs_input_grad at the positions of hidden, weight and bias."""
+    return [ctx.needs_input_grad[i] for i in at]
+
+
+def fake_grads(hidden, weight, bias, needs_grad, keep_f32):
+    """The fake kernels' gradient outputs ((0,) for those not wanted)."""
+    return (
+        hidden.new_empty(hidden.shape) if needs_grad[0] else hidden.new_empty(0),
+        weight.new_empty(weight.shape, dtype=grad_dtype(weight.dtype, keep_f32))
+        if needs_grad[1] else hidden.new_empty(0),
+        bias.new_empty(bias.shape, dtype=grad_dtype(bias.dtype, keep_f32))
+        if needs_grad[2] else hidden.new_empty(0),
+    )

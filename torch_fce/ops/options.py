@@ -1,0 +1,84 @@
+"""An op's options, declared once: a NamedTuple whose fields are the schema's arguments.
+
+Each op's room (linear_ce.py, linear_logprobs.py, linear_policy_loss.py) declares its
+options as one record. The record gives the schema its argument list (`schema_args`:
+names, types and defaults from the fields), travels as one value through the chunk
+loop, the row functions and vocab-parallel, and checks itself (`check()`, the one
+owner of the options' validation: eager calls, fake kernels and the lowering pass all
+call it). A call of an internal op passes the record spread (`*opts`); its kernel,
+fake kernel and autograd read it back with `take`. Nothing lists the options by
+position but the record's field order.
+"""
+
+from typing import Optional, get_type_hints
+
+import torch
+
+_SCHEMA_TYPES = {int: "SymInt", float: "float", Optional[float]: "float?", str: "str",
+                 Optional[str]: "str?",
+                 bool: "bool"}
+
+
+def _literal(value):
+    if value is None:
+        return "None"
+    if isinstance(value, str):
+        return f'"{value}"'
+    return repr(value)
+
+
+def schema_args(record, defaults=False):
+    """The record's fields as a schema's argument list, "float z_loss=0.0, ..." (with
+    their defaults when asked: the public ops' keyword arguments)."""
+    parts = []
+    for name, hint in get_type_hints(record).items():
+        arg = f"{_SCHEMA_TYPES[hint]} {name}"
+        if defaults and name in record._field_defaults:
+            arg += "=" + _literal(record._field_defaults[name])
+        parts.append(arg)
+    return ", ".join(parts)
+
+
+def take(record, args):
+    """(record, the arguments after it) from an internal op's arguments that begin
+    with the spread record."""
+    n = len(record._fields)
+    return record._make(args[:n]), tuple(args[n:])
+
+
+def value(cond, msg):
+    """Raises ValueError(msg) unless cond; a SymBool is checked without specialising."""
+    if isinstance(cond, bool):  # static shapes: a plain raise, which every Dynamo traces
+        if not cond:
+            raise ValueError(msg)
+    else:
+        torch._check_with(ValueError, cond, lambda: msg)
+
+
+def as_float(name, x):
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be a float, got {type(x).__name__}") from None
+
+
+def got(x):
+    # While Dynamo traces (dynamic=True) options are symbolic floats, which it cannot
+    # format into a message: there the message names the option without its value. The
+    # fake kernels, which check options under torch.compile, are not traced by Dynamo.
+    return "" if torch.compiler.is_dynamo_compiling() else f", got {x}"
+
+
+def check_choice(name, x, choices):
+    if x not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {x!r}")
+
+
+def check_bool(name, x):
+    if not isinstance(x, bool):
+        raise TypeError(f"{name} must be a bool, got {type(x).__name__}")
+
+
+def check_int(name, x):
+    if not isinstance(x, (int, torch.SymInt)) or isinstance(x, bool):
+        raise TypeError(f"{name} must be an int, got {type(x).__name__}")
