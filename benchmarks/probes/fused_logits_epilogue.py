@@ -20,9 +20,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from torch_fce.bench.shapes import SHAPES
 from torch_fce.ops.workspace import chunk_rows
-from torch_fce.ops.triton.rows import triton_rows
 
-from _common import ms, OPTS, run_shapes, tile_pid
+from _common import ce_row_grad, ms, run_shapes, tile_pid
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps, warp_specialize, epilogue subtile)
 CONFIGS = [(128, 256, 64, 3, 8, False, True), (128, 256, 64, 4, 8, False, True),
@@ -153,7 +152,7 @@ def probe_shape(name):
     ref_lse = torch.logsumexp(torch.mm(h, w.T, out_dtype=torch.float32), 1)
     cublas = ms(lambda: torch.mm(h, w.T, out=z))
     base = ms(lambda: (torch.mm(h, w.T, out=z),
-                       triton_rows(z, t, None, ce, zs, OPTS, torch.float32)))
+                       ce_row_grad(z, t, ce, zs)))
     print(f"{name} (chunk {n} x {V}, K={D}): cuBLAS logits {cublas:.3f} ms, "
           f"+ row kernel {base:.3f} ms", flush=True)
     for cfg in CONFIGS:

@@ -19,9 +19,8 @@ import torch.nn.functional as F
 import torch_fce
 from torch_fce.bench.shapes import SHAPES, shape_inputs
 from torch_fce.ops.workspace import chunk_rows
-from torch_fce.ops.triton.rows import triton_rows
 
-from _common import OPTS, ms, run_shapes
+from _common import ce_row_grad, ms, run_shapes
 
 try:
     from quack.cross_entropy import cross_entropy_fwd_out
@@ -67,8 +66,8 @@ def probe_shape(name):
     torch.backends.cuda.preferred_blas_library("cublas")
 
     ce, zs = torch.full((n,), 1.0 / N, device="cuda"), torch.zeros(n, device="cuda")
-    ours = ms(_over_chunks(N, n, lambda s, e: triton_rows(
-        z[:e - s], t[s:e], None, ce[:e - s], zs[:e - s], OPTS, torch.float32)))
+    ours = ms(_over_chunks(N, n, lambda s, e: ce_row_grad(z[:e - s], t[s:e], ce[:e - s],
+                                                          zs[:e - s])))
     line = f"  row kernel: Triton {ours / mm:.3f} x mm ({3 * N * V * 2 / ours / 1e9:.2f} TB/s)"
     if cross_entropy_fwd_out is not None:
         loss_buf, lse = torch.empty(n, device="cuda"), torch.empty(n, device="cuda")

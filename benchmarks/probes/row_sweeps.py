@@ -18,9 +18,8 @@ import triton.language as tl
 
 from torch_fce.bench.shapes import SHAPES
 from torch_fce.ops.workspace import chunk_rows
-from torch_fce.ops.triton.rows import triton_rows
 
-from _common import ms, OPTS, run_shapes
+from _common import ce_row_grad, ms, run_shapes
 
 
 @triton.jit
@@ -69,7 +68,7 @@ def probe_shape(name):
     t = torch.randint(0, V, (n,), device="cuda")
     ce, zs = torch.full((n,), 1e-4, device="cuda"), torch.zeros(n, device="cuda")
     lse = torch.empty(n, device="cuda")
-    base = ms(lambda: triton_rows(z, t, None, ce, zs, OPTS, torch.float32))
+    base = ms(lambda: ce_row_grad(z, t, ce, zs))
     print(f"{name} ({n} x {V}): row kernel in use {base:.3f} ms "
           f"({3 * z.numel() * 2 / base / 1e9:.2f} TB/s for 2 reads + 1 write)", flush=True)
     sms = torch.cuda.get_device_properties(0).multi_processor_count

@@ -16,9 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from torch_fce.bench.shapes import SHAPES, shape_inputs
-from torch_fce.ops.triton.rows import triton_rows
 
-from _common import OPTS, ms, run_shapes
+from _common import ce_row_grad, ms, run_shapes
 
 
 def _grads(dz, h, w, gh, gw, s, e, first):
@@ -32,8 +31,7 @@ def _grads(dz, h, w, gh, gw, s, e, first):
 def serial(h, w, t, ce, zs, gh, gw, n):
     for s in range(0, h.shape[0], n):
         e = min(h.shape[0], s + n)
-        dz = triton_rows(F.linear(h[s:e], w), t[s:e], None, ce[s:e], zs[s:e], OPTS,
-                         torch.float32)[-1]
+        dz = ce_row_grad(F.linear(h[s:e], w), t[s:e], ce[s:e], zs[s:e])
         _grads(dz, h[s:e], w, gh, gw, s, e, s == 0)
 
 
@@ -47,7 +45,7 @@ def overlap(h, w, t, ce, zs, gh, gw, n, side):
             z = F.linear(h[s:e], w)
             side.wait_stream(main)
             with torch.cuda.stream(side):
-                dz = triton_rows(z, t[s:e], None, ce[s:e], zs[s:e], OPTS, torch.float32)[-1]
+                dz = ce_row_grad(z, t[s:e], ce[s:e], zs[s:e])
             z.record_stream(side)
             nxt = (dz, s, e)
         if pending is not None:

@@ -7,12 +7,14 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from torch_fce.ops import chunked
-from torch_fce.ops.rows import RowOptions, torch_rows, torch_shard_grad, torch_shard_stats
-from torch_fce.ops.triton.rows import triton_rows, triton_shard_grad, triton_shard_stats
+from torch_fce.ops import linear_ce
+from torch_fce.ops.linear_ce import CEOptions
+from torch_fce.ops.rows import torch_ce_stats, torch_shard_grad, torch_shard_stats
+from torch_fce.ops.triton.rows import triton_shard_grad, triton_shard_stats
 from torch_fce.testing import (EPS, LOSS_TOL, allowed_error, grad_tol, make_inputs,
                                reference_loss_and_grads, rel_err, torch_loss_and_grads)
 
+from .impl import ONE_DEVICE, TRITON, chunks
 from .strategies import problems
 
 # Compiled kernels on a GPU machine, the interpreter on CPU tensors elsewhere.
@@ -26,17 +28,20 @@ def _to_device(x):
 def _triton_loss_and_grads(x, options, accumulator, chunk_rows, grad_out):
     h = x["hidden"].reshape(-1, x["hidden"].shape[-1])
     t = x["target"].reshape(-1)
-    args = (h, x["weight"], t, x["bias"], x["class_weight"], -100)
-    rest = (options["label_smoothing"], options["softcap"], options["z_loss"], accumulator,
-            [True, True, x["bias"] is not None])
-    kw = dict(rows=triton_rows, chunk_rows=chunk_rows)
-    if options["reduction"] == "none":
-        loss = chunked.linear_ce_fwd(*args, "none", *rest[:-1], [False] * 3, False, **kw)[0]
-        grads = chunked.linear_ce_bwd(grad_out.reshape(-1), *args, "none", *rest, **kw)
-    else:
-        loss, *grads, _, _ = chunked.linear_ce_fwd(*args, options["reduction"], *rest, False,
-                                                   **kw)
-        grads = [g * grad_out for g in grads]
+    args = (h, x["weight"], t, x["bias"], x["class_weight"])
+    opts = CEOptions(-100, options["reduction"], options["label_smoothing"],
+                     options["softcap"], options["z_loss"], accumulator)
+    needs = [True, True, x["bias"] is not None]
+    with chunks(chunk_rows, h, x["weight"]):
+        if options["reduction"] == "none":
+            loss = linear_ce.fwd(*args, *opts, *ONE_DEVICE, [False] * 3, False,
+                                 backend=TRITON)[0]
+            grads = linear_ce.bwd(grad_out.reshape(-1), *args, *opts, *ONE_DEVICE, needs,
+                                  backend=TRITON)
+        else:
+            loss, *grads, _, _ = linear_ce.fwd(*args, *opts, *ONE_DEVICE, needs, False,
+                                               backend=TRITON)
+            grads = [g * grad_out for g in grads]
     grads = [grads[0].reshape(x["hidden"].shape), *grads[1:]]
     return loss, dict(zip(("hidden", "weight", "bias"), grads))
 
@@ -97,9 +102,10 @@ def test_triton_rows_read_strided_and_expanded_targets_and_class_weights():
 def test_triton_rows_out_of_range_target_gives_nan_not_a_crash():
     x = make_inputs(4, 3, 11, torch.float32, ignore_frac=0.0, device=DEVICE)
     x["target"][1] = 11
-    loss = chunked.linear_ce_fwd(x["hidden"], x["weight"], x["target"], None, None, -100,
-                                 "none", 0.0, None, 0.0, "fp32", [False] * 3, False,
-                                 rows=triton_rows, chunk_rows=4)[0]
+    with chunks(4, x["hidden"], x["weight"]):
+        loss = linear_ce.fwd(x["hidden"], x["weight"], x["target"], None, None,
+                             *CEOptions(reduction="none"), *ONE_DEVICE, [False] * 3, False,
+                             backend=TRITON)[0]
     assert torch.isnan(loss[1]) and torch.isfinite(loss[[0, 2, 3]]).all()
 
 
@@ -170,7 +176,7 @@ def test_triton_scale_cast_rounds_once():
 
 
 @pytest.mark.parametrize("opts", [
-    RowOptions(-100, 0.0, None), RowOptions(-100, 0.1, None), RowOptions(-100, 0.2, 3.0)])
+    CEOptions(), CEOptions(label_smoothing=0.1), CEOptions(label_smoothing=0.2, softcap=3.0)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("class_weight", [False, True])
 def test_triton_shard_sweeps_match_their_pytorch_twins(opts, dtype, class_weight):
@@ -203,5 +209,5 @@ def test_triton_shard_sweeps_match_their_pytorch_twins(opts, dtype, class_weight
         want = torch_shard_grad(shard.clone(), col, cws, *coeffs, opts, torch.float32)
         assert dz.dtype == dtype and rel_err(dz.cpu(), want) <= 4 * EPS[dtype]
     # The shards' logsumexps combine to the whole row's.
-    whole = torch_rows(logits.clone(), target, None, None, None, opts, torch.float32)[0]
+    whole = torch_ce_stats(logits.clone(), target, None, opts, False, torch.float32).lse
     assert rel_err(torch.stack(lses).logsumexp(0), whole) <= 1e-6

@@ -8,11 +8,17 @@ import torch.nn.functional as F
 from hypothesis import given, strategies as st
 
 import torch_fce
-from torch_fce.ops import chunked
-from torch_fce.ops.logprob_rows import empty_tile_stats, finish_stats, torch_logprob_rows
-from torch_fce.ops.triton.logprob_rows import triton_logprob_rows
+from torch_fce.ops import chunked, linear_logprobs
+from torch_fce.ops.linear_ce import CEOptions
+from torch_fce.ops.linear_logprobs import LogProbOptions
+from torch_fce.ops.logprob_rows import TORCH_LOGPROB_ROWS, empty_tile_stats, finish_stats
+from torch_fce.ops.rows import TORCH_CE_ROWS
+from torch_fce.ops.triton.logprob_rows import TRITON_LOGPROB_ROWS
+from torch_fce.ops.triton.rows import TRITON_CE_ROWS
 from torch_fce.testing import (EPS, capture_cuda_graph, confident_grads, confident_inputs,
                                logprob_composition, make_inputs, no_host_sync, rel_err)
+
+from .impl import BACKENDS, ONE_DEVICE, TORCH, TRITON, chunks
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -232,13 +238,12 @@ def test_linear_logprobs_opcheck(entropy):
     torch.library.opcheck(torch.ops.fce.linear_logprobs.default, args,
                           dict(softcap=5.0, entropy=entropy))
     flat = (x["hidden"].detach(), x["weight"].detach(), x["target"], x["bias"],
-            torch.rand(6) + 0.5, 5.0, -100)
-    torch.library.opcheck(torch.ops.fce.linear_logprobs_fwd.default,
-                          (*flat, entropy, "fp32"))
-    row_stats = torch.ops.fce.linear_logprobs_fwd(*flat, entropy, "fp32")[4]
+            torch.rand(6) + 0.5, *LogProbOptions(5.0, -100, entropy), *ONE_DEVICE)
+    torch.library.opcheck(torch.ops.fce.linear_logprobs_fwd.default, flat)
+    row_stats = torch.ops.fce.linear_logprobs_fwd(*flat)[4]
     torch.library.opcheck(torch.ops.fce.linear_logprobs_bwd.default,
                           (torch.randn(6), torch.randn(6) if entropy else None, row_stats,
-                           *flat, "fp32", [True, True, True]))
+                           *flat, [True, True, True]))
 
 
 BAD = [
@@ -278,13 +283,14 @@ def test_triton_logprob_rows_match_their_pytorch_twin(softcap, entropy, dtype):
         9, 5, 37, dtype, bias=True, ignore_frac=0.3, weight_scale=2.0).items()}
     T = torch.rand(9, device=DEVICE) + 0.5
     g_lp, g_h = torch.randn(9, device=DEVICE), torch.randn(9, device=DEVICE)
-    args = (x["hidden"], x["weight"], x["target"], x["bias"], T, softcap, -100)
+    args = (x["hidden"], x["weight"], x["target"], x["bias"], T,
+            *LogProbOptions(softcap, -100, entropy), *ONE_DEVICE)
     outs = []
-    for rows in (torch_logprob_rows, triton_logprob_rows):
-        kw = dict(rows=rows, chunk_rows=4)
-        fwd = chunked.linear_logprobs_fwd(*args, entropy, **kw)
-        bwd = chunked.linear_logprobs_bwd(g_lp, g_h if entropy else None, fwd[4], *args,
-                                          "fp32", [True, True, True], **kw)
+    for backend in (TORCH, TRITON):
+        with chunks(4, x["hidden"], x["weight"]):
+            fwd = linear_logprobs.fwd(*args, backend=backend)
+            bwd = linear_logprobs.bwd(g_lp, g_h if entropy else None, fwd[4], *args,
+                                      [True, True, True], backend=backend)
         outs.append((fwd, bwd))
     (f0, b0), (f1, b1) = outs
     assert torch.equal(f0[3], f1[3])  # argmax
@@ -311,11 +317,11 @@ def test_triton_logprob_forward_on_long_rows_with_ties_and_infinities(entropy):
     logits = logits.to(DEVICE)
     target = torch.tensor([7, 0, 2, -100, 4100], device=DEVICE)
     inv_t = torch.tensor([1.0, 0.7, 1.3, 1.0, 2.0], device=DEVICE)
-    opts = chunked.RowOptions(-100, 0.0, None)
-    want = torch_logprob_rows(logits.clone(), target, inv_t, opts, entropy, None,
-                              torch.float32)
-    got = triton_logprob_rows(logits.clone(), target, inv_t, opts, entropy, None,
-                              torch.float32)
+    opts = LogProbOptions()
+    want = TORCH_LOGPROB_ROWS.stats(logits.clone(), target, inv_t, opts, entropy,
+                                    torch.float32)
+    got = TRITON_LOGPROB_ROWS.stats(logits.clone(), target, inv_t, opts, entropy,
+                                    torch.float32)
     assert torch.equal(got[3], want[3]) and got[3][:2].tolist() == [7, 4096 + 9]
 
     def defined(out):  # the entropy and d are only formed when asked for; the all -inf
@@ -325,18 +331,18 @@ def test_triton_logprob_forward_on_long_rows_with_ties_and_infinities(entropy):
     for a, b in zip(defined(got), defined(want)):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-6, equal_nan=True)
     # The same rows as two tiles merged into running statistics.
-    for rows in (torch_logprob_rows, triton_logprob_rows):
+    for rows in (TORCH_LOGPROB_ROWS, TRITON_LOGPROB_ROWS):
         total = empty_tile_stats(5, torch.float32, DEVICE)
         for v0, v1 in ((0, 5000), (5000, V)):
-            rows(logits[:, v0:v1].clone(), target, inv_t, opts, entropy, None,
-                 torch.float32, col0=v0, into=total)
+            rows.tile_stats(logits[:, v0:v1].clone(), target, inv_t, opts, entropy,
+                            torch.float32, v0, total)
         merged = finish_stats(total, target, V, -100, entropy)
         assert torch.equal(merged[3], want[3])
         for a, b in zip(defined(merged), defined(want)):
             assert torch.allclose(a, b, rtol=1e-5, atol=1e-6, equal_nan=True)
 
 
-@pytest.mark.parametrize("rows", [torch_logprob_rows, triton_logprob_rows],
+@pytest.mark.parametrize("rows", [TORCH_LOGPROB_ROWS, TRITON_LOGPROB_ROWS],
                          ids=["torch_rows", "triton_rows"])
 def test_logprob_rows_nan_never_wins_and_huge_maxima(rows):
     # Whole rows and two merged tiles agree: a NaN logit is never the argmax (row 0's
@@ -348,12 +354,12 @@ def test_logprob_rows_nan_never_wins_and_huge_maxima(rows):
                            [-2e31, -3e31, -2e31, -5e31, -4e31, -2e31]], device=DEVICE)
     target = torch.tensor([1, 4, 0], device=DEVICE)
     inv_t = torch.ones(3, device=DEVICE)
-    opts = chunked.RowOptions(-100, 0.0, None)
-    whole = rows(logits.clone(), target, inv_t, opts, True, None, torch.float32)
+    opts = LogProbOptions()
+    whole = rows.stats(logits.clone(), target, inv_t, opts, True, torch.float32)
     total = empty_tile_stats(3, torch.float32, DEVICE)
     for v0, v1 in ((0, 3), (3, 6)):
-        rows(logits[:, v0:v1].clone(), target, inv_t, opts, True, None, torch.float32,
-             col0=v0, into=total)
+        rows.tile_stats(logits[:, v0:v1].clone(), target, inv_t, opts, True, torch.float32,
+                        v0, total)
     tiles = finish_stats(total, target, 6, -100, True)
     for out in (whole, tiles):
         logprob, ent, lse, argmax, stats = out[:5]
@@ -380,23 +386,19 @@ def test_linear_logprobs_huge_maxima_through_the_op():
 
 @pytest.mark.parametrize("softcap", [None, 4.0])
 def test_ce_rows_nan_never_wins_and_logits_below_minus_1e30(softcap):
-    from torch_fce.ops.rows import RowOptions, torch_rows
-    from torch_fce.ops.triton.rows import triton_rows
-
     logits = torch.tensor([[1.0, 10.0, float("nan"), 5.0],
                            [-2e31, -2e31, -3e31, -4e31]], device=DEVICE)
     target = torch.tensor([1, 0], device=DEVICE)
-    opts = RowOptions(-100, 0.0, softcap, argmax=True)
-    for rows in (torch_rows, triton_rows):
-        lse, nll, _, argmax, _ = rows(logits.clone(), target, None, None, None, opts,
-                                      torch.float32)
+    opts = CEOptions(softcap=softcap)
+    for rows in (TORCH_CE_ROWS, TRITON_CE_ROWS):
+        lse, nll, _, argmax = rows.stats(logits.clone(), target, None, opts, True,
+                                         torch.float32)
         assert argmax.tolist() == [1, 0] and lse[0].isnan()
         if softcap is None:
             assert lse[1] == -2e31 and nll[1] == 0.0
 
 
-@pytest.mark.parametrize("rows", [torch_logprob_rows, triton_logprob_rows],
-                         ids=["torch_rows", "triton_rows"])
+@pytest.mark.parametrize("rows", ["torch_rows", "triton_rows"])
 @pytest.mark.parametrize("N, by_vocab", [(12, True), (45, False)])
 @pytest.mark.parametrize("weight_dtype", [torch.float16, torch.float32])
 def test_logprobs_by_tokens_and_by_vocabulary(rows, N, by_vocab, weight_dtype):
@@ -414,13 +416,13 @@ def test_logprobs_by_tokens_and_by_vocabulary(rows, N, by_vocab, weight_dtype):
     target = x["target"]
     T = torch.rand(N, device=DEVICE) + 0.5
     g_lp, g_h = torch.randn(N, device=DEVICE), torch.randn(N, device=DEVICE)
-    args = (x["hidden"], w, target, b, T, 4.0, -100)
-    chunk = N // 3  # three tiles or chunks (by vocabulary: 37 // 3 classes each)
-    logprob, ent, lse, argmax, row_stats = chunked.linear_logprobs_fwd(
-        *args, True, rows=rows, chunk_rows=chunk)
-    gh, gw, gb = chunked.linear_logprobs_bwd(g_lp, g_h, row_stats, *args, "fp32",
-                                             [True, True, True], rows=rows,
-                                             chunk_rows=chunk)
+    args = (x["hidden"], w, target, b, T, *LogProbOptions(4.0, -100, True), *ONE_DEVICE)
+    # three tiles or chunks (by vocabulary: 37 // 3 classes each)
+    with chunks(N // 3, x["hidden"], w):
+        logprob, ent, lse, argmax, row_stats = linear_logprobs.fwd(*args,
+                                                                   backend=BACKENDS[rows])
+        gh, gw, gb = linear_logprobs.bwd(g_lp, g_h, row_stats, *args, [True, True, True],
+                                         backend=BACKENDS[rows])
     assert (gh.dtype, gw.dtype, gb.dtype) == (torch.float16, weight_dtype, weight_dtype)
     leaves = [t.detach().double().requires_grad_() for t in (x["hidden"], w, b)]
     ref = reference(*leaves[:2], target, leaves[2], T.double(), 4.0)
@@ -447,22 +449,24 @@ def test_linear_logprobs_confident_rows_at_large_magnitude(backend):
             out = torch_fce.linear_logprobs(h, w, target, entropy=True)
             return out.logprob, out.entropy
     else:  # one row function on the shared loop, Triton's under the interpreter on CPU
-        rows = triton_logprob_rows if backend == "triton_rows" else torch_logprob_rows
+        rows = BACKENDS[backend]
+        opts = (*LogProbOptions(entropy=True), *ONE_DEVICE)
 
         class fce_rows(torch.autograd.Function):
             @staticmethod
             def forward(ctx, h, w):
-                out = chunked.linear_logprobs_fwd(h, w, target, None, None, None, -100, True,
-                                                  rows=rows, chunk_rows=16)
+                with chunks(16, h, w):
+                    out = linear_logprobs.fwd(h, w, target, None, None, *opts, backend=rows)
                 ctx.save_for_backward(h, w, out[4])
                 return out[0], out[1]
 
             @staticmethod
             def backward(ctx, g_lp, g_h):
                 h, w, row_stats = ctx.saved_tensors
-                gh, gw, _ = chunked.linear_logprobs_bwd(
-                    g_lp, g_h, row_stats, h, w, target, None, None, None, -100, "fp32",
-                    [True, True, False], rows=rows, chunk_rows=16)
+                with chunks(16, h, w):
+                    gh, gw, _ = linear_logprobs.bwd(g_lp, g_h, row_stats, h, w, target, None,
+                                                    None, *opts, [True, True, False],
+                                                    backend=rows)
                 return gh, gw
 
         fce = fce_rows.apply
@@ -498,15 +502,12 @@ def test_linear_ce_return_stats_from_the_same_pass(reduction):
 
 @pytest.mark.parametrize("softcap", [None, 4.0])
 def test_triton_ce_rows_argmax_matches_pytorch(softcap):
-    from torch_fce.ops.rows import RowOptions, torch_rows
-    from torch_fce.ops.triton.rows import triton_rows
-
     logits = torch.randn(6, 5000, device=DEVICE) * 3  # more than one BLOCK_V block
     logits[2, 4500] = 50.0  # the maximum in the second block
     target = torch.randint(0, 5000, (6,), device=DEVICE)
-    opts = RowOptions(-100, 0.0, softcap, argmax=True)
-    got = triton_rows(logits.clone(), target, None, None, None, opts, torch.float32)[3]
-    want = torch_rows(logits.clone(), target, None, None, None, opts, torch.float32)[3]
+    opts = CEOptions(softcap=softcap)
+    got = TRITON_CE_ROWS.stats(logits.clone(), target, None, opts, True, torch.float32)[3]
+    want = TORCH_CE_ROWS.stats(logits.clone(), target, None, opts, True, torch.float32)[3]
     assert torch.equal(got, want) and got[2] == 4500
 
 

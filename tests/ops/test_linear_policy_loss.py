@@ -10,9 +10,9 @@ import torch.nn.functional as F
 from hypothesis import given, strategies as st
 
 import torch_fce
-from torch_fce.ops import chunked
-from torch_fce.ops.logprob_rows import torch_logprob_rows
-from torch_fce.ops.triton.logprob_rows import triton_logprob_rows
+from torch_fce.ops import linear_policy_loss
+from torch_fce.ops.linear_policy_loss import PolicyOptions
+from .impl import ONE_DEVICE, TORCH, TRITON, chunks
 from torch_fce.testing import LOSS_TOL, grad_tol, make_inputs, rel_err
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -253,11 +253,13 @@ def test_triton_policy_rows_match_their_pytorch_twin():
         9, 5, 37, bias=True, ignore_frac=0.3, weight_scale=2.0).items()}
     g = torch.Generator().manual_seed(2)
     A, old = (torch.randn(9, generator=g).to(DEVICE) for _ in range(2))
+    opts = PolicyOptions("clip", 0.2, 0.28, None, 1.0, 1.05, 0.04, "k3", True, 0.01, 4.0)
     args = (x["hidden"], x["weight"], x["target"], A, x["bias"], old - 3.0, old - 3.1, None,
-            torch.rand(9, generator=g).to(DEVICE) + 0.5, "clip", 0.2, 0.28, None, 1.0, 1.05,
-            0.04, "k3", True, 0.01, 4.0, -100, "fp32", [True, True, True])
-    got = chunked.linear_policy_loss_fwd(*args, rows=triton_logprob_rows, chunk_rows=4)
-    want = chunked.linear_policy_loss_fwd(*args, rows=torch_logprob_rows, chunk_rows=4)
+            torch.rand(9, generator=g).to(DEVICE) + 0.5, *opts, *ONE_DEVICE,
+            [True, True, True])
+    with chunks(4, x["hidden"], x["weight"]):
+        got = linear_policy_loss.fwd(*args, backend=TRITON)
+        want = linear_policy_loss.fwd(*args, backend=TORCH)
     for a, b in zip(got, want):
         assert rel_err(a, b) <= 1e-5
 

@@ -20,7 +20,7 @@ from .chunked import (ONE_DEVICE, Shard, after_first_gemm, chunk_rows_for, grad_
                       math_dtype_for, no_autocast, run_chunks)
 from .dispatch import LIB, kernel
 from .entry import autocast_operands, flat, int64_if_needed, needs_grad, refuse_transforms, rows
-from .options import as_float, check_choice, check_int, got, schema_args, take
+from .options import as_float, check_choice, got, schema_args, take
 from .rows import grad_coefficients
 from .tokens import counted_target_weights, grad_scales, reduce_loss
 
@@ -187,7 +187,7 @@ torch.library.register_autograd("fce::linear_ce_fwd", _backward, setup_context=_
 # ---- the implementation, on the chunk loop -----------------------------------------
 
 @kernel("linear_ce_fwd")
-def _fwd(hidden, weight, target, bias, class_weight, *args, backend):
+def fwd(hidden, weight, target, bias, class_weight, *args, backend):
     opts, rest = take(CEOptions, args)
     shard, (needs, stats) = take(Shard, rest)
     V = shard.vocab(weight)
@@ -208,7 +208,7 @@ def _fwd(hidden, weight, target, bias, class_weight, *args, backend):
 
 
 @kernel("linear_ce_bwd", hidden=1)
-def _bwd(grad_loss, hidden, weight, target, bias, class_weight, *args, backend):
+def bwd(grad_loss, hidden, weight, target, bias, class_weight, *args, backend):
     opts, rest = take(CEOptions, args)
     shard, (needs,) = take(Shard, rest)
     scales = after_first_gemm(lambda: grad_scales(

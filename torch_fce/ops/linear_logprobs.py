@@ -145,7 +145,7 @@ torch.library.register_autograd("fce::linear_logprobs_fwd", _backward, setup_con
 # ---- the implementation, on the chunk loop -----------------------------------------
 
 @kernel("linear_logprobs_fwd")
-def _fwd(hidden, weight, target, bias, temperature, *args, backend):
+def fwd(hidden, weight, target, bias, temperature, *args, backend):
     """(logprob, entropy, lse, argmax) each (N,), and row_stats (N, 3); entropy (0,)
     unless asked for. A shard (and vocabulary tiles) merges per-row statistics across
     its blocks of classes, then across the group, then finishes them."""
@@ -195,7 +195,7 @@ def _fwd(hidden, weight, target, bias, temperature, *args, backend):
 
 
 @kernel("linear_logprobs_bwd", hidden=3)
-def _bwd(grad_logprob, grad_entropy, row_stats, hidden, weight, target, bias, temperature,
+def bwd(grad_logprob, grad_entropy, row_stats, hidden, weight, target, bias, temperature,
          *args, backend):
     """Recomputes the logits chunk by chunk and, with the forward's row statistics,
     forms the logits gradient in one pass over them."""

@@ -254,7 +254,7 @@ torch.library.register_autograd("fce::linear_policy_loss_fwd", _backward,
 # ---- the implementation, on the chunk loop -----------------------------------------
 
 @kernel("linear_policy_loss_fwd")
-def _fwd(hidden, weight, target, advantages, bias, old_logprobs, ref_logprobs,
+def fwd(hidden, weight, target, advantages, bias, old_logprobs, ref_logprobs,
          token_weights_, temperature, *args, backend):
     """(loss, grad_hidden, grad_weight, grad_bias, logprob, entropy, ratio, clipped, kl):
     per chunk the row function's statistics (global across a shard group), `_terms`
