@@ -3,6 +3,9 @@
 import pytest
 import torch
 
+from torch_fce.ops.chunked import ONE_DEVICE
+from torch_fce.ops.linear_ce import CEOptions
+
 from torch_fce.testing import make_inputs
 
 FAMILIES = {
@@ -32,14 +35,18 @@ def test_linear_ce_opcheck(family, dtype):
 @pytest.mark.parametrize("needs", [[True, True, True], [False, True, False], [False] * 3])
 def test_linear_ce_internal_ops_opcheck(needs):
     x = make_inputs(5, 4, 9, torch.bfloat16, bias=True, weight_dtype=torch.float32)
-    args = (x["hidden"], x["weight"], x["target"], x["bias"], None, -100)
+    args = (x["hidden"], x["weight"], x["target"], x["bias"], None)
+
+    def opts(reduction, accumulator):
+        return (*CEOptions(-100, reduction, 0.1, 3.0, 1e-3, accumulator), *ONE_DEVICE)
+
     for stats in (False, True):
         torch.library.opcheck(torch.ops.fce.linear_ce_fwd.default,
-                              (*args, "mean", 0.1, 3.0, 1e-3, "fp32", needs, stats))
+                              (*args, *opts("mean", "fp32"), needs, stats))
     torch.library.opcheck(torch.ops.fce.linear_ce_bwd.default,
-                          (torch.randn(5), *args, "none", 0.1, 3.0, 1e-3, "kahan", needs))
+                          (torch.randn(5), *args, *opts("none", "kahan"), needs))
     torch.library.opcheck(torch.ops.fce.linear_ce_bwd.default,
-                          (torch.tensor(2.0), *args, "mean", 0.1, 3.0, 1e-3, "fp32", needs))
+                          (torch.tensor(2.0), *args, *opts("mean", "fp32"), needs))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

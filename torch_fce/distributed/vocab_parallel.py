@@ -68,6 +68,8 @@ def vocab_parallel_linear_cross_entropy(hidden, weight, target, bias=None, class
         The loss (float32), identical on every rank: () or target.shape.
     """
     opts = linear_ce.CEOptions(**options).check()
+    if not torch.compiler.is_compiling():  # class_weight spans the whole vocabulary
+        checks.check_inputs(hidden, weight, target, bias, class_weight, vocab_size)
     shard = _shard(hidden, weight, target, vocab_start, vocab_size, group)
     return linear_ce.forward(hidden, weight, target, bias, class_weight, opts, False,
                              shard)[0]

@@ -112,7 +112,9 @@ def check_inputs(hidden, weight, target, bias, class_weight, vocab=None):
             continue
         _check_tensor(name, t)
         if t.dtype not in dtypes:
-            raise TypeError(f"{name} must have dtype in {dtypes}, got {t.dtype}")
+            want = "be a floating-point tensor" if dtypes is FLOAT_DTYPES \
+                else f"have dtype in {dtypes}"
+            raise TypeError(f"{name} must {want}, got {t.dtype}")
         if t.dim() != 1:
             raise ValueError(f"{name} must have shape ({what},) = ({V},), got {tuple(t.shape)}")
         _value(t.shape[0] == V, f"{name} must have shape ({what},) = ({V},), got "

@@ -16,7 +16,10 @@ _NO_TRANSFORMS = (
 
 def refuse_transforms(tensors):
     """Forward AD and functorch's derivatives would otherwise see a tangent of 0 or an
-    internal error; vmap alone is served by torch's per-sample fallback."""
+    internal error; vmap alone is served by torch's per-sample fallback. Dynamo
+    refuses functorch transforms of its own (and cannot trace these checks)."""
+    if torch.compiler.is_dynamo_compiling():
+        return
     if any(isinstance(t, torch.Tensor) and torch._C._functorch.is_gradtrackingtensor(t)
            for t in tensors):
         raise NotImplementedError(_NO_TRANSFORMS)
