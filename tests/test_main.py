@@ -15,3 +15,13 @@ def test_main_job_tiny(tmp_path):
     assert len(runs["unfused"]["losses"]) == len(runs["torch_fce"]["losses"]) == 3
     assert record["max_rel_loss_diff"] <= 1e-5
     assert 0 < runs["torch_fce"]["peak_mib"] < runs["unfused"]["peak_mib"]
+
+
+def test_main_job_refuses_sizes_it_cannot_measure():
+    # Each a usage error naming the flag (exit 2), before anything is trained.
+    for flags, flag in ((["--steps", "0"], "--steps"), (["--steps", "1"], "--steps"),
+                        (["--tiny", "--batch", "0"], "--batch"), (["--seq", "1"], "--seq"),
+                        (["--tiny", "--dim", "6"], "--dim")):
+        out = subprocess.run([sys.executable, "-m", "torch_fce", *flags], capture_output=True,
+                             text=True, timeout=120)
+        assert out.returncode == 2 and flag in out.stderr, (flags, out.stderr)

@@ -23,11 +23,38 @@ def test_bench_lists_its_subcommands():
     assert _run("torch_fce.bench", "nope").returncode == 2
 
 
+def _parser_of(main, monkeypatch):
+    """The argparse parser main() builds (its parse_args is stopped before it runs)."""
+    import argparse
+
+    seen = []
+
+    def stop(self, *args, **kwargs):
+        seen.append(self)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", stop)
+    with pytest.raises(SystemExit):
+        main([])
+    return seen[0]
+
+
 @pytest.mark.parametrize("sub", ["shapes", "lowering", "transformers", "distributed",
-                                 "grpo"])
-def test_bench_subcommand_help_names_defaults(sub):
-    out = _run("torch_fce.bench", sub, "--help")
-    assert out.returncode == 0 and "default" in out.stdout
+                                 "grpo", "main job"])
+def test_every_option_with_a_default_names_it_in_its_help(sub, monkeypatch):
+    import importlib
+
+    from torch_fce.bench.__main__ import SUBCOMMANDS
+
+    name = "torch_fce.__main__" if sub == "main job" else \
+        f"torch_fce.bench.{SUBCOMMANDS[sub][0]}"
+    parser = _parser_of(importlib.import_module(name).main, monkeypatch)
+    for action in parser._actions:
+        if action.default in (None, False, "==SUPPRESS==") or not action.option_strings:
+            continue
+        assert action.help and "default" in action.help, (sub, action.option_strings)
+    assert _run("torch_fce.bench" if sub != "main job" else "torch_fce",
+                *([sub] if sub != "main job" else []), "--help").returncode == 0
 
 
 def test_main_job_help_names_defaults():
@@ -66,7 +93,7 @@ def test_patched_transformers_forward_warns_nothing():
 
 
 def test_main_job_reports_its_png_truthfully(tmp_path):
-    out = _run("torch_fce", "--tiny", "--steps", "2", "--out", str(tmp_path))
+    out = _run("torch_fce", "--tiny", "--steps", "3", "--out", str(tmp_path))
     assert out.returncode == 0, out.stderr
     has_png = (tmp_path / "main.png").exists()
     assert has_png == (importlib.util.find_spec("matplotlib") is not None)

@@ -76,9 +76,23 @@ def train(args, ids, fused, progress):
         probe = next(batches(ids, args.batch, args.seq, 1, seed=1)).to(args.device)
         peak = peak_extra_bytes(lambda: step(probe), args.device)
     # The first steps compile; report the median of the rest.
-    steady = sorted(times[min(2, len(times) - 1):])
+    steady = sorted(times[2:])
     return dict(losses=losses, peak_mib=peak / 2**20, step_ms=steady[len(steady) // 2] * 1e3,
                 fused=counters["inductor"][lowering.FUSED] - fused_before)
+
+
+def _check_sizes(parser, args):
+    """Usage errors naming the flag, before anything runs."""
+    least = dict(steps=3, batch=1, seq=2, vocab=2, dim=4, layers=1)
+    why = dict(steps="the first two steps compile; the step time is the median of the rest",
+               seq="each sequence's last position has no next token to predict")
+    for name, low in least.items():
+        if getattr(args, name) < low:
+            parser.error(f"--{name} must be >= {low}" + (f" ({why[name]})" if name in why
+                                                         else "")
+                         + f", got {getattr(args, name)}")
+    if args.dim % 4:
+        parser.error(f"--dim must be a multiple of 4 (4 attention heads), got {args.dim}")
 
 
 def _bar(name):
@@ -115,7 +129,8 @@ def plot(record, path):
     # Equal losses (a difference of 0) are drawn at the floor of the axis.
     axes[1].plot(steps, [max(abs(y - x) / abs(x), 1e-9) for x, y in zip(a, b)], "o-",
                  color="C2")
-    axes[1].axhline(2.0 ** -23, color="gray", linestyle=":", label="float32 rounding")
+    axes[1].axhline(2.0 ** -22, color="gray", linestyle=":",
+                    label="float32 rounding (2 ulps, as two float32 sums differ)")
     axes[1].set(xlabel="step", ylabel="|torch_fce - unfused| / unfused", yscale="log",
                 ylim=(1e-9, 1e-2), title="per-step loss difference (0 at the floor)")
     axes[1].legend()
@@ -156,7 +171,10 @@ def main(argv=None):
     for k, v in size.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
+    _check_sizes(p, args)
     ids = corpus_ids(args.vocab)
+    if args.seq + 1 >= len(ids):
+        p.error(f"--seq must be below the corpus's {len(ids) - 1} tokens, got {args.seq}")
     env = environment()
     N = args.batch * args.seq
     print(f"# {describe(env)}")
@@ -173,6 +191,9 @@ def main(argv=None):
     for name, run in runs.items():
         print(f"{name:10} peak {run['peak_mib']:8.1f} MiB  step {run['step_ms']:8.1f} ms  "
               f"final loss {run['losses'][-1]:.6f}")
+    print("peak memory: what one training step allocates beyond what is live before it ("
+          + ("torch.cuda.max_memory_allocated" if args.device.startswith("cuda") else
+             "the process's resident-set high-water mark, VmHWM, on the CPU") + ")")
     print(f"largest per-step loss difference {worst:.1e}; torch_fce fused "
           f"{runs['torch_fce']['fused']} cross entropy; peak memory "
           f"{runs['torch_fce']['peak_mib'] / runs['unfused']['peak_mib']:.2f} x unfused")

@@ -93,8 +93,9 @@ def main(argv=None):
                  nprocs=args.world, join=True)
         with open(out) as f:
             per_rank = json.load(f)
-    print(f"# {describe(environment())}, {args.world} GPUs, NCCL_NVLS_ENABLE="
-          f"{os.environ['NCCL_NVLS_ENABLE']}")
+    print(f"# {describe(environment())}, " + (
+        f"{args.world} GPUs, NCCL, NCCL_NVLS_ENABLE={os.environ['NCCL_NVLS_ENABLE']}"
+        if args.device == "cuda" else f"{args.world} CPU processes, gloo"))
     print(f"{'shape':6} {'rank':>4} {'mm ms':>8} {'op V/w ms':>10} {'vp ms':>8} "
           f"{'vp/op':>6} {'vp x mm':>8} {'vp MiB':>8} {'op full V ms':>13}")
     for rank, rows in enumerate(per_rank):
@@ -102,7 +103,8 @@ def main(argv=None):
             print(f"{r['shape']:6} {rank:4d} {r['mm_ms']:8.2f} {r['op_shard_ms']:10.2f} "
                   f"{r['vp_ms']:8.2f} {r['vp_ms'] / r['op_shard_ms']:6.2f} "
                   f"{r['vp_ms'] / r['mm_ms']:8.2f} {r['vp_extra_mib']:8.0f} "
-                  f"{r.get('op_full_ms', float('nan')):13.2f}")
+                  + (f"{r['op_full_ms']:13.2f}" if "op_full_ms" in r else f"{'-':>13}"))
+    print("op full V: the single-device op on the whole head, timed on rank 0 only")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(environment=environment(), world=args.world, rows=per_rank), f,

@@ -38,7 +38,8 @@ def measure(fuse, args):
     with lowering.fresh_compiles(), lowering.auto_fuse() if fuse else contextlib.nullcontext():
         loss = step().item()  # compiles
     if fuse:
-        print(f"  fused {counters['inductor'][lowering.FUSED]} cross entropies; skipped: "
+        fused = counters["inductor"][lowering.FUSED]
+        print(f"  fused {fused} cross entrop{'y' if fused == 1 else 'ies'}; skipped: "
               f"{dict(counters[lowering.SKIPPED]) or 'none'}")
     mem = peak_extra_bytes(step, args.device)
     return loss, mem, median_time(step, args.device, reps=3)

@@ -439,7 +439,7 @@ def main(argv=None):
                         "weights times log-probs and entropies at temperature %s (fce: "
                         "torch_fce.linear_logprobs); policy: the DAPO loss + beta %s k3 KL "
                         "(fce: torch_fce.linear_policy_loss); both with TRL's fused head "
-                        "on CUDA (torch_fce/bench/rl.py)" % (rl.TEMPERATURE, rl.BETA))
+                        "on CUDA (torch_fce/bench/rl.py) (default: ce)" % (rl.TEMPERATURE, rl.BETA))
     p.add_argument("--reps", type=int, default=5,
                    help="timed repetitions after one warm-up; the median is reported (default: 5)")
     p.add_argument("--accuracy", default=None,

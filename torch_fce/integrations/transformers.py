@@ -340,6 +340,11 @@ def attach(model):
     return model
 
 
+def is_attached(model):
+    """Whether attach() (or apply()) prepared this very module."""
+    return hasattr(model, _OPTIONS)
+
+
 def detach(model):
     """Undoes attach()."""
     if hasattr(model, _ORIGINAL):

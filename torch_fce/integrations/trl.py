@@ -23,16 +23,17 @@ import warnings
 import torch
 
 from ..functional import linear_logprobs, linear_policy_loss
+from ..ops.entry import autocast_operands
 from ..ops.linear_logprobs import LogProbOptions
 from . import transformers as fce_hf
-from .transformers import _OPTIONS, capture_of, head_operands
+from .transformers import capture_of, head_operands, is_attached
 
 
 def _attached(model):
     """The module attach() (or apply()) prepared, under wrappers such as
     DistributedDataParallel or a PEFT model."""
     inner = model
-    while not hasattr(inner, _OPTIONS):
+    while not is_attached(inner):
         if hasattr(inner, "module"):
             inner = inner.module
         elif hasattr(inner, "get_base_model"):
@@ -108,10 +109,8 @@ class ChunkedLogProbFunction:
         why = _unserved(weight, final_logit_softcapping, outputs)
         if why:
             raise ValueError(f"torch_fce does not serve {why}")
-        if torch.is_autocast_enabled(hidden.device.type):  # TRL computes in autocast's dtype
-            dtype = torch.get_autocast_dtype(hidden.device.type)
-            hidden = hidden.to(dtype)
-            weight = weight if weight.dtype == torch.float32 else weight.to(dtype)
+        # TRL computes in autocast's dtype: cast before the logit scale, as it does
+        hidden, weight, bias = autocast_operands(hidden, weight, bias)
         if logit_scale != 1.0:  # softcap(scale * (h W^T + b)) = softcap((scale h) W^T + scale b)
             hidden = hidden * logit_scale
             bias = None if bias is None else bias * logit_scale

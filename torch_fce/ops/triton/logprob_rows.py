@@ -15,7 +15,7 @@ import triton.language as tl
 
 from ..logprob_rows import (LogProbRows, all_reduce_tile_stats, empty_tile_stats,
                             finish_stats)
-from .rows import _NEG_BIG, _block_max, _block_v, _load_z
+from .rows import _block_max, _block_v, _load_z, _sweep_start
 
 
 @triton.jit
@@ -35,11 +35,8 @@ def _stats_sweep(row_ptr, V, inv_t, softcap, HAS_SOFTCAP: tl.constexpr,
     ez kept online has no 0 * -inf for masked or -inf logits, and no cancellation
     against m for confident rows."""
     cols = tl.arange(0, BLOCK_V)
-    m = tl.max(tl.full([BLOCK_V], _NEG_BIG, tl.float32), axis=0)
-    s = tl.sum(tl.zeros([BLOCK_V], tl.float32), axis=0)
+    m, s, best, best_i = _sweep_start(BLOCK_V)
     ez = tl.sum(tl.zeros([BLOCK_V], tl.float32), axis=0)
-    best = tl.max(tl.full([BLOCK_V], float("-inf"), tl.float32), axis=0)
-    best_i = tl.sum(tl.zeros([BLOCK_V], tl.int64), axis=0)
     for v0 in range(0, V, BLOCK_V):
         offs = v0 + cols
         mask = offs < V

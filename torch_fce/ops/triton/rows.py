@@ -58,17 +58,25 @@ def _block_max(z, v0, best, best_i, WANT_ARGMAX: tl.constexpr):
 
 
 @triton.jit
+def _sweep_start(BLOCK_V: tl.constexpr):
+    """An online sweep's starting state, as scalars: the running max, the sum of exp,
+    the best logit (for the argmax) and its column."""
+    m = tl.max(tl.full([BLOCK_V], _NEG_BIG, tl.float32), axis=0)
+    s = tl.sum(tl.zeros([BLOCK_V], tl.float32), axis=0)
+    best = tl.max(tl.full([BLOCK_V], float("-inf"), tl.float32), axis=0)
+    best_i = tl.sum(tl.zeros([BLOCK_V], tl.int64), axis=0)
+    return m, s, best, best_i
+
+
+@triton.jit
 def _lse_sweep(row_ptr, class_weight_ptr, V, softcap, HAS_SOFTCAP: tl.constexpr,
                HAS_CLASS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
                BLOCK_V: tl.constexpr, WANT_ARGMAX: tl.constexpr):
     """Sweep 1: (lse, sum_c w_c z_c, argmax) of one row, the logsumexp formed online;
     argmax (the first most likely class) is 0 unless WANT_ARGMAX."""
     cols = tl.arange(0, BLOCK_V)
-    m = tl.max(tl.full([BLOCK_V], _NEG_BIG, tl.float32), axis=0)
-    s = tl.sum(tl.zeros([BLOCK_V], tl.float32), axis=0)
+    m, s, best, best_i = _sweep_start(BLOCK_V)
     zsum = tl.zeros([BLOCK_V], tl.float32)
-    best = tl.max(tl.full([BLOCK_V], float("-inf"), tl.float32), axis=0)
-    best_i = tl.sum(tl.zeros([BLOCK_V], tl.int64), axis=0)
     for v0 in range(0, V, BLOCK_V):
         offs = v0 + cols
         mask = offs < V
