@@ -131,12 +131,13 @@ def test_bench_grpo_tiny_runs_both_losses_and_they_agree():
 
 
 def test_bench_shapes_fails_when_torch_fce_fails(tmp_path, monkeypatch):
+    import torch_fce
     from torch_fce.bench import shapes
 
     def broken(*args, **kwargs):
         raise RuntimeError("broken on purpose")
 
-    monkeypatch.setattr(shapes.torch_fce, "linear_cross_entropy", broken)
+    monkeypatch.setattr(torch_fce, "linear_cross_entropy", broken)
     png = tmp_path / "plot.png"
     with pytest.raises(SystemExit, match="torch_fce failed .*fce-fp32 on tiny"):
         shapes.main(["--device", "cpu", "--shapes", "tiny", "--reps", "1", "--methods",
@@ -146,7 +147,7 @@ def test_bench_shapes_fails_when_torch_fce_fails(tmp_path, monkeypatch):
 
 def test_bench_sweep_workspace_covers_the_backward():
     # The log-probs' backward recomputes the logits: it must cut them as the forward did.
-    from torch_fce.bench import measure, shapes
+    from torch_fce.bench import measure, peers
     from torch_fce.ops import workspace
 
     seen = []
@@ -166,7 +167,7 @@ def test_bench_sweep_workspace_covers_the_backward():
         return Spy.apply(h) + 0 * w.sum()
 
     x = dict(hidden=torch.ones(3), weight=torch.ones(2), target=None)
-    shapes._run(measure.with_workspace(fn, 5), x)
+    peers.run_step(measure.with_workspace(fn, 5), x)
     assert seen == [5 << 20] * 2 and workspace._nbytes is None
 
 

@@ -24,7 +24,7 @@ from torch._dynamo.utils import counters
 
 import torch_fce
 import torch_fce.lowering as lowering
-from torch_fce.bench.shapes import describe, environment
+from torch_fce.bench.env import describe, environment
 from torch_fce.bench.measure import check_device, peak_extra_bytes
 from torch_fce.bench.tiny_lm import TinyLM
 

@@ -14,7 +14,8 @@ import os
 import torch
 
 import torch_fce
-from torch_fce.bench.shapes import SHAPES, _run, methods, shape_inputs
+from torch_fce.bench.peers import methods, run_step
+from torch_fce.bench.shapes import SHAPES, shape_inputs
 from torch_fce.ops.workspace import chunk_rows
 
 from _common import ms, run_shapes
@@ -35,7 +36,7 @@ def probe_shape(name):
     for rows in sorted(set(ROWS + [default])):
         nbytes = rows * V * h.element_size()
         with torch_fce.workspace(nbytes):
-            t = ms(lambda: _run(fce, x))
+            t = ms(lambda: run_step(fce, x))
         print(f"  {rows:5d} rows ({nbytes / 2**20:6.0f} MiB): {t:7.2f} ms = {t / mm:.3f} x mm"
               + ("  <- default" if rows == default else ""))
 

@@ -15,7 +15,8 @@ import time
 import torch
 
 from torch_fce.bench import rl
-from torch_fce.bench.shapes import SHAPES, _run, methods, shape_inputs
+from torch_fce.bench.peers import methods, run_step
+from torch_fce.bench.shapes import SHAPES, shape_inputs
 
 from _common import first_linear
 
@@ -25,7 +26,7 @@ OBJECTIVE = os.environ.get("PROBE_OBJECTIVE", "ce")
 def main(name, min_us=10.0):
     fns = methods("cuda", False) if OBJECTIVE == "ce" else rl.methods(OBJECTIVE, "cuda", False)
     x = shape_inputs(SHAPES[name])
-    step = lambda: _run(fns["fce-fp32"], x)  # noqa: E731
+    step = lambda: run_step(fns["fce-fp32"], x)  # noqa: E731
     for _ in range(3):
         step()
     torch.cuda.synchronize()

@@ -24,8 +24,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from torch_fce.bench import rl
-from torch_fce.bench.shapes import (SHAPES, SWEEP_WORKSPACE_MIB, _run, methods,
-                                    shape_inputs)
+from torch_fce.bench.peers import SWEEP_WORKSPACE_MIB, methods, run_step
+from torch_fce.bench.shapes import SHAPES, shape_inputs
 
 from _common import first_linear, ms, run_shapes
 
@@ -43,7 +43,7 @@ def probe_shape(name):
         x["data"] = rl.policy_data(x["hidden"], x["weight"], x["target"])
     for method in METHODS:
         print(f"{name} {OBJECTIVE} {method}:")
-        _profile(lambda: _run(fns[method], x), f"{name}_{OBJECTIVE}_{method}")
+        _profile(lambda: run_step(fns[method], x), f"{name}_{OBJECTIVE}_{method}")
 
 
 def _profile(_step, tag):

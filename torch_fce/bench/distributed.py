@@ -18,7 +18,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import torch_fce
-from torch_fce.bench.shapes import SHAPES, Shape, describe, environment, shape_inputs
+from torch_fce.bench.env import describe, environment
+from torch_fce.bench.shapes import SHAPES, Shape, shape_inputs
 from torch_fce.distributed import vocab_parallel_linear_cross_entropy
 from torch_fce.bench.measure import check_device, median_time, peak_extra_bytes
 

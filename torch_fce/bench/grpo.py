@@ -18,7 +18,7 @@ import torch
 
 from torch_fce.bench.measure import (add_device_option, add_size_options, check_device,
                                      median_time, peak_extra_bytes)
-from torch_fce.bench.shapes import describe, environment
+from torch_fce.bench.env import describe, environment
 from torch_fce.integrations import trl as fce_trl
 from torch_fce.testing import rel_err, word_tokenizer
 

@@ -9,7 +9,7 @@ import argparse
 
 import torch
 
-from torch_fce.bench.shapes import describe, environment
+from torch_fce.bench.env import describe, environment
 from torch_fce.integrations import transformers as fce_hf
 from torch_fce.bench.measure import (add_device_option, add_size_options, check_device,
                                      median_time, peak_extra_bytes)

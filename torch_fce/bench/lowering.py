@@ -14,7 +14,7 @@ from torch._dynamo.utils import counters
 
 import torch_fce
 import torch_fce.lowering as lowering
-from torch_fce.bench.shapes import describe, environment
+from torch_fce.bench.env import describe, environment
 from torch_fce.bench.measure import (add_device_option, add_size_options, check_device,
                                      median_time, peak_extra_bytes)
 from torch_fce.bench.tiny_lm import TinyLM

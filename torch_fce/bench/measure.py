@@ -8,6 +8,7 @@ figures are meant for fresh processes (the benchmarks and the main job).
 """
 
 import ctypes
+import functools
 import gc
 import statistics
 import time
@@ -51,15 +52,15 @@ def check_device(parser, device):
                      f"({why})")
 
 
+@functools.cache
 def _pin_mmap_threshold():
+    """Large CPU allocations through mmap, so that their pages leave the resident set
+    when freed and VmHWM sees each measured allocation anew. Set by the first CPU
+    measurement (not at import: importing a tool changes nothing in the process)."""
     try:
         ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, 1 << 16)
     except OSError:  # not glibc: figures may then miss memory reused from the heap
         pass
-
-
-# At import, before the benchmarks allocate anything (only they import this module).
-_pin_mmap_threshold()
 
 
 def _status_kib(field):
@@ -80,6 +81,7 @@ def peak_extra_bytes(fn, device):
         fn()
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - base
+    _pin_mmap_threshold()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # resets the high-water mark VmHWM to the current RSS
     base = _status_kib("VmRSS")

@@ -1,5 +1,9 @@
 """python -m torch_fce.bench shapes: fused linear + cross-entropy, methods x shapes.
 
+The benchmark by job: shapes and the timed runs here (with the CLI and the isolation of
+each method in a process of its own); the methods in peers.py, the accuracy study in
+accuracy.py, the figures in plots.py, the machine's record in env.py.
+
 Per method: forward+backward median time, the time of one (N, D) x (D, V) matmul in the
 same run and the ratio, peak memory beyond inputs and gradients, and the relative L2
 error of loss, dE (hidden gradient) and dW (weight gradient) against a float32
@@ -8,22 +12,22 @@ the machine, versions and git SHA; --plot writes PNG bar charts (needs matplotli
 """
 
 import argparse
-import contextlib
-import os
 import dataclasses
 import json
-import platform
 import statistics
 import subprocess
 import sys
 
 import torch
-import torch.nn.functional as F
 
-import torch_fce
 from torch_fce.bench import rl
+from torch_fce.bench.accuracy import accuracy, print_accuracy
+from torch_fce.bench.env import describe, environment
 from torch_fce.bench.measure import (add_device_option, check_device, median_time,
-                                     peak_extra_bytes, times, with_workspace)
+                                     peak_extra_bytes, times)
+from torch_fce.bench.peers import (QUACK_CHUNKS, SWEEP_WORKSPACE_MIB, methods, reference,
+                                   run_step)
+from torch_fce.bench.plots import plot, plot_tradeoff
 from torch_fce.testing import make_inputs, rel_err
 
 
@@ -69,100 +73,6 @@ class Result:
     ms_max: float = float("nan")
 
 
-def _torch_unfused(h, w, t):
-    # As HF: logits in the input dtype, upcast to float32 for the loss.
-    return F.cross_entropy(F.linear(h, w).float(), t, ignore_index=-100)
-
-
-def _fce(accumulator):
-    return lambda h, w, t: torch_fce.linear_cross_entropy(h, w, t, accumulator=accumulator)
-
-
-def _liger():
-    from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
-
-    loss = LigerFusedLinearCrossEntropyLoss(ignore_index=-100)
-    return lambda h, w, t: loss(w, h, t)
-
-
-def _cce(impl=None):
-    from cut_cross_entropy import linear_cross_entropy
-
-    kw = {} if impl is None else dict(impl=impl)
-    return lambda h, w, t: linear_cross_entropy(h, w, t, ignore_index=-100, **kw)
-
-
-def _quack(chunk, fused):
-    from quack.linear_cross_entropy import chunked_linear_cross_entropy
-
-    # use_scaled_exp: True is quack's fused SM90 pipeline, False its base one (None would
-    # pick per shape, so both are named explicitly).
-    return lambda h, w, t: chunked_linear_cross_entropy(h, w, t, chunk, ignore_index=-100,
-                                                        use_scaled_exp=fused)
-
-
-
-# The time-memory sweep (--sweep): torch_fce's workspace and the peers' chunk sizes.
-SWEEP_WORKSPACE_MIB = (256, 512, 1024, 2048, 4096)
-QUACK_CHUNKS = (4096, 8192)
-
-
-def _peers():
-    """Peer name -> factory; factories raise where the peer is missing or cannot load."""
-    out = {"liger": _liger, "cce": _cce, "cce-exact": lambda: _cce("cce_exact")}
-    for chunk in QUACK_CHUNKS:
-        for fused, label in ((False, "base"), (True, "fused")):
-            out[f"quack-{label}-{chunk}"] = lambda c=chunk, f=fused: _quack(c, f)
-    return out
-
-
-def methods(device, with_compile, sweep=False):
-    """Name -> loss function (hidden, weight, target) for every method available here.
-
-    Peers (CUDA, where installed): Liger, CCE (default and cce_exact) and quack (base and
-    fused pipelines at each chunk of QUACK_CHUNKS). sweep adds torch_fce fp32 at each
-    workspace of SWEEP_WORKSPACE_MIB ("fce-fp32@MiB").
-    """
-    out = {"torch": _torch_unfused}
-    if with_compile:
-        out["torch.compile"] = torch.compile(_torch_unfused, fullgraph=True)
-    if device == "cuda":
-        for name, make in _peers().items():
-            try:
-                out[name] = make()
-            except Exception as e:  # missing, or installed without its runtime
-                print(f"  {name} unavailable: {type(e).__name__}: {e}"[:200], file=sys.stderr)
-    for acc in ("fp32", "kahan", "input"):
-        out[f"fce-{acc}"] = _fce(acc)
-    if sweep:
-        for mib in SWEEP_WORKSPACE_MIB:
-            out[f"fce-fp32@{mib}"] = with_workspace(_fce("fp32"), mib)
-    return out
-
-
-def _reference(x, dtype=torch.float32, objective="ce"):
-    """Loss and gradients in dtype from the same (rounded) inputs, logits materialised."""
-    h = x["hidden"].to(dtype).requires_grad_()
-    w = x["weight"].to(dtype).requires_grad_()
-    if objective == "logprobs":
-        loss = rl.logprobs_unfused(h, w, x["target"])
-    elif objective == "policy":
-        loss = rl.policy_unfused(h, w, x["target"], *x["data"])
-    else:
-        loss = F.cross_entropy(F.linear(h, w), x["target"], ignore_index=-100)
-    loss.backward()
-    return loss.detach(), h.grad, w.grad
-
-
-def _run(fn, x):
-    h = x["hidden"].detach().requires_grad_()
-    w = x["weight"].detach().requires_grad_()
-    with getattr(fn, "workspace", contextlib.nullcontext)():  # measure.with_workspace
-        loss = fn(h, w, x["target"], *x.get("data", ()))
-        loss.backward()
-    return loss.detach(), h.grad, w.grad
-
-
 def _skip(name, shape):
     """Why a method cannot run on a shape (None if it can): quack's measured limits."""
     if not name.startswith("quack-"):
@@ -189,7 +99,7 @@ def bench_shape(shape, dtype, device, fns, reps, progress, objective="ce", faile
         x["data"] = rl.policy_data(x["hidden"], x["weight"], x["target"])
     old_tf32 = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
-    ref = _reference(x, objective=objective)
+    ref = reference(x, objective=objective)
     torch.backends.cuda.matmul.allow_tf32 = old_tf32
     mm = median_time(lambda: x["hidden"] @ x["weight"].T, device, reps=reps)
     rows = []
@@ -205,12 +115,12 @@ def bench_shape(shape, dtype, device, fns, reps, progress, objective="ce", faile
             print(f"  {name}: quack autotunes on its first call per shape (minutes with "
                   "an empty cache; QUACK_CACHE_DIR keeps the results)", file=sys.stderr)
         try:
-            out = _run(fn, x)  # warm-up (compiles) and the error sample
-            ts = times(lambda: _run(fn, x), device, reps=reps, warmup=1)
+            out = run_step(fn, x)  # warm-up (compiles) and the error sample
+            ts = times(lambda: run_step(fn, x), device, reps=reps, warmup=1)
             t = statistics.median(ts)
             # Gradients are the caller's; what a method holds beyond them is its cost.
             grads = x["hidden"].numel() + x["weight"].numel()
-            mem = peak_extra_bytes(lambda: _run(fn, x), device)
+            mem = peak_extra_bytes(lambda: run_step(fn, x), device)
             mem -= grads * x["hidden"].element_size()
         except Exception as e:  # a peer failing on a shape is a result, not a crash
             print(f"  {name} failed on {shape.name}: {type(e).__name__}: {e}", file=sys.stderr)
@@ -226,81 +136,6 @@ def bench_shape(shape, dtype, device, fns, reps, progress, objective="ce", faile
     return rows
 
 
-def _cpu_name():
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next(line.split(":", 1)[1].strip() for line in f
-                         if line.startswith("model name"))
-    except (OSError, StopIteration):
-        model = platform.machine()
-    return f"{model}, {torch.get_num_threads()} threads"
-
-
-@dataclasses.dataclass(frozen=True)
-class AccuracyResult:
-    N: int
-    D: int
-    V: int
-    method: str
-    loss_err: float
-    dE_err: float
-    dW_err: float
-    loss_api_err: float
-
-
-def accuracy(fns, device, Ns, D=256, V=2048, progress=print):
-    """Errors against a float64 reference from the same bf16 inputs, as N grows."""
-    rows = []
-    for N in Ns:
-        x = make_inputs(N, D, V, torch.bfloat16, device=device, weight_scale=2.0)
-        ref = _reference(x, torch.float64)
-        # docs/api.md's formula rounds the logits to the input dtype before the float32 math.
-        api_loss = F.cross_entropy(F.linear(x["hidden"], x["weight"]).double(), x["target"],
-                                   ignore_index=-100)
-        for name, fn in fns.items():
-            progress(f"accuracy N={N} {name}")
-            try:
-                out = _run(fn, x)
-            except Exception as e:
-                print(f"  {name} failed at N={N}: {type(e).__name__}: {e}", file=sys.stderr)
-                continue
-            errs = [rel_err(a, b) for a, b in zip(out, ref)]
-            rows.append(AccuracyResult(N, D, V, name, *errs, rel_err(out[0], api_loss)))
-    return rows
-
-
-def print_accuracy(rows):
-    print(f"{'N':>7} {'method':14} {'loss err':>9} {'dE err':>8} {'dW err':>8} "
-          f"{'loss err vs API formula':>24}")
-    for r in rows:
-        print(f"{r.N:7d} {r.method:14} {r.loss_err:9.2e} {r.dE_err:8.2e} {r.dW_err:8.2e} "
-              f"{r.loss_api_err:24.2e}")
-
-
-def environment():
-    # TORCH_FCE_GIT_SHA names the commit where the checkout has no usable git metadata.
-    sha = os.environ.get("TORCH_FCE_GIT_SHA", "")
-    try:
-        sha = sha or subprocess.run(["git", "rev-parse", "--short", "HEAD"],
-                                    capture_output=True, text=True, check=False).stdout.strip()
-    except OSError:
-        pass
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else _cpu_name()
-    try:
-        import triton
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = None
-    return dict(device=gpu, torch=torch.__version__, triton=triton_version, git=sha,
-                python=platform.python_version())
-
-
-def describe(env):
-    """One readable line for an environment() record."""
-    return (f"{env['device']}, torch {env['torch']}, triton {env['triton']}, "
-            f"Python {env['python']}, git {env['git'] or 'unknown'}")
-
-
 def print_table(rows):
     head = f"{'shape':6} {'method':14} {'ms':>9} {'min-max ms':>17} {'x mm':>6} " \
            f"{'extra MiB':>10} {'loss err':>9} {'dE err':>8} {'dW err':>8}"
@@ -310,93 +145,6 @@ def print_table(rows):
         spread = f"{r.ms_min:.2f}-{r.ms_max:.2f}"
         print(f"{r.shape:6} {r.method:14} {r.ms:9.2f} {spread:>17} {r.x_mm:6.2f} "
               f"{r.extra_mib:10.1f} {r.loss_err:9.2e} {r.dE_err:8.2e} {r.dW_err:8.2e}")
-
-
-def plot(rows, acc_rows, path, header):
-    """Bar charts of rows (and the accuracy study's lines), each figure headed by the
-    run's machine and versions."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    if acc_rows:
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for m in sorted({r.method for r in acc_rows}):
-            pts = [(r.N, r.dW_err) for r in acc_rows if r.method == m]
-            ax.plot(*zip(*pts), marker="o", label=m)
-        ax.set(xscale="log", yscale="log", xlabel="N (tokens)", ylabel="dW rel. error vs float64")
-        ax.legend(fontsize=7)
-        fig.suptitle(header, fontsize=7)
-        fig.tight_layout()
-        fig.savefig(path.replace(".png", "_accuracy.png"), dpi=120)
-    if not rows:
-        return
-    shapes = sorted({r.shape for r in rows}, key=[r.shape for r in rows].index)
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    for ax, field, label in zip(axes, ("x_mm", "extra_mib", "dW_err"),
-                                ("time / one matmul", "extra memory (MiB)", "dW rel. error")):
-        names = sorted({r.method for r in rows}, key=[r.method for r in rows].index)
-        width = 0.8 / len(names)
-        for i, m in enumerate(names):
-            vals = [next((getattr(r, field) for r in rows if r.shape == s and r.method == m),
-                         0.0) for s in shapes]
-            ax.bar([j + i * width for j in range(len(shapes))], vals, width, label=m)
-        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(shapes))], shapes)
-        ax.set_title(label)
-        if field != "x_mm":
-            ax.set_yscale("log")
-    axes[0].legend(fontsize=7)
-    fig.suptitle(header, fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-
-
-def _family(method):
-    """The curve a method's point belongs to in the time-memory plot."""
-    if method.startswith("fce-fp32@"):
-        return "fce-fp32 (workspace MiB)"
-    if method.startswith("quack-"):
-        return method.rsplit("-", 1)[0] + " (chunk)"
-    return method
-
-
-def plot_tradeoff(rows, path, header):
-    """Time vs peak extra memory, one panel per shape, each sweep a labelled curve."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    shapes = sorted({r.shape for r in rows}, key=[r.shape for r in rows].index)
-    fig, axes = plt.subplots(1, len(shapes), figsize=(6 * len(shapes), 4.5), squeeze=False)
-    for ax, shape in zip(axes[0], shapes):
-        here = [r for r in rows if r.shape == shape and r.method != "torch"]
-        # Points far above the best would squash the curves: listed instead of drawn.
-        best = min(r.x_mm for r in here)
-        off = [r for r in here if r.x_mm > 1.6 * best]
-        here = [r for r in here if r.x_mm <= 1.6 * best]
-        if off:
-            ax.text(0.02, 0.98, "off the chart: " + ", ".join(
-                f"{r.method} {r.x_mm:.1f}x" for r in off), transform=ax.transAxes,
-                fontsize=7, va="top")
-        for fam in sorted({_family(r.method) for r in here}):
-            pts = sorted((r.extra_mib, r.x_mm, r.method) for r in here
-                         if _family(r.method) == fam)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
-                    label=fam, linestyle="-" if len(pts) > 1 else "none")
-            for x, y, m in pts:
-                if "@" in m or m.startswith("quack-"):
-                    ax.annotate(m.rsplit("@", 1)[-1].rsplit("-", 1)[-1], (x, y), fontsize=6,
-                                textcoords="offset points", xytext=(3, 3))
-        r0 = here[0]
-        ax.set(xscale="log", xlabel="peak extra memory (MiB)", ylabel="time / one matmul",
-               title=f"{shape} {r0.N}x{r0.D}x{r0.V}")
-        ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=7)
-    fig.suptitle(header, fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
 
 
 def _isolated(args, shapes, names):
