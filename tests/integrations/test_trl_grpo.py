@@ -234,7 +234,7 @@ def test_grpo_trainer_bf16_on_cuda_agrees_with_trls_fused_head(model_dir, tmp_pa
         inputs = {k: v.float() if v.is_floating_point() else v for k, v in inputs.items()}
         loss = trainer.compute_loss(trainer.model, inputs)
         loss.backward()
-        results.append((float(loss), {n: p.grad.float() for n, p in
+        results.append((loss.detach().item(), {n: p.grad.float() for n, p in
                                       trainer.model.named_parameters()}))
     (want, want_grads), (got, got_grads) = results
     assert abs(got - want) <= 2e-2 * max(abs(want), 1e-2)

@@ -266,7 +266,16 @@ NEGATIVE = {
 
 @pytest.mark.parametrize("name", NEGATIVE)
 def test_lowering_leaves_other_uses_unfused(name):
-    _assert_compiled_with_pass_matches_eager(NEGATIVE[name])
+    import warnings
+
+    from torch_fce.lowering.patterns import OTHER_USE
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        _assert_compiled_with_pass_matches_eager(NEGATIVE[name])
+    # The pass says why where the reason costs the user memory (the logits' other use).
+    unfused = [w for w in seen if issubclass(w.category, lowering.UnfusedWarning)]
+    assert all(OTHER_USE in str(w.message) for w in unfused)
     assert counters["inductor"][lowering.FUSED] == 0
     assert sum(counters[lowering.SKIPPED].values()) >= 1
 
