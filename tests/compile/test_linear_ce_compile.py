@@ -7,7 +7,8 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import torch_fce
-from torch_fce.testing import grad_tol, make_inputs, rel_err
+from torch_fce.testing import make_inputs, rel_err
+from tests.helpers import grad_tol
 
 # The GPU tier runs this module on CUDA (README); CI on the CPU.
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -13,8 +13,9 @@ import torch_fce
 from torch_fce.distributed import (vocab_parallel_linear_cross_entropy,
                                    vocab_parallel_linear_policy_loss,
                                    vocab_parallel_linear_logprobs)
-from torch_fce.testing import (LOSS_TOL, confident_grads, confident_inputs, grad_tol,
-                               logprob_composition, make_inputs, rel_err)
+from torch_fce.testing import make_inputs, rel_err
+from tests.helpers import (
+    LOSS_TOL, confident_grads, confident_inputs, grad_tol, logprob_composition)
 
 V = 37
 FAMILIES = [

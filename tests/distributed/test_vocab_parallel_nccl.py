@@ -13,7 +13,8 @@ import torch.multiprocessing as mp
 
 import torch_fce
 from torch_fce.distributed import vocab_parallel_linear_cross_entropy
-from torch_fce.testing import LOSS_TOL, grad_tol, make_inputs, rel_err
+from torch_fce.testing import make_inputs, rel_err
+from tests.helpers import LOSS_TOL, grad_tol
 
 N, D, V = 8192, 2048, 128256
 FAMILIES = [

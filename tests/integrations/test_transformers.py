@@ -8,7 +8,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from torch_fce.integrations import transformers as fce_hf  # noqa: E402
-from torch_fce.testing import grad_tol, rel_err  # noqa: E402
+from torch_fce.testing import rel_err  # noqa: E402
+from tests.helpers import grad_tol
 
 pytestmark = pytest.mark.integration
 # The GPU tier runs this module on CUDA (README); CI on the CPU.

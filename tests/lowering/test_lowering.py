@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 import torch_fce.lowering as lowering
-from torch_fce.testing import grad_tol, rel_err
+from torch_fce.testing import rel_err
+from tests.helpers import grad_tol
 
 # The GPU tier runs the pass under Inductor's CUDA backend (README); CI on the CPU.
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

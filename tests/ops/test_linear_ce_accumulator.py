@@ -5,7 +5,8 @@ import torch
 from hypothesis import given, strategies as st
 
 from torch_fce.ops import workspace
-from torch_fce.testing import EPS, grad_tol, make_inputs
+from torch_fce.testing import make_inputs
+from tests.helpers import EPS, grad_tol
 
 from .strategies import problems
 from .test_linear_ce_reference import assert_matches_reference, run_op
@@ -34,7 +35,8 @@ def test_linear_ce_input_accumulator_error_is_bounded(tiny_workspace):
 def test_linear_ce_kahan_beats_plain_input_sums(tiny_workspace):
     x = make_inputs(512, 8, 31, torch.bfloat16, ignore_frac=0.0, seed=3)
     opts = dict(reduction="sum", label_smoothing=0.0, softcap=None, z_loss=0.0)
-    from torch_fce.testing import reference_loss_and_grads, rel_err
+    from torch_fce.testing import rel_err
+    from tests.helpers import reference_loss_and_grads
 
     errors = {}
     for acc in ("kahan", "input"):

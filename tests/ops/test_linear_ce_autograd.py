@@ -5,7 +5,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import torch_fce
-from torch_fce.testing import LOSS_TOL, grad_tol, make_inputs, reference_loss_and_grads, rel_err
+from torch_fce.testing import make_inputs, rel_err
+from tests.helpers import LOSS_TOL, grad_tol, reference_loss_and_grads
 
 
 def _leaves(x, names=("hidden", "weight", "bias")):

@@ -5,8 +5,9 @@ import pytest
 import torch
 
 import torch_fce
-from torch_fce.testing import (LOSS_TOL, capture_cuda_graph, grad_tol, make_inputs,
-                               no_host_sync, reference_loss_and_grads, rel_err)
+from torch_fce.testing import make_inputs, rel_err
+from tests.helpers import (
+    LOSS_TOL, capture_cuda_graph, grad_tol, no_host_sync, reference_loss_and_grads)
 
 pytestmark = pytest.mark.cuda
 

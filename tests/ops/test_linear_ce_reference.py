@@ -7,8 +7,9 @@ import torch
 from hypothesis import given, strategies as st
 
 import torch_fce
-from torch_fce.testing import (LOSS_TOL, allowed_error, grad_tol, reference_loss_and_grads,
-                               rel_err, torch_loss_and_grads)
+from torch_fce.testing import rel_err
+from tests.helpers import (
+    LOSS_TOL, allowed_error, grad_tol, reference_loss_and_grads, torch_loss_and_grads)
 
 from .strategies import problems
 

@@ -11,8 +11,9 @@ from torch_fce.ops import linear_ce
 from torch_fce.ops.linear_ce import CEOptions
 from torch_fce.ops.rows import torch_ce_stats, torch_shard_grad, torch_shard_stats
 from torch_fce.ops.triton.rows import triton_shard_grad, triton_shard_stats
-from torch_fce.testing import (EPS, LOSS_TOL, allowed_error, grad_tol, make_inputs,
-                               reference_loss_and_grads, rel_err, torch_loss_and_grads)
+from torch_fce.testing import make_inputs, rel_err
+from tests.helpers import (
+    EPS, LOSS_TOL, allowed_error, grad_tol, reference_loss_and_grads, torch_loss_and_grads)
 
 from .impl import ONE_DEVICE, TRITON, chunks
 from .strategies import problems

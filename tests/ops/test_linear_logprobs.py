@@ -15,8 +15,10 @@ from torch_fce.ops.logprob_rows import TORCH_LOGPROB_ROWS, empty_tile_stats, fin
 from torch_fce.ops.rows import TORCH_CE_ROWS
 from torch_fce.ops.triton.logprob_rows import TRITON_LOGPROB_ROWS
 from torch_fce.ops.triton.rows import TRITON_CE_ROWS
-from torch_fce.testing import (EPS, capture_cuda_graph, confident_grads, confident_inputs,
-                               logprob_composition, make_inputs, no_host_sync, rel_err)
+from torch_fce.testing import make_inputs, rel_err
+from tests.helpers import (
+    EPS, capture_cuda_graph, confident_grads, confident_inputs, logprob_composition,
+    no_host_sync)
 
 from .impl import BACKENDS, ONE_DEVICE, TORCH, TRITON, chunks
 

@@ -13,7 +13,8 @@ import torch_fce
 from torch_fce.ops import linear_policy_loss
 from torch_fce.ops.linear_policy_loss import PolicyOptions
 from .impl import ONE_DEVICE, TORCH, TRITON, chunks
-from torch_fce.testing import LOSS_TOL, grad_tol, make_inputs, rel_err
+from torch_fce.testing import make_inputs, rel_err
+from tests.helpers import LOSS_TOL, grad_tol
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
