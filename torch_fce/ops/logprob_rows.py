@@ -1,5 +1,5 @@
-"""Per-row log-prob math in plain PyTorch: the CPU backend's counterpart of the Triton
-log-prob row kernel (triton/logprob_rows.py).
+"""Per-row log-prob math in plain PyTorch (the rows of every device but CUDA with
+Triton): the counterpart of the Triton log-prob row kernel (triton/logprob_rows.py).
 
 For a chunk of logits rows l (n, V) (after bias), with z = softcap(l) / T (T the row's
 temperature) and p = softmax(z):

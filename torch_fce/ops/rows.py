@@ -1,4 +1,5 @@
-"""Per-row loss math in plain PyTorch: the CPU backend's counterpart of the Triton row kernel.
+"""Per-row cross-entropy math in plain PyTorch (the rows of every device but CUDA with
+Triton): the counterpart of the Triton row kernel (triton/rows.py).
 
 For a chunk of logits rows z (n, V) (after bias), with p = softmax(softcap(z)):
   lse    = logsumexp(softcap(z))
