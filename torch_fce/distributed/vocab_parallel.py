@@ -4,7 +4,8 @@ Each rank holds rows [vocab_start, vocab_start + Vs) of the (V, D) head (Megatro
 column-parallel lm head) and the full hidden states, targets and per-token tensors.
 These are the single-device ops with a `Shard` (ops/chunked.py): the same custom ops,
 fake kernels, autograd and chunk loop, whose row functions all-reduce each chunk's
-per-row statistics (functional collectives, so torch.compile traces them) before any
+per-row statistics (functional collectives, run inside the op: under torch.compile the
+loss is one custom-op node with its fake kernel) before any
 gradient is formed; the weight and bias gradients stay local, the hidden gradient's
 float32 partial sums are all-reduced once. Here: the collective checks that every rank
 agrees on the tiling (before the op, outside torch.compile) and the result types.
@@ -44,12 +45,13 @@ def _check_tiling(hidden, weight, target, vocab_start, vocab_size, group):
                          f"(start, rows) per rank = {[r[:2] for r in rows]}")
 
 
-def _shard(hidden, weight, target, vocab_start, vocab_size, group):
+def _shard(hidden, weight, target, vocab_start, vocab_size, group, class_weight=None):
     """The Shard of this rank, after the collective checks of the shards and, on the CPU
     or when asked for (a host sync), the kernels check targets and temperatures."""
     group = group or dist.group.WORLD
     if not torch.compiler.is_compiling():
-        checks.check_inputs(hidden, weight, target, None, None)
+        # before the collective check: every rank raises alike, none waits on another
+        checks.check_inputs(hidden, weight, target, None, class_weight, vocab_size)
         _check_tiling(hidden, weight, target, vocab_start, vocab_size, group)
     return Shard(group.group_name, vocab_start, vocab_size)
 
@@ -68,9 +70,7 @@ def vocab_parallel_linear_cross_entropy(hidden, weight, target, bias=None, class
         The loss (float32), identical on every rank: () or target.shape.
     """
     opts = linear_ce.CEOptions(**options).check()
-    if not torch.compiler.is_compiling():  # class_weight spans the whole vocabulary
-        checks.check_inputs(hidden, weight, target, bias, class_weight, vocab_size)
-    shard = _shard(hidden, weight, target, vocab_start, vocab_size, group)
+    shard = _shard(hidden, weight, target, vocab_start, vocab_size, group, class_weight)
     return linear_ce.forward(hidden, weight, target, bias, class_weight, opts, False,
                              shard)[0]
 

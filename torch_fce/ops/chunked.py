@@ -61,7 +61,7 @@ class Shard(NamedTuple):
         import torch.distributed._functional_collectives as funcol
 
         out = funcol.all_reduce(t, op, self.group)
-        # eager: a plain tensor back (under tracing the wait is implicit)
+        # the op's kernels run eagerly: wait for the collective here
         return out.wait() if isinstance(out, funcol.AsyncCollectiveTensor) else out
 
 
@@ -216,15 +216,17 @@ def grad_dtype(dtype, keep_f32):
     return torch.promote_types(dtype, torch.float32) if keep_f32 else dtype
 
 
-def grad_outputs(hidden, weight, bias, grads, keep_f32):
-    """Casts gradients to their output dtypes; (0,) placeholders for those not wanted."""
+def grad_outputs(hidden, weight, bias, grads, keep_f32, hidden_f32=False):
+    """Casts gradients to their output dtypes; (0,) placeholders for those not wanted.
+    hidden_f32: the hidden gradient stays a float32 sum (a shard group's all-reduced
+    partials, kept for the backward's one rounding)."""
     gh, gw, gb = grads
     if isinstance(gh, GradAccumulator):  # summed across vocabulary tiles
         gh = gh.result(hidden.dtype)
     if isinstance(gw, GradAccumulator):  # summed across token chunks
         gw = gw.result(grad_dtype(weight.dtype, keep_f32))
     return (
-        hidden.new_empty(0) if gh is None else gh.to(hidden.dtype),
+        hidden.new_empty(0) if gh is None else gh.to(grad_dtype(hidden.dtype, hidden_f32)),
         hidden.new_empty(0) if gw is None else gw,
         hidden.new_empty(0) if gb is None else gb.to(grad_dtype(bias.dtype, keep_f32)),
     )

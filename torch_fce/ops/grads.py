@@ -88,10 +88,12 @@ def needs(ctx, at):
     return [ctx.needs_input_grad[i] for i in at]
 
 
-def fake_grads(hidden, weight, bias, needs_grad, keep_f32):
-    """The fake kernels' gradient outputs ((0,) for those not wanted)."""
+def fake_grads(hidden, weight, bias, needs_grad, keep_f32, hidden_f32=False):
+    """The fake kernels' gradient outputs ((0,) for those not wanted), as
+    chunked.grad_outputs forms them."""
     return (
-        hidden.new_empty(hidden.shape) if needs_grad[0] else hidden.new_empty(0),
+        hidden.new_empty(hidden.shape, dtype=grad_dtype(hidden.dtype, hidden_f32))
+        if needs_grad[0] else hidden.new_empty(0),
         weight.new_empty(weight.shape, dtype=grad_dtype(weight.dtype, keep_f32))
         if needs_grad[1] else hidden.new_empty(0),
         bias.new_empty(bias.shape, dtype=grad_dtype(bias.dtype, keep_f32))

@@ -81,8 +81,10 @@ def forward(hidden, weight, target, bias, class_weight, opts, stats, shard=ONE_D
     stats. Also the vocab-parallel entry (distributed/vocab_parallel.py)."""
     refuse_transforms((hidden, weight, bias, class_weight))
     hidden, weight, bias = autocast_operands(hidden, weight, bias)  # dtypes checked after
-    checks.check_inputs(hidden, weight, target, bias, class_weight, shard.vocab(weight)
-                        if isinstance(weight, torch.Tensor) else None)
+    checks.check_inputs(hidden, weight, target, bias, class_weight, _vocab(shard))
+    if stats and shard.group is not None:
+        raise ValueError("the token statistics (return_stats) are not formed for a "
+                         "vocabulary shard")
     if class_weight is not None and class_weight.requires_grad and torch.is_grad_enabled():
         raise ValueError("class_weight must not require grad: its gradient is not computed "
                          "(as F.cross_entropy's weight); pass class_weight.detach()")
@@ -119,19 +121,28 @@ def _checked(hidden, weight, target, bias, class_weight, args):
     opts, rest = take(CEOptions, args)
     shard, rest = take(Shard, rest)
     opts.check()
-    checks.check_inputs(hidden, weight, target, bias, class_weight, shard.vocab(weight))
+    checks.check_inputs(hidden, weight, target, bias, class_weight, _vocab(shard))
+    if shard.group is not None and rest[-1] is True:  # linear_ce_fwd's stats
+        raise ValueError("the token statistics (return_stats) are not formed for a "
+                         "vocabulary shard")
     return opts, shard, rest
+
+
+def _vocab(shard):
+    """class_weight's length where it differs from weight's rows (a shard), else None."""
+    return None if shard.group is None else shard.vocab_size
 
 
 @torch.library.register_fake("fce::linear_ce_fwd")
 def _fwd_fake(hidden, weight, target, bias, class_weight, *args):
-    opts, _, (needs, stats) = _checked(hidden, weight, target, bias, class_weight, args)
+    opts, shard, (needs, stats) = _checked(hidden, weight, target, bias, class_weight, args)
     shape = target.shape if opts.reduction == "none" else ()
     # float32 (float64 for float64 inputs, which exist for gradcheck)
     mdt = torch.promote_types(hidden.dtype, torch.float32)
     n = target.shape[0] if stats else 0
     return (hidden.new_empty(shape, dtype=mdt),
-            *grads.fake_grads(hidden, weight, bias, needs, opts.accumulator == "fp32"),
+            *grads.fake_grads(hidden, weight, bias, needs, opts.accumulator == "fp32",
+                              shard.group is not None),
             hidden.new_empty(n, dtype=mdt), hidden.new_empty(n, dtype=torch.int64))
 
 
@@ -203,7 +214,8 @@ def fwd(hidden, weight, target, bias, class_weight, *args, backend):
         loss = reduce_loss(nll, smooth, lse, target, class_weight, opts.ignore_index,
                            opts.reduction, opts.label_smoothing, opts.z_loss, V)
     none = hidden.new_empty(0, dtype=lse.dtype), hidden.new_empty(0, dtype=torch.int64)
-    return (loss, *grad_outputs(hidden, weight, bias, gradients, opts.accumulator == "fp32"),
+    return (loss, *grad_outputs(hidden, weight, bias, gradients, opts.accumulator == "fp32",
+                                shard.group is not None),
             *((lse, argmax) if stats else none))
 
 
@@ -211,6 +223,8 @@ def fwd(hidden, weight, target, bias, class_weight, *args, backend):
 def bwd(grad_loss, hidden, weight, target, bias, class_weight, *args, backend):
     opts, rest = take(CEOptions, args)
     shard, (needs,) = take(Shard, rest)
+    if backend.check_values:
+        checks.check_target_range(target, shard.vocab(weight), opts.ignore_index)
     scales = after_first_gemm(lambda: grad_scales(
         target, class_weight, opts.ignore_index, opts.reduction, opts.z_loss,
         math_dtype_for(hidden.dtype), grad_loss=grad_loss))

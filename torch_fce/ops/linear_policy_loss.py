@@ -212,10 +212,11 @@ def _fwd_fake(hidden, weight, target, advantages, bias, *args):
     opts, rest = take(PolicyOptions, args)
     opts = opts.check()
     check_inputs(hidden, weight, target, advantages, bias, per_token, opts)
-    (needs,) = take(Shard, rest)[1]
+    shard, (needs,) = take(Shard, rest)
     mdt = torch.promote_types(hidden.dtype, torch.float32)
     return (hidden.new_empty((), dtype=mdt),
-            *grads.fake_grads(hidden, weight, bias, needs, opts.accumulator == "fp32"),
+            *grads.fake_grads(hidden, weight, bias, needs, opts.accumulator == "fp32",
+                              shard.group is not None),
             *(hidden.new_empty(target.shape[0], dtype=mdt) for _ in range(5)))
 
 
@@ -302,7 +303,8 @@ def fwd(hidden, weight, target, advantages, bias, old_logprobs, ref_logprobs,
                                chunk_rows_for(hidden, weight, shard), shard=shard)
     loss_t, *stats = out
     return (loss_t.sum(), *grad_outputs(hidden, weight, bias, gradients,
-                                        opts.accumulator == "fp32"), *stats)
+                                        opts.accumulator == "fp32", shard.group is not None),
+            *stats)
 
 
 def _stats(backend, logits, target, inv_t, opts, mdt, shard):
@@ -312,5 +314,6 @@ def _stats(backend, logits, target, inv_t, opts, mdt, shard):
     part = empty_tile_stats(logits.shape[0], mdt, logits.device)
     backend.logprobs.tile_stats(logits, target, inv_t, opts, True, mdt, shard.vocab_start,
                                 part)
-    return finish_stats(all_reduce_tile_stats(part, shard), target, shard.vocab_size,
+    return finish_stats(all_reduce_tile_stats(part, shard, argmax=False), target,
+                        shard.vocab_size,
                         opts.ignore_index, True)

@@ -104,15 +104,18 @@ def _tile_stats(z, target, inv_t, entropy, col0):
     return TileStats(m.squeeze(1), s, ez, best, argmax + col0, z_y)
 
 
-def all_reduce_tile_stats(stats, shard):
+def all_reduce_tile_stats(stats, shard, argmax=True):
     """A vocabulary shard's TileStats made global across the shard group (the collective
-    hook): the max, the sums rebased to it, the target logit (held by one rank) and the
-    first most likely class (the lowest index among the ranks holding the max)."""
+    hook): the max, the sums rebased to it, the target logit (held by one rank) and,
+    with argmax (two collectives more), the first most likely class (the lowest index
+    among the ranks holding the max; else the shard's own, not meant to be read)."""
     M = shard.all_reduce(stats.m, "max")
     scale = torch.exp(stats.m - M)
     sums = shard.all_reduce(torch.stack([stats.s * scale,
                                          rebased_ez(stats.ez, stats.s, stats.m, M) * scale,
                                          stats.z_y]), "sum")
+    if not argmax:
+        return TileStats(M, sums[0], sums[1], stats.best, stats.argmax, sums[2])
     best = shard.all_reduce(stats.best, "max")
     idx = torch.where(stats.best == best, stats.argmax, shard.vocab_size)
     return TileStats(M, sums[0], sums[1], best, shard.all_reduce(idx, "min"), sums[2])
@@ -173,7 +176,7 @@ def torch_logprob_stats_then_grad(logits, target, inv_t, opts, upstream, math_dt
     else:
         V = shard.vocab_size
         stats = all_reduce_tile_stats(_tile_stats(z, target, inv_t, True, shard.vocab_start),
-                                      shard)
+                                      shard, argmax=False)  # the loss reads no argmax
     outputs = finish_stats(stats, target, V, opts.ignore_index, True)
     g_lp, g_h = upstream(outputs[0], outputs[1])
     row_stats = outputs[4]

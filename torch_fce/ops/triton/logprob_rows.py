@@ -1,5 +1,5 @@
 """Triton row kernel for the log-probs: logsumexp, log-prob, entropy, argmax and the
-logits gradient of a logits chunk (the math of logprob_rows.torch_logprob_rows).
+logits gradient of a logits chunk (the math of logprob_rows.py, its LogProbRows).
 
 One program per token row. The forward sweeps a row once, forming the logsumexp, the
 entropy's sum_c p_c z_c and the argmax online (on a vocabulary tile, it merges the
@@ -185,7 +185,7 @@ def triton_logprob_stats_then_grad(logits, target, inv_t, opts, upstream, math_d
         stats = empty_tile_stats(logits.shape[0], torch.float32, logits.device)
         triton_logprob_tile_stats(logits, target, inv_t, opts, True, math_dtype,
                                   shard.vocab_start, stats)
-        outputs = finish_stats(all_reduce_tile_stats(stats, shard), target,
+        outputs = finish_stats(all_reduce_tile_stats(stats, shard, argmax=False), target,
                                shard.vocab_size, opts.ignore_index, True)
     g_lp, g_h = upstream(outputs[0], outputs[1])
     return (*outputs, triton_logprob_grad(logits, target, inv_t, opts, g_lp, g_h,
