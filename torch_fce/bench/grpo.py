@@ -19,6 +19,7 @@ import torch
 from torch_fce.bench.measure import (add_device_option, add_size_options, check_device,
                                      median_time, peak_extra_bytes)
 from torch_fce.bench.env import describe, environment
+from torch_fce.bench.rl import TRL_GRPO_CONFIG
 from torch_fce.integrations import trl as fce_trl
 from torch_fce.testing import rel_err, word_tokenizer
 
@@ -37,8 +38,7 @@ def _trainer(args, path):
     transformers.LlamaForCausalLM(config).to(dtype).save_pretrained(path)
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     config = trl.GRPOConfig(
-        output_dir=path + "/out", loss_type="dapo", epsilon=0.2, epsilon_high=0.28,
-        beta=0.04, temperature=0.7, per_device_train_batch_size=args.B,
+        output_dir=path + "/out", **TRL_GRPO_CONFIG, per_device_train_batch_size=args.B,
         num_generations=args.B, max_completion_length=args.K, report_to=[],
         bf16=args.device == "cuda", use_cpu=args.device == "cpu",
         gradient_checkpointing=False)

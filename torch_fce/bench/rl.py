@@ -22,6 +22,9 @@ from torch_fce.bench.measure import with_workspace
 
 TEMPERATURE = 0.7
 EPSILON_LOW, EPSILON_HIGH, BETA = 0.2, 0.28, 0.04
+# The same objective as a TRL GRPOConfig's arguments (bench grpo's trainer).
+TRL_GRPO_CONFIG = dict(loss_type="dapo", epsilon=EPSILON_LOW, epsilon_high=EPSILON_HIGH,
+                       beta=BETA, temperature=TEMPERATURE)
 TRL_CHUNK = 32768  # the vocabulary tile GRPOTrainer passes to TRL's head
 SEQUENCES = 16  # the policy objective's N tokens are SEQUENCES completions of N / SEQUENCES
 

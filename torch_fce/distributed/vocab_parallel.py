@@ -26,8 +26,8 @@ def _check_tiling(hidden, weight, target, vocab_start, vocab_size, group):
     token chunks too must agree (each chunk's statistics are all-reduced): they depend
     on each process's workspace setting and its GPU's memory."""
     N, D = target.numel(), hidden.shape[-1]
-    chunk = chunk_rows_for(hidden.reshape(-1, D), weight, Shard(group.group_name, vocab_start,
-                                                               vocab_size)) if N else 0
+    chunk = chunk_rows_for(hidden.reshape(-1, D), weight,
+                           _make_shard(vocab_start, vocab_size, group)) if N else 0
     mine = torch.tensor([vocab_start, weight.shape[0], N, D, vocab_size, chunk],
                         dtype=torch.int64, device=hidden.device)
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
@@ -53,7 +53,11 @@ def _shard(hidden, weight, target, vocab_start, vocab_size, group, class_weight=
         # before the collective check: every rank raises alike, none waits on another
         checks.check_inputs(hidden, weight, target, None, class_weight, vocab_size)
         _check_tiling(hidden, weight, target, vocab_start, vocab_size, group)
-    return Shard(group.group_name, vocab_start, vocab_size)
+    return _make_shard(vocab_start, vocab_size, group)
+
+
+def _make_shard(vocab_start, vocab_size, group):
+    return Shard(group.group_name, vocab_start, vocab_size, dist.get_world_size(group))
 
 
 def vocab_parallel_linear_cross_entropy(hidden, weight, target, bias=None, class_weight=None,

@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch.fx import Node
 
+from ..ops.checks import FLOAT_DTYPES
+
 # F.cross_entropy as Dynamo records it, and the ATen-level call some torch versions
 # record instead (its reduction is an enum).
 CROSS_ENTROPY = (F.cross_entropy, torch._C._nn.cross_entropy_loss)
@@ -32,7 +34,6 @@ TANH = (torch.tanh,)
 _GLOBAL_STATE = ("_set_grad_enabled", "_enter_autocast", "_exit_autocast",
                  "_enter_inference_mode", "_exit_inference_mode")
 _CE_SIGNATURE = inspect.signature(F.cross_entropy)
-_SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 OTHER_USE = "the logits have another use"  # a reason of its own: the pass warns on it
 
 
@@ -266,7 +267,7 @@ def _check_inputs(hidden, weight, bias, target, class_weight, V, V_out):
     """What the op would reject (it would fail the compile), as NoMatch instead. V is the
     head's rows, V_out the classes the loss sees (fewer for a padded head)."""
     h, w, t = _meta(hidden), _meta(weight), _meta(target)
-    if h.dtype not in _SUPPORTED_DTYPES or w.dtype not in (h.dtype, torch.float32):
+    if h.dtype not in FLOAT_DTYPES or w.dtype not in (h.dtype, torch.float32):
         raise NoMatch(f"unsupported dtypes hidden={h.dtype} weight={w.dtype}")
     if h.dim() < 2:
         raise NoMatch("hidden has no token dimension")

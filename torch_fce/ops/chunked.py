@@ -44,10 +44,12 @@ class RowFn(Protocol):
 class Shard(NamedTuple):
     """Where this rank's classes sit in the vocabulary: rows [vocab_start, vocab_start +
     weight.shape[0]) of a head of vocab_size classes, across the process group named
-    `group`. `Shard()` is one device (the whole vocabulary on this rank)."""
+    `group` of world_size ranks. `Shard()` is one device (the whole vocabulary on this
+    rank)."""
     group: Optional[str] = None
     vocab_start: int = 0
     vocab_size: int = -1
+    world_size: int = 1
 
     def vocab(self, weight):
         """The whole vocabulary's size V."""
@@ -77,13 +79,7 @@ def chunk_rows_for(hidden, weight, shard=ONE_DEVICE):
     (each chunk's statistics are all-reduced), so a shard's size comes from V / world
     size, not from this rank's rows: with uneven shards a larger shard's chunk exceeds
     the workspace by its share over V / world size."""
-    V = weight.shape[0]
-    if shard.group is not None:
-        import torch.distributed as dist
-
-        world = dist.get_world_size(dist.distributed_c10d._resolve_process_group(
-            shard.group))
-        V = -(-shard.vocab_size // world)
+    V = weight.shape[0] if shard.group is None else -(-shard.vocab_size // shard.world_size)
     return _workspace_rows(hidden.shape[0], max(1, V), hidden.shape[1], hidden.dtype,
                            hidden.device)
 

@@ -81,10 +81,7 @@ def forward(hidden, weight, target, bias, class_weight, opts, stats, shard=ONE_D
     stats. Also the vocab-parallel entry (distributed/vocab_parallel.py)."""
     refuse_transforms((hidden, weight, bias, class_weight))
     hidden, weight, bias = autocast_operands(hidden, weight, bias)  # dtypes checked after
-    checks.check_inputs(hidden, weight, target, bias, class_weight, _vocab(shard))
-    if stats and shard.group is not None:
-        raise ValueError("the token statistics (return_stats) are not formed for a "
-                         "vocabulary shard")
+    checks.check_inputs(hidden, weight, target, bias, class_weight, _sharded_vocab(shard))
     if class_weight is not None and class_weight.requires_grad and torch.is_grad_enabled():
         raise ValueError("class_weight must not require grad: its gradient is not computed "
                          "(as F.cross_entropy's weight); pass class_weight.detach()")
@@ -121,21 +118,25 @@ def _checked(hidden, weight, target, bias, class_weight, args):
     opts, rest = take(CEOptions, args)
     shard, rest = take(Shard, rest)
     opts.check()
-    checks.check_inputs(hidden, weight, target, bias, class_weight, _vocab(shard))
-    if shard.group is not None and rest[-1] is True:  # linear_ce_fwd's stats
-        raise ValueError("the token statistics (return_stats) are not formed for a "
-                         "vocabulary shard")
+    checks.check_inputs(hidden, weight, target, bias, class_weight, _sharded_vocab(shard))
     return opts, shard, rest
 
 
-def _vocab(shard):
-    """class_weight's length where it differs from weight's rows (a shard), else None."""
+def _sharded_vocab(shard):
+    """class_weight's length where it is not weight's rows (a shard's whole vocabulary)."""
     return None if shard.group is None else shard.vocab_size
+
+
+def _no_shard_stats(shard, stats):
+    if stats and shard.group is not None:
+        raise ValueError("the token statistics (return_stats) are not formed for a "
+                         "vocabulary shard")
 
 
 @torch.library.register_fake("fce::linear_ce_fwd")
 def _fwd_fake(hidden, weight, target, bias, class_weight, *args):
     opts, shard, (needs, stats) = _checked(hidden, weight, target, bias, class_weight, args)
+    _no_shard_stats(shard, stats)
     shape = target.shape if opts.reduction == "none" else ()
     # float32 (float64 for float64 inputs, which exist for gradcheck)
     mdt = torch.promote_types(hidden.dtype, torch.float32)
@@ -201,6 +202,7 @@ torch.library.register_autograd("fce::linear_ce_fwd", _backward, setup_context=_
 def fwd(hidden, weight, target, bias, class_weight, *args, backend):
     opts, rest = take(CEOptions, args)
     shard, (needs, stats) = take(Shard, rest)
+    _no_shard_stats(shard, stats)
     V = shard.vocab(weight)
     if backend.check_values:
         checks.check_target_range(target, V, opts.ignore_index)

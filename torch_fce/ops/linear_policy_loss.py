@@ -31,7 +31,7 @@ from . import checks, grads
 from .chunked import (ONE_DEVICE, Shard, after_first_gemm, chunk_rows_for, grad_outputs,
                       inverse_temperature, math_dtype_for, no_autocast, run_chunks)
 from .dispatch import LIB, kernel
-from .logprob_rows import all_reduce_tile_stats, empty_tile_stats, finish_stats
+from .logprob_rows import shard_stats
 from .entry import autocast_operands, flat, int64_if_needed, needs_grad, refuse_transforms, rows
 from .options import as_float, check_choice, got, schema_args, take
 
@@ -292,7 +292,8 @@ def fwd(hidden, weight, target, advantages, bias, old_logprobs, ref_logprobs,
             lp, ent, *_, dz = backend.logprobs.stats_then_grad(
                 logits, target[s:e], inv_t[s:e], opts, upstream, mdt, shard)
         else:
-            lp, ent, *_ = _stats(backend, logits, target[s:e], inv_t[s:e], opts, mdt, shard)
+            lp, ent, *_ = shard_stats(backend.logprobs, logits, target[s:e], inv_t[s:e],
+                                       opts, True, mdt, shard)
             upstream(lp, ent)
             dz = None
         loss_t, _, _, ratio, clipped, kl = terms
@@ -306,14 +307,3 @@ def fwd(hidden, weight, target, advantages, bias, old_logprobs, ref_logprobs,
                                         opts.accumulator == "fp32", shard.group is not None),
             *stats)
 
-
-def _stats(backend, logits, target, inv_t, opts, mdt, shard):
-    """The log-prob outputs of a chunk without gradients (global across a shard)."""
-    if shard.group is None:
-        return backend.logprobs.stats(logits, target, inv_t, opts, True, mdt)
-    part = empty_tile_stats(logits.shape[0], mdt, logits.device)
-    backend.logprobs.tile_stats(logits, target, inv_t, opts, True, mdt, shard.vocab_start,
-                                part)
-    return finish_stats(all_reduce_tile_stats(part, shard, argmax=False), target,
-                        shard.vocab_size,
-                        opts.ignore_index, True)

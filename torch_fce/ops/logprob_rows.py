@@ -121,6 +121,18 @@ def all_reduce_tile_stats(stats, shard, argmax=True):
     return TileStats(M, sums[0], sums[1], best, shard.all_reduce(idx, "min"), sums[2])
 
 
+def shard_stats(rows, logits, target, inv_t, opts, entropy, math_dtype, shard):
+    """rows.stats (a LogProbRows family's) of one chunk, also for a vocabulary shard:
+    the shard's TileStats made global across the group, then finished (the argmax is
+    then not meant to be read: the losses built on it read none)."""
+    if shard.group is None:
+        return rows.stats(logits, target, inv_t, opts, entropy, math_dtype)
+    part = empty_tile_stats(logits.shape[0], math_dtype, logits.device)
+    rows.tile_stats(logits, target, inv_t, opts, entropy, math_dtype, shard.vocab_start, part)
+    return finish_stats(all_reduce_tile_stats(part, shard, argmax=False), target,
+                        shard.vocab_size, opts.ignore_index, entropy)
+
+
 class LogProbRows(NamedTuple):
     """The log-probs' row functions on one backend. logits (n, cols) is the loop's
     buffer (overwritten); target holds whole-vocabulary indices; inv_t (n,) is 1/T

@@ -13,8 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..logprob_rows import (LogProbRows, all_reduce_tile_stats, empty_tile_stats,
-                            finish_stats)
+from ..logprob_rows import LogProbRows, shard_stats
 from .rows import _block_max, _block_v, _load_z, _sweep_start
 
 
@@ -179,14 +178,8 @@ def triton_logprob_stats_then_grad(logits, target, inv_t, opts, upstream, math_d
     """LogProbRows.stats_then_grad: a forward sweep, the upstream gradients, a gradient
     sweep over the same chunk (a shard's sums are merged into a fresh TileStats and
     made global between the two)."""
-    if shard.group is None:
-        outputs = triton_logprob_stats(logits, target, inv_t, opts, True, math_dtype)
-    else:
-        stats = empty_tile_stats(logits.shape[0], torch.float32, logits.device)
-        triton_logprob_tile_stats(logits, target, inv_t, opts, True, math_dtype,
-                                  shard.vocab_start, stats)
-        outputs = finish_stats(all_reduce_tile_stats(stats, shard, argmax=False), target,
-                               shard.vocab_size, opts.ignore_index, True)
+    outputs = shard_stats(TRITON_LOGPROB_ROWS, logits, target, inv_t, opts, True,
+                          math_dtype, shard)
     g_lp, g_h = upstream(outputs[0], outputs[1])
     return (*outputs, triton_logprob_grad(logits, target, inv_t, opts, g_lp, g_h,
                                           outputs[4], math_dtype, shard.vocab_start))
