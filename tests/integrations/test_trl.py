@@ -163,6 +163,21 @@ def test_chunked_logprob_drop_in_equals_the_float64_composition_and_trls(softcap
             assert rel_err(a.double(), r) <= 100 * tol, fn
 
 
+def test_chunked_logprob_drop_in_log_sum_sq_probs_on_confident_rows():
+    # Logits about 50 +- 20 in float32, most rows p(max) > 0.98: log sum_v p_v^2 is small
+    # there, and two separately rounded logsumexps (3.9e-3 relative error) would swamp it.
+    # Formed relative to the row max, as TRL's kernel does: within twice its error.
+    from tests.helpers import confident_inputs
+    from trl.kernels import ChunkedLogProbFunction as Theirs
+
+    h, w, y = (t.to(DEVICE) for t in confident_inputs(48, 24, 257, offset=50.0))
+    truth = torch.logsumexp(2 * F.linear(h.double(), w.double()).log_softmax(-1), -1)
+    args = (h, w, None, y, 1.0, 64, None, 1.0, ("log_probs", "log_sum_sq_probs"))
+    ours, theirs = (rel_err(fn.apply(*args)[2].double(), truth)
+                    for fn in (fce_trl.ChunkedLogProbFunction, Theirs))
+    assert ours <= 2 * theirs + 1e-7, (ours, theirs)
+
+
 def test_chunked_logprob_drop_in_refuses_what_it_cannot_serve():
     h, w, y = torch.randn(3, 4), torch.randn(5, 4), torch.tensor([0, 1, 2])
     with pytest.raises(ValueError, match="mean_logits"):

@@ -92,8 +92,9 @@ class ChunkedLogProbFunction:
     """A drop-in for `trl.kernels.ChunkedLogProbFunction`: the same `apply` arguments
     and outputs (log-probs and, as asked in `outputs`, entropy, log(sum_v p_v^2), the
     mean logit and whether the target is the most likely class), from
-    torch_fce.linear_logprobs. log_sum_sq_probs costs a second forward sweep (no
-    gradient): it is logsumexp(2 z) - 2 logsumexp(z) of the temperature-scaled logits z.
+    torch_fce.linear_logprobs. log_sum_sq_probs costs two more forward sweeps (no
+    gradient): log s(2z) - 2 log s(z) of the temperature-scaled logits z, s(x) =
+    sum_v exp(x_v - max x) (relative to the row max, as TRL's kernel).
     Refused (ValueError): mean_logits with a softcap (it would need a pass of its own)
     and a DeepSpeed ZeRO-3 weight (gathered only while TRL's head runs, so not there for
     the gradients this forms)."""
@@ -120,11 +121,14 @@ class ChunkedLogProbFunction:
         sq = mean = None
         with torch.no_grad():
             if "log_sum_sq_probs" in outputs:
-                doubled = linear_logprobs(hidden, weight, targets, bias,
-                                          temperature=temperature / 2,
-                                          softcap=final_logit_softcapping,
-                                          accumulator=accumulator)
-                sq = doubled.lse - 2 * out.lse
+                # log sum_v p_v^2 = log s(2z) - 2 log s(z), the sums relative to the row
+                # max: the log-prob of the most likely class is exactly -log s (as TRL's
+                # kernel, no rounded lse cancels against another)
+                def top(t):  # the most likely class's log-prob at t: -log s(z / t)
+                    return linear_logprobs(hidden, weight, out.argmax, bias, temperature=t,
+                                           softcap=final_logit_softcapping).logprob
+
+                sq = 2 * top(temperature) - top(temperature / 2)
             if "mean_logits" in outputs:  # mean_v (h . w_v + b_v) * scale / T, float32
                 with torch.autocast(hidden.device.type, enabled=False):
                     w_sum = weight.sum(0, dtype=out.lse.dtype)

@@ -4,7 +4,7 @@ Triton): the counterpart of the Triton log-prob row kernel (triton/logprob_rows.
 For a chunk of logits rows l (n, V) (after bias), with z = softcap(l) / T (T the row's
 temperature) and p = softmax(z):
   lse     = logsumexp(z)
-  logprob = z_y - lse                                  (0 where ignored)
+  logprob = (z_y - m) - log s, m the row max, s = sum_c exp(z_c - m) (0 where ignored)
   entropy = -sum_c p_c log p_c = lse - mu, mu = sum_c p_c z_c   (0 where ignored)
   argmax  = argmax_c z_c (the first one), as an index
 and for upstream gradients g (of logprob) and h (of entropy), zero where ignored:
@@ -81,7 +81,10 @@ def finish_stats(stats, target, V, ignore_index, entropy):
     valid = target != ignore_index
     in_range = (target >= 0) & (target < V)
     # A counted target outside [0, V) poisons its row with NaN (as the loss does).
-    logprob = torch.where(valid, torch.where(in_range, stats.z_y - lse, float("nan")), 0.0)
+    # (z_y - m) - log s, not z_y - lse: z_y - m is exact near the max, so a confident
+    # row keeps its log-prob to float32 precision, where lse's rounding would swamp it.
+    logprob = torch.where(valid, torch.where(in_range, (stats.z_y - stats.m) - log_s,
+                                             float("nan")), 0.0)
     ent = torch.where(valid, log_s - d, 0.0) if entropy else torch.zeros_like(lse)
     return logprob, ent, lse, stats.argmax, torch.stack([stats.m, log_s, d], 1)
 

@@ -118,7 +118,8 @@ def _linear_logprobs_rows_kernel(
             d = ez / s
             lse = m + log_s
             # Out-of-range targets never read out of bounds: they poison the row with NaN.
-            lp = tl.where(here, z_y - lse, float("nan"))
+            # (z_y - m) - log s: exact near the max (logprob_rows.finish_stats)
+            lp = tl.where(here, (z_y - m) - log_s, float("nan"))
             tl.store(logprob_ptr + row, tl.where(valid, lp, 0.0))
             tl.store(lse_ptr + row, lse)
             tl.store(argmax_ptr + row, best_i)
