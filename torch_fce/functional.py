@@ -33,7 +33,7 @@ def _shifted(hidden, weight, target, bias, class_weight, ignore_index, shift):
 def linear_cross_entropy(hidden, weight, target, bias=None, class_weight=None, *,
                          ignore_index=-100, reduction="mean", label_smoothing=0.0,
                          softcap=None, z_loss=0.0, accumulator="fp32", shift=False,
-                         return_stats=False):
+                         return_stats=False, logits_dtype=None):
     """Cross entropy of F.linear(hidden, weight, bias) against target, without the logits.
 
     Args:
@@ -46,6 +46,10 @@ def linear_cross_entropy(hidden, weight, target, bias=None, class_weight=None, *
         Other options: see docs/api.md.
         return_stats: also return LossStats (per-token lse and argmax, the z-loss term)
             from the same pass, no extra GEMM (token accuracy: argmax == target).
+        logits_dtype: None (the logits rounded to hidden's dtype, as F.linear's) or
+            torch.float32 (the GEMM's float32 sums, unrounded: bfloat16/float16 inputs
+            get log-probs and gradients as of F.linear(hidden.float(), weight.float());
+            docs/numerics.md). float32 and float64 inputs are unaffected.
         A DTensor weight sharded on dim 0 (vocabulary) runs the vocab-parallel loss over
         its mesh dimension (torch_fce.distributed); the loss is the same on every rank.
 
@@ -56,7 +60,8 @@ def linear_cross_entropy(hidden, weight, target, bias=None, class_weight=None, *
     # Checked here too: the dispatcher's own type errors would not name the option.
     # Under torch.compile the op's fake kernel checks them: an error raised here would
     # reach the caller as Dynamo's "Observed exception", without its message.
-    opts = CEOptions(ignore_index, reduction, label_smoothing, softcap, z_loss, accumulator)
+    opts = CEOptions(ignore_index, reduction, label_smoothing, softcap, z_loss, accumulator,
+                     logits_dtype)
     if not torch.compiler.is_compiling():
         opts.check()
     target = _shifted(hidden, weight, target, bias, class_weight, ignore_index, shift)
@@ -90,7 +95,8 @@ def _z_loss_term(lse, target, ignore_index, reduction, z_loss):
 
 
 def linear_logprobs(hidden, weight, target, bias=None, *, temperature=1.0, softcap=None,
-                    ignore_index=-100, entropy=False, accumulator="fp32", shift=False):
+                    ignore_index=-100, entropy=False, accumulator="fp32", shift=False,
+                    logits_dtype=None):
     """Per-token log-probs (and entropy) of softcap(F.linear(hidden, weight, bias)) /
     temperature at target, without the logits.
 
@@ -104,6 +110,10 @@ def linear_logprobs(hidden, weight, target, bias=None, *, temperature=1.0, softc
             return -sum_c p_c log p_c. accumulator: as for linear_cross_entropy.
         shift: pair hidden[..., t, :] with target[..., t + 1] (causal LM, as for
             linear_cross_entropy); the temperature stays with the hidden position.
+        logits_dtype: None (the logits rounded to hidden's dtype, as F.linear's) or
+            torch.float32 (the GEMM's float32 sums, unrounded: bfloat16/float16 inputs
+            get log-probs and gradients as of F.linear(hidden.float(), weight.float());
+            docs/numerics.md). float32 and float64 inputs are unaffected.
 
     Returns:
         LogProbs(logprob, entropy, lse, argmax). logprob and entropy are differentiable
@@ -111,7 +121,7 @@ def linear_logprobs(hidden, weight, target, bias=None, *, temperature=1.0, softc
         weight sharded on dim 0 runs the vocab-parallel version (torch_fce.distributed).
     """
     # Checked here too, as for linear_cross_entropy (under torch.compile: by the op).
-    opts = LogProbOptions(softcap, ignore_index, entropy, accumulator)
+    opts = LogProbOptions(softcap, ignore_index, entropy, accumulator, logits_dtype)
     if not torch.compiler.is_compiling():
         opts.check()
     temperature = temperature_tensor(temperature, target)
@@ -130,7 +140,8 @@ def linear_policy_loss(hidden, weight, target, advantages, bias=None, *, old_log
                        epsilon_high=None, delta=None, sapo_temperature_pos=1.0,
                        sapo_temperature_neg=1.05, beta=0.0, kl="k3", kl_ratio=False,
                        entropy_coef=0.0, token_weights=None, temperature=1.0, softcap=None,
-                       ignore_index=-100, shift=False, accumulator="fp32"):
+                       ignore_index=-100, shift=False, accumulator="fp32",
+                       logits_dtype=None):
     """An RL policy loss of softcap(F.linear(hidden, weight, bias)) / temperature at the
     sampled tokens, without the logits, in three GEMMs (docs/rl.md).
 
@@ -152,6 +163,10 @@ def linear_policy_loss(hidden, weight, target, advantages, bias=None, *, old_log
             ratio (TRL's use_bias_correction_kl). temperature: as linear_logprobs.
         shift: pair hidden[..., t, :] with target[..., t + 1]; the per-token tensors stay
             with the hidden position, as the statistics do.
+        logits_dtype: None (the logits rounded to hidden's dtype, as F.linear's) or
+            torch.float32 (the GEMM's float32 sums, unrounded: bfloat16/float16 inputs
+            get log-probs and gradients as of F.linear(hidden.float(), weight.float());
+            docs/numerics.md). float32 and float64 inputs are unaffected.
 
     Returns:
         (loss, PolicyStats): the float32 scalar loss (differentiable w.r.t. hidden,
@@ -159,7 +174,7 @@ def linear_policy_loss(hidden, weight, target, advantages, bias=None, *, old_log
     """
     opts = PolicyOptions(loss_type, epsilon_low, epsilon_high, delta, sapo_temperature_pos,
                          sapo_temperature_neg, beta, kl, kl_ratio, entropy_coef, softcap,
-                         ignore_index, accumulator)
+                         ignore_index, accumulator, logits_dtype)
     if not torch.compiler.is_compiling():  # as linear_cross_entropy: under compile, the op
         opts.check()
     temperature = temperature_tensor(temperature, target)

@@ -206,8 +206,8 @@ def test_triton_shard_sweeps_match_their_pytorch_twins(opts, dtype, class_weight
         dz = triton_shard_grad(shard.clone().to(DEVICE), col.to(DEVICE),
                                None if cws is None else cws.to(DEVICE),
                                *[None if v is None else v.to(DEVICE) for v in coeffs],
-                               opts, torch.float32)
-        want = torch_shard_grad(shard.clone(), col, cws, *coeffs, opts, torch.float32)
+                               opts, torch.float32, dtype)
+        want = torch_shard_grad(shard.clone(), col, cws, *coeffs, opts, torch.float32, dtype)
         assert dz.dtype == dtype and rel_err(dz.cpu(), want) <= 4 * EPS[dtype]
     # The shards' logsumexps combine to the whole row's.
     whole = torch_ce_stats(logits.clone(), target, None, opts, False, torch.float32).lse

@@ -17,8 +17,9 @@ def _torch_unfused(h, w, t):
     return F.cross_entropy(F.linear(h, w).float(), t, ignore_index=-100)
 
 
-def _fce(accumulator):
-    return lambda h, w, t: torch_fce.linear_cross_entropy(h, w, t, accumulator=accumulator)
+def _fce(accumulator, logits_dtype=None):
+    return lambda h, w, t: torch_fce.linear_cross_entropy(h, w, t, accumulator=accumulator,
+                                                          logits_dtype=logits_dtype)
 
 
 def _liger():
@@ -65,7 +66,8 @@ def methods(device, with_compile, sweep=False):
 
     Peers (CUDA, where installed): Liger, CCE (default and cce_exact) and quack (base and
     fused pipelines at each chunk of QUACK_CHUNKS). sweep adds torch_fce fp32 at each
-    workspace of SWEEP_WORKSPACE_MIB ("fce-fp32@MiB").
+    workspace of SWEEP_WORKSPACE_MIB ("fce-fp32@MiB"). "fce-f32logits": fp32 with
+    logits_dtype=torch.float32.
     """
     out = {"torch": _torch_unfused}
     if with_compile:
@@ -78,6 +80,7 @@ def methods(device, with_compile, sweep=False):
                 print(f"  {name} unavailable: {type(e).__name__}: {e}"[:200], file=sys.stderr)
     for acc in ("fp32", "kahan", "input"):
         out[f"fce-{acc}"] = _fce(acc)
+    out["fce-f32logits"] = _fce("fp32", torch.float32)
     if sweep:
         for mib in SWEEP_WORKSPACE_MIB:
             out[f"fce-fp32@{mib}"] = with_workspace(_fce("fp32"), mib)

@@ -54,10 +54,10 @@ def logprobs_unfused(h, w, t):
     return _weighted(*_unfused_logprobs(h, w, t), t)
 
 
-def _logprobs_fce(accumulator):
+def _logprobs_fce(accumulator, logits_dtype=None):
     def run(h, w, t):
         out = torch_fce.linear_logprobs(h, w, t, temperature=TEMPERATURE, entropy=True,
-                                        accumulator=accumulator)
+                                        accumulator=accumulator, logits_dtype=logits_dtype)
         return _weighted(out.logprob, out.entropy, t)
     return run
 
@@ -94,12 +94,12 @@ def policy_unfused(h, w, t, advantages, old, ref):
     return _dapo_k3(_unfused_logprobs(h, w, t)[0], t, advantages, old, ref)
 
 
-def _policy_fce(accumulator):
+def _policy_fce(accumulator, logits_dtype=None):
     def run(h, w, t, advantages, old, ref):
         return torch_fce.linear_policy_loss(
             h, w, t, advantages, old_logprobs=old, ref_logprobs=ref, loss_type="clip",
             epsilon_low=EPSILON_LOW, epsilon_high=EPSILON_HIGH, beta=BETA, kl="k3",
-            temperature=TEMPERATURE, accumulator=accumulator)[0]
+            temperature=TEMPERATURE, accumulator=accumulator, logits_dtype=logits_dtype)[0]
     return run
 
 
@@ -162,6 +162,7 @@ def methods(objective, device, with_compile, sweep=()):
     fce = _logprobs_fce if objective == "logprobs" else _policy_fce
     for acc in ("fp32", "input"):
         out[f"fce-{acc}"] = fce(acc)
+    out["fce-f32logits"] = fce("fp32", torch.float32)
     for mib in sweep:
         out[f"fce-fp32@{mib}"] = with_workspace(fce("fp32"), mib)
     return out

@@ -29,7 +29,8 @@ _REDUCTIONS = ("none", "sum", "mean")
 def linear_cross_entropy(hidden, weight, labels, temperature=1.0, reduction="none",
                          dist_process_group=None, *, accumulator="fp32"):
     """verl's fused kernel's call, from torch_fce.linear_logprobs: (logprobs, entropy)
-    of softmax((hidden @ weight.T) / temperature) at labels.
+    of softmax((hidden @ weight.T) / temperature) at labels, the logits kept in float32
+    from the GEMM as verl's kernel keeps them (logits_dtype=torch.float32).
 
     Args:
         hidden: (*, D), its tokens in labels' order once both are flattened (as verl's
@@ -62,7 +63,7 @@ def linear_cross_entropy(hidden, weight, labels, temperature=1.0, reduction="non
     scored = labels.masked_fill(~valid, 0)
     if dist_process_group is None:
         out = linear_logprobs(hidden, weight, scored, temperature=temperature, entropy=True,
-                              accumulator=accumulator)
+                              accumulator=accumulator, logits_dtype=torch.float32)
     else:
         rank = torch.distributed.get_rank(dist_process_group)
         world = torch.distributed.get_world_size(dist_process_group)
@@ -70,7 +71,7 @@ def linear_cross_entropy(hidden, weight, labels, temperature=1.0, reduction="non
         out = vocab_parallel_linear_logprobs(
             hidden, weight, scored, vocab_start=rank * local, vocab_size=world * local,
             group=dist_process_group, temperature=temperature, entropy=True,
-            accumulator=accumulator)
+            accumulator=accumulator, logits_dtype=torch.float32)
     logprobs = torch.where(valid, out.logprob, 0.0)
     if reduction == "sum":
         logprobs = logprobs.sum()

@@ -1,7 +1,8 @@
 """The token-chunked loop shared by every op, backend and vocabulary layout.
 
 Per chunk of n tokens: logits = hidden @ weight.T + bias (one GEMM into an (n, V)
-buffer), a row function turns them into per-token terms and, when gradients are
+buffer: rounded to the inputs' dtype as F.linear does, or with the option logits_dtype =
+torch.float32 the GEMM's float32 sums themselves), a row function turns them into per-token terms and, when gradients are
 wanted, the logits gradient dz, then dz @ weight gives the hidden gradient and dz.T @
 hidden is added to the weight gradient. Memory beyond inputs and outputs is the (n, V)
 chunk plus the gradient accumulator (and, for float32 master weights, the weight in
@@ -32,7 +33,8 @@ from .workspace import chunk_rows as _workspace_rows
 
 class RowFn(Protocol):
     """row_fn(logits, s, e) -> (terms, dz): logits is the loop's (n, cols) buffer,
-    which the row function may overwrite (dz is written over it where it can). With
+    which the row function may overwrite (dz is written over it where it can; dz is in
+    hidden's dtype, the gradient GEMMs' operand, also when the logits are wider). With
     token chunks, [s, e) are the chunk's tokens and terms the per-token results, each
     written into the loop's (N,) `outputs`; with vocabulary tiles, [s, e) are the
     tile's classes, every token's logits are given and terms is () (the row function
@@ -74,42 +76,85 @@ def math_dtype_for(dtype):
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def chunk_rows_for(hidden, weight, shard=ONE_DEVICE):
-    """Token rows per chunk. Every rank of a shard group must cut the same chunks
+def logits_dtype_for(hidden, opts):
+    """The dtype of the loop's logits: hidden's, or float32 for low-precision inputs
+    whose options ask for float32 logits (opts.logits_dtype; float64 inputs keep
+    float64)."""
+    if opts.logits_dtype is None:
+        return hidden.dtype
+    return torch.promote_types(hidden.dtype, opts.logits_dtype)
+
+
+def chunk_rows_for(hidden, weight, shard=ONE_DEVICE, logits_dtype=None):
+    """Token rows per chunk (logits_dtype: the loop's, when wider than hidden's: the
+    chunk then holds those logits and a dz of hidden's dtype beside them). Every rank of a shard group must cut the same chunks
     (each chunk's statistics are all-reduced), so a shard's size comes from V / world
     size, not from this rank's rows: with uneven shards a larger shard's chunk exceeds
     the workspace by its share over V / world size."""
     V = weight.shape[0] if shard.group is None else -(-shard.vocab_size // shard.world_size)
+    per_logit = None
+    if logits_dtype is not None and logits_dtype != hidden.dtype:
+        per_logit = logits_dtype.itemsize + hidden.dtype.itemsize
     return _workspace_rows(hidden.shape[0], max(1, V), hidden.shape[1], hidden.dtype,
-                           hidden.device)
+                           hidden.device, per_logit)
 
 
 def run_chunks(hidden, weight, bias, row_fn, outputs, needs_grad, accumulator, chunk_rows,
-               by_vocab=False, shard=ONE_DEVICE):
+               by_vocab=False, shard=ONE_DEVICE, logits_dtype=None):
     """The loop: row_fn (a RowFn) per chunk of chunk_rows tokens (by_vocab: per tile
-    of as many logits, along the vocabulary). Returns (grad_hidden, grad_weight,
+    of as many logits, along the vocabulary), the logits in logits_dtype (None:
+    hidden's; see logits_dtype_for). Returns (grad_hidden, grad_weight,
     grad_bias), each None unless flagged in needs_grad; grad_weight a GradAccumulator
     (token chunks) or a tensor in its output dtype (tiles); grad_hidden in hidden's
     dtype on one device with token chunks, else a float32 sum (the tiles' or the
     shards'), all-reduced across a shard group."""
+    gemm = _LogitsGemm(hidden, weight, bias, logits_dtype or hidden.dtype)
     if by_vocab:
-        gh, gw, gb = _run_vocab_tiles(hidden, weight, bias, row_fn, needs_grad, chunk_rows)
+        gh, gw, gb = _run_vocab_tiles(hidden, weight, bias, row_fn, needs_grad, chunk_rows,
+                                      gemm)
     else:
-        gh, gw, gb = _run_token_chunks(hidden, weight, bias, row_fn, outputs, needs_grad,
-                                       accumulator, chunk_rows, shard)
+        gh, gw, gb = _run_token_chunks(hidden, weight, row_fn, outputs, needs_grad,
+                                       accumulator, chunk_rows, shard, gemm)
     if gh is not None and shard.group is not None:
         gh = shard.all_reduce(gh.result(math_dtype_for(hidden.dtype))
                               if isinstance(gh, GradAccumulator) else gh, "sum")
     return gh, gw, gb
 
 
-def _run_token_chunks(hidden, weight, bias, row_fn, outputs, needs_grad, accumulator,
-                      chunk_rows, shard):
+class _LogitsGemm:
+    """The chunks' logits GEMM. Products run in hidden's dtype (master weights and bias
+    rounded to it, as autocast does); the logits are rounded to it as F.linear's, or
+    kept as the GEMM's float32 sums (a wider `dtype`), the bias added in float32."""
+
+    def __init__(self, hidden, weight, bias, dtype):
+        self.dtype = dtype
+        self.w = weight.to(hidden.dtype)  # also the gradient GEMMs' operand
+        self.b = None if bias is None else bias.to(hidden.dtype)
+        # Off CUDA no GEMM writes float32 sums of low-precision operands: it multiplies
+        # their exact float32 upcasts instead (the weight's made once per call).
+        self.wide = dtype != hidden.dtype
+        self.w_wide = self.w.to(dtype) if self.wide and hidden.device.type != "cuda" \
+            else None
+
+    def __call__(self, h, v0=0, v1=None):
+        """Logits of tokens h against the classes [v0, v1)."""
+        w = self.w[v0:v1]
+        b = None if self.b is None else self.b[v0:v1]
+        if not self.wide:
+            return F.linear(h, w, b)
+        if self.w_wide is None:
+            z = torch.mm(h, w.t(), out_dtype=self.dtype)
+        else:
+            z = torch.mm(h.to(self.dtype), self.w_wide[v0:v1].t())
+        return z if b is None else z.add_(b)
+
+
+def _run_token_chunks(hidden, weight, row_fn, outputs, needs_grad, accumulator,
+                      chunk_rows, shard, gemm):
     N, D = hidden.shape
     dtype = hidden.dtype
     mdt = math_dtype_for(dtype)
-    w = weight.to(dtype)  # products run in hidden's dtype (master weights: as autocast)
-    b = None if bias is None else bias.to(dtype)
+    w = gemm.w
     # A shard's hidden gradient is a partial sum across ranks: float32 until all-reduced.
     partial = shard.group is not None and dtype != mdt
     gh = hidden.new_empty(hidden.shape, dtype=mdt if partial else dtype) \
@@ -120,7 +165,7 @@ def _run_token_chunks(hidden, weight, bias, row_fn, outputs, needs_grad, accumul
     for s in range(0, N, chunk_rows):
         e = min(N, s + chunk_rows)
         h = hidden[s:e]
-        terms, dz = row_fn(F.linear(h, w, b), s, e)
+        terms, dz = row_fn(gemm(h), s, e)
         for out, term in zip(outputs, terms):
             out[s:e] = term
         if gh is not None:
@@ -136,12 +181,11 @@ def _run_token_chunks(hidden, weight, bias, row_fn, outputs, needs_grad, accumul
     return gh, gw, gb
 
 
-def _run_vocab_tiles(hidden, weight, bias, row_fn, needs_grad, chunk_rows):
+def _run_vocab_tiles(hidden, weight, bias, row_fn, needs_grad, chunk_rows, gemm):
     N, D = hidden.shape
     V = weight.shape[0]
     dtype = hidden.dtype
-    w = weight.to(dtype)
-    b = None if bias is None else bias.to(dtype)
+    w = gemm.w
     cols = max(1, chunk_rows * V // max(1, N))
     cols = cols // 128 * 128 if cols >= 128 else cols  # whole GEMM tiles, as token chunks
     # The hidden gradient is a sum across tiles: float32 (float64 for float64 inputs).
@@ -153,7 +197,7 @@ def _run_vocab_tiles(hidden, weight, bias, row_fn, needs_grad, chunk_rows):
         if needs_grad[2] else None
     for v0 in range(0, V, cols):
         v1 = min(V, v0 + cols)
-        _, dz = row_fn(F.linear(hidden, w[v0:v1], None if b is None else b[v0:v1]), v0, v1)
+        _, dz = row_fn(gemm(hidden, v0, v1), v0, v1)
         if gh is not None:
             gh.add(dz.t(), w[v0:v1])
         if gw is not None:

@@ -17,7 +17,7 @@ import torch
 
 from . import checks, grads
 from .chunked import (ONE_DEVICE, Shard, after_first_gemm, chunk_rows_for, grad_outputs,
-                      math_dtype_for, no_autocast, run_chunks)
+                      logits_dtype_for, math_dtype_for, no_autocast, run_chunks)
 from .dispatch import LIB, kernel
 from .entry import autocast_operands, flat, int64_if_needed, needs_grad, refuse_transforms, rows
 from .options import as_float, check_choice, got, schema_args, take
@@ -35,6 +35,7 @@ class CEOptions(NamedTuple):
     softcap: Optional[float] = None
     z_loss: float = 0.0
     accumulator: str = "fp32"
+    logits_dtype: Optional[torch.dtype] = None  # torch.float32: the GEMM's float32 sums
 
     def check(self):
         """Raises naming the option; returns self."""
@@ -252,13 +253,15 @@ def _chunks(hidden, weight, target, bias, class_weight, opts, shard, needs, scal
             else:
                 out, dz = backend.ce.stats_then_grad(
                     logits, target[s:e], class_weight, tuple(t[s:e] for t in scales()), opts,
-                    argmax, mdt)
+                    argmax, mdt, hidden.dtype)
             return out if argmax else out[:3], dz
     else:
         row_fn = _shard_row_fn(hidden, weight, target, class_weight, opts, shard, scales,
                                backend)
+    ldt = logits_dtype_for(hidden, opts)
     gradients = run_chunks(hidden, weight, bias, row_fn, terms, needs, opts.accumulator,
-                           chunk_rows_for(hidden, weight, shard), shard=shard)
+                           chunk_rows_for(hidden, weight, shard, ldt), shard=shard,
+                           logits_dtype=ldt)
     return (*terms[:3], terms[3] if argmax else None), gradients
 
 
@@ -294,5 +297,5 @@ def _shard_row_fn(hidden, weight, target, class_weight, opts, shard, scales, bac
         coeffs = grad_coefficients(*(t[s:e] for t in scales()), w_y[s:e], lse, W, V,
                                    opts.label_smoothing)
         return (lse, nll, smooth), backend.ce.shard_grad(logits, col[s:e], cw, lse, *coeffs,
-                                                         opts, mdt)
+                                                         opts, mdt, hidden.dtype)
     return row_fn

@@ -13,8 +13,8 @@ import torch
 
 from . import checks, grads
 from .chunked import (ONE_DEVICE, Shard, after_first_gemm, by_vocab, chunk_rows_for,
-                      grad_outputs, inverse_temperature, math_dtype_for, no_autocast,
-                      run_chunks)
+                      grad_outputs, inverse_temperature, logits_dtype_for, math_dtype_for,
+                      no_autocast, run_chunks)
 from .dispatch import LIB, kernel
 from .entry import autocast_operands, flat, int64_if_needed, refuse_transforms, rows
 from .logprob_rows import all_reduce_tile_stats, empty_tile_stats, finish_stats
@@ -28,6 +28,7 @@ class LogProbOptions(NamedTuple):
     ignore_index: int = -100
     entropy: bool = False
     accumulator: str = "fp32"
+    logits_dtype: Optional[torch.dtype] = None  # torch.float32: the GEMM's float32 sums
 
     def check(self):
         """Raises naming the option; returns self."""
@@ -182,9 +183,10 @@ def fwd(hidden, weight, target, bias, temperature, *args, backend):
     with no_autocast(hidden):
         # Token chunks of a shard write their partial statistics into a TileStats of N.
         parts = empty_tile_stats(N, mdt, hidden.device) if merged and not vocab else None
+        ldt = logits_dtype_for(hidden, opts)
         run_chunks(hidden, weight, bias, row_fn, () if vocab else (parts or out),
-                   (False,) * 3, "fp32", chunk_rows_for(hidden, weight, shard),
-                   by_vocab=vocab)
+                   (False,) * 3, "fp32", chunk_rows_for(hidden, weight, shard, ldt),
+                   by_vocab=vocab, logits_dtype=ldt)
     if merged:
         stats = total() if vocab else parts
         out = finish_stats(all_reduce_tile_stats(stats, shard) if shard.group else stats,
@@ -211,13 +213,14 @@ def bwd(grad_logprob, grad_entropy, row_stats, hidden, weight, target, bias, tem
     def row_fn(logits, s, e):
         if vocab:  # classes [s, e) of every token
             return (), backend.logprobs.grad(logits, target, inv_t(), opts, *per_token(), mdt,
-                                             start + s)
+                                             start + s, hidden.dtype)
         g_lp, g_h, stats = (None if t is None else t[s:e] for t in per_token())
         return (), backend.logprobs.grad(logits, target[s:e], inv_t()[s:e], opts, g_lp, g_h,
-                                         stats, mdt, start)
+                                         stats, mdt, start, hidden.dtype)
 
+    ldt = logits_dtype_for(hidden, opts)  # the forward's: the same logits, bit for bit
     with no_autocast(hidden):
         gradients = run_chunks(hidden, weight, bias, row_fn, (), needs, opts.accumulator,
-                               chunk_rows_for(hidden, weight, shard), by_vocab=vocab,
-                               shard=shard)
+                               chunk_rows_for(hidden, weight, shard, ldt), by_vocab=vocab,
+                               shard=shard, logits_dtype=ldt)
     return grad_outputs(hidden, weight, bias, gradients, keep_f32=False)

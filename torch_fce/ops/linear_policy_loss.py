@@ -29,7 +29,8 @@ import torch
 
 from . import checks, grads
 from .chunked import (ONE_DEVICE, Shard, after_first_gemm, chunk_rows_for, grad_outputs,
-                      inverse_temperature, math_dtype_for, no_autocast, run_chunks)
+                      inverse_temperature, logits_dtype_for, math_dtype_for, no_autocast,
+                      run_chunks)
 from .dispatch import LIB, kernel
 from .logprob_rows import shard_stats
 from .entry import autocast_operands, flat, int64_if_needed, needs_grad, refuse_transforms, rows
@@ -54,6 +55,7 @@ class PolicyOptions(NamedTuple):
     softcap: Optional[float] = None
     ignore_index: int = -100
     accumulator: str = "fp32"
+    logits_dtype: Optional[torch.dtype] = None  # torch.float32: the GEMM's float32 sums
 
     def check(self):
         """Raises naming the option; returns the record with epsilon_high resolved."""
@@ -290,7 +292,7 @@ def fwd(hidden, weight, target, advantages, bias, old_logprobs, ref_logprobs,
 
         if want:
             lp, ent, *_, dz = backend.logprobs.stats_then_grad(
-                logits, target[s:e], inv_t[s:e], opts, upstream, mdt, shard)
+                logits, target[s:e], inv_t[s:e], opts, upstream, mdt, shard, hidden.dtype)
         else:
             lp, ent, *_ = shard_stats(backend.logprobs, logits, target[s:e], inv_t[s:e],
                                        opts, True, mdt, shard)
@@ -300,8 +302,10 @@ def fwd(hidden, weight, target, advantages, bias, old_logprobs, ref_logprobs,
         return (loss_t, lp, ent, ratio, clipped, kl), dz
 
     with no_autocast(hidden):
+        ldt = logits_dtype_for(hidden, opts)
         gradients = run_chunks(hidden, weight, bias, row_fn, out, needs, opts.accumulator,
-                               chunk_rows_for(hidden, weight, shard), shard=shard)
+                               chunk_rows_for(hidden, weight, shard, ldt), shard=shard,
+                               logits_dtype=ldt)
     loss_t, *stats = out
     return (loss_t.sum(), *grad_outputs(hidden, weight, bias, gradients,
                                         opts.accumulator == "fp32", shard.group is not None),

@@ -147,10 +147,11 @@ class LogProbRows(NamedTuple):
       tile_stats(logits, target, inv_t, opts, entropy, math_dtype, col0, into)
           merges the statistics of the classes [col0, col0 + cols) (a vocabulary tile
           or shard) into the running TileStats `into`
-      grad(logits, target, inv_t, opts, g_lp, g_h, row_stats, math_dtype, col0=0) -> dz
-          for upstream gradients g_lp, g_h (n,) (g_h None without an entropy gradient),
-          from the forward's row statistics; the classes [col0, col0 + cols)
-      stats_then_grad(logits, target, inv_t, opts, upstream, math_dtype, shard)
+      grad(logits, target, inv_t, opts, g_lp, g_h, row_stats, math_dtype, col0, dz_dtype)
+          -> dz for upstream gradients g_lp, g_h (n,) (g_h None without an entropy
+          gradient), from the forward's row statistics; the classes [col0, col0 + cols);
+          dz in dz_dtype (the inputs', which float32 logits may be wider than)
+      stats_then_grad(logits, target, inv_t, opts, upstream, math_dtype, shard, dz_dtype)
           -> (logprob, entropy, lse, argmax, row_stats, dz): a loss formed in the
           forward: upstream(logprob, entropy) -> (g_lp, g_h) gives the upstream
           gradients from the chunk's statistics (made global across a Shard group
@@ -175,15 +176,16 @@ def torch_logprob_tile_stats(logits, target, inv_t, opts, entropy, math_dtype, c
 
 
 def torch_logprob_grad(logits, target, inv_t, opts, g_lp, g_h, row_stats, math_dtype,
-                       col0=0):
+                       col0, dz_dtype):
     """LogProbRows.grad in PyTorch."""
     z, tanh = softcapped(logits, opts.softcap, math_dtype)
     z.mul_(inv_t[:, None]).sub_(row_stats[:, :1])  # z - m
-    return _logits_grad(z, tanh, logits.dtype, target, inv_t, opts, g_lp, g_h, row_stats,
+    return _logits_grad(z, tanh, dz_dtype, target, inv_t, opts, g_lp, g_h, row_stats,
                         col0)
 
 
-def torch_logprob_stats_then_grad(logits, target, inv_t, opts, upstream, math_dtype, shard):
+def torch_logprob_stats_then_grad(logits, target, inv_t, opts, upstream, math_dtype, shard,
+                                  dz_dtype):
     """LogProbRows.stats_then_grad in PyTorch."""
     z, tanh = softcapped(logits, opts.softcap, math_dtype)
     if shard.group is None:
@@ -196,7 +198,7 @@ def torch_logprob_stats_then_grad(logits, target, inv_t, opts, upstream, math_dt
     g_lp, g_h = upstream(outputs[0], outputs[1])
     row_stats = outputs[4]
     z.sub_(row_stats[:, :1])  # z - m
-    return (*outputs, _logits_grad(z, tanh, logits.dtype, target, inv_t, opts, g_lp, g_h,
+    return (*outputs, _logits_grad(z, tanh, dz_dtype, target, inv_t, opts, g_lp, g_h,
                                    row_stats, shard.vocab_start))
 
 

@@ -15,8 +15,7 @@ from typing import Optional, get_type_hints
 import torch
 
 _SCHEMA_TYPES = {int: "SymInt", float: "float", Optional[float]: "float?", str: "str",
-                 Optional[str]: "str?",
-                 bool: "bool"}
+                 Optional[str]: "str?", bool: "bool", Optional[torch.dtype]: "ScalarType?"}
 
 
 def _literal(value):

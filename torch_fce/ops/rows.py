@@ -33,13 +33,14 @@ class CERows(NamedTuple):
     record (ops/linear_ce.CEOptions: ignore_index, label_smoothing, softcap are read);
     logits (n, V) is the loop's buffer and may be overwritten.
       stats(logits, target, class_weight, opts, argmax, math_dtype) -> CETerms
-      stats_then_grad(logits, target, class_weight, scales, opts, argmax, math_dtype)
-          -> (CETerms, dz): scales = (ce_scale, z_scale) (n,) (tokens.grad_scales); dz
-          in logits' dtype, written over logits where it can
+      stats_then_grad(logits, target, class_weight, scales, opts, argmax, math_dtype,
+                      dz_dtype) -> (CETerms, dz): scales = (ce_scale, z_scale) (n,)
+          (tokens.grad_scales); dz in dz_dtype (the inputs', which float32 logits of
+          low-precision inputs are wider than), written over logits where it can
       shard_stats(logits, col, cw, opts, math_dtype) -> (lse, z_y, zsum) of a
           vocabulary shard (vocab-parallel: all-reduced before shard_grad)
-      shard_grad(logits, col, cw, lse, a, b, c, opts, math_dtype) -> dz of a shard,
-          from the global lse and grad_coefficients"""
+      shard_grad(logits, col, cw, lse, a, b, c, opts, math_dtype, dz_dtype) -> dz of a
+          shard, from the global lse and grad_coefficients"""
     stats: Callable
     stats_then_grad: Callable
     shard_stats: Callable
@@ -108,27 +109,29 @@ def torch_shard_stats(logits, col, cw, opts, math_dtype):
     return torch.logsumexp(z, -1), z_y, zsum
 
 
-def torch_shard_grad(logits, col, cw, lse, a, b, c, opts, math_dtype):
-    """dz (n, Vs) in logits' dtype for a vocabulary shard, given the global lse and the
+def torch_shard_grad(logits, col, cw, lse, a, b, c, opts, math_dtype, dz_dtype):
+    """dz (n, Vs) in dz_dtype for a vocabulary shard, given the global lse and the
     coefficients of grad_coefficients. Overwrites logits."""
     z, tanh = softcapped(logits, opts.softcap, math_dtype)
     e = z.sub_(lse[:, None]).exp_()
     cw = None if cw is None else cw.to(math_dtype)
-    return logits_grad_(e, 1.0, col, a, b, c, cw, tanh).to(logits.dtype)
+    return logits_grad_(e, 1.0, col, a, b, c, cw, tanh).to(dz_dtype)
 
 
 def torch_ce_stats(logits, target, class_weight, opts, argmax, math_dtype):
     """CERows.stats in PyTorch."""
-    return _torch_rows(logits, target, class_weight, None, opts, argmax, math_dtype)[0]
+    return _torch_rows(logits, target, class_weight, None, opts, argmax, math_dtype, None)[0]
 
 
 def torch_ce_stats_then_grad(logits, target, class_weight, scales, opts, argmax,
-                             math_dtype):
+                             math_dtype, dz_dtype):
     """CERows.stats_then_grad in PyTorch."""
-    return _torch_rows(logits, target, class_weight, scales, opts, argmax, math_dtype)
+    return _torch_rows(logits, target, class_weight, scales, opts, argmax, math_dtype,
+                       dz_dtype)
 
 
-def _torch_rows(logits, target, class_weight, scales, opts, want_argmax, math_dtype):
+def _torch_rows(logits, target, class_weight, scales, opts, want_argmax, math_dtype,
+                dz_dtype):
     """(CETerms, dz) for logits (n, V); dz is None without scales. The math runs in
     place over logits to keep the passes over the chunk few."""
     n, V = logits.shape
@@ -153,7 +156,7 @@ def _torch_rows(logits, target, class_weight, scales, opts, want_argmax, math_dt
         return terms, None
     a, b, c = grad_coefficients(*scales, w_y, lse, W, V, eps)
     dz = logits_grad_(e, 1.0 / total, torch.where(valid, tgt, -1), a, b, c, cw, tanh)
-    return terms, dz.to(logits.dtype)
+    return terms, dz.to(dz_dtype)
 
 
 TORCH_CE_ROWS = CERows(torch_ce_stats, torch_ce_stats_then_grad, torch_shard_stats,

@@ -81,20 +81,23 @@ def _default_cuda_bytes(V, D, itemsize, device):
     return min(cap, max(floor, 2 * V * D * itemsize))
 
 
-def chunk_rows(N, V, D, dtype, device):
+def chunk_rows(N, V, D, dtype, device, per_logit=None):
     """Rows per chunk for N tokens, V classes (this rank's, for a vocabulary shard) and
-    hidden size D; at least one row. CUDA chunks are a multiple of 128 rows (GEMM
-    tiles) unless that is below one tile."""
+    hidden size D, inputs of dtype and per_logit bytes per logit of the chunk (None:
+    dtype's; float32 logits of bfloat16 inputs hold 4 + 2 with their gradient); at
+    least one row. CUDA chunks are a multiple of 128 rows (GEMM tiles) unless that is
+    below one tile."""
     device = torch.device(device)
     itemsize = torch.empty((), dtype=dtype).element_size()
+    per_logit = per_logit or itemsize
     cuda = device.type == "cuda"
     if _nbytes is not None:
-        rows = _nbytes // (V * itemsize)
+        rows = _nbytes // (V * per_logit)
     elif cuda:
-        rows = min(_default_cuda_bytes(V, D, itemsize, device) // (V * itemsize),
+        rows = min(_default_cuda_bytes(V, D, itemsize, device) // (V * per_logit),
                    -(-N // _MIN_CHUNKS))
     else:
-        rows = max(_OTHER_DEVICE_ELEMS // V, _OTHER_DEVICE_ROWS)
+        rows = max(_OTHER_DEVICE_ELEMS * itemsize // (V * per_logit), _OTHER_DEVICE_ROWS)
     if cuda and rows >= 128:
         rows = rows // 128 * 128
     return max(1, rows)

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from ..logprob_rows import LogProbRows, shard_stats
-from .rows import _block_max, _block_v, _load_z, _sweep_start
+from .rows import _block_max, _block_v, _load_z, _sweep_start, dz_buffer
 
 
 @triton.jit
@@ -80,12 +80,12 @@ def _merge(acc_ptr, n, row, m, s, ez, best, z_y):
 @triton.jit
 def _linear_logprobs_rows_kernel(
     # pointers
-    logits_ptr, target_ptr, inv_t_ptr, g_lp_ptr, g_h_ptr, stats_ptr,
+    logits_ptr, dz_ptr, target_ptr, inv_t_ptr, g_lp_ptr, g_h_ptr, stats_ptr,
     logprob_ptr, entropy_ptr, lse_ptr, argmax_ptr, acc_ptr,
     # sizes and options
     n, V, col0, ignore_index, softcap,
     # strides
-    stride_ln,
+    stride_ln, stride_dn,
     # meta-parameters
     HAS_GRAD: tl.constexpr, TILE: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr,
     WANT_ENTROPY: tl.constexpr, HAS_SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr,
@@ -94,7 +94,8 @@ def _linear_logprobs_rows_kernel(
     entropy, lse (n,) float32, argmax (n,) int64 and the row statistics (n, 3) (m,
     log s, d). With TILE, the logits are the classes [col0, col0 + V) of a vocabulary
     tile: their statistics are merged into the running ones, acc (5, n) = (m, s, ez,
-    best, z_y) and argmax. With HAS_GRAD (the backward): logits <- dl for upstream
+    best, z_y) and argmax. With HAS_GRAD (the backward): dz (the logits themselves or a
+    buffer of the inputs' dtype) <- dl for upstream
     g_lp (and, with HAS_ENTROPY_GRAD, g_h), from the forward's row statistics; the
     logits may be a tile's (col0)."""
     # int64: row * stride_ln passes 2^31 for chunks of large vocabularies.
@@ -135,6 +136,7 @@ def _linear_logprobs_rows_kernel(
         if HAS_ENTROPY_GRAD:
             h = tl.where(valid, tl.load(g_h_ptr + row), 0.0)
             d = tl.load(stats_ptr + row * 3 + 2)
+        dz_row = dz_ptr + row * stride_dn
         cols = tl.arange(0, BLOCK_V)
         for v0 in range(0, V, BLOCK_V):
             offs = v0 + cols
@@ -152,7 +154,7 @@ def _linear_logprobs_rows_kernel(
                 th = c / softcap
                 dz *= 1.0 - th * th
             dz = tl.where(valid, dz, 0.0)  # ignored rows: 0 even if their logits are not finite
-            tl.store(row_ptr + offs, dz.to(row_ptr.dtype.element_ty), mask=mask)
+            tl.store(dz_row + offs, dz.to(dz_row.dtype.element_ty), mask=mask)
 
 
 def triton_logprob_stats(logits, target, inv_t, opts, entropy, math_dtype):
@@ -169,13 +171,15 @@ def triton_logprob_tile_stats(logits, target, inv_t, opts, entropy, math_dtype, 
 
 
 def triton_logprob_grad(logits, target, inv_t, opts, g_lp, g_h, row_stats, math_dtype,
-                        col0=0):
-    """LogProbRows.grad: dz written over logits (returned)."""
+                        col0, dz_dtype):
+    """LogProbRows.grad: dz written over logits (or into dz_buffer's), returned."""
     assert math_dtype == torch.float32
-    return _launch(logits, target, inv_t, opts, False, (g_lp, g_h, row_stats), col0)[5]
+    return _launch(logits, target, inv_t, opts, False, (g_lp, g_h, row_stats), col0,
+                   dz=dz_buffer(logits, dz_dtype))[5]
 
 
-def triton_logprob_stats_then_grad(logits, target, inv_t, opts, upstream, math_dtype, shard):
+def triton_logprob_stats_then_grad(logits, target, inv_t, opts, upstream, math_dtype, shard,
+                                   dz_dtype):
     """LogProbRows.stats_then_grad: a forward sweep, the upstream gradients, a gradient
     sweep over the same chunk (a shard's sums are merged into a fresh TileStats and
     made global between the two)."""
@@ -183,13 +187,14 @@ def triton_logprob_stats_then_grad(logits, target, inv_t, opts, upstream, math_d
                           math_dtype, shard)
     g_lp, g_h = upstream(outputs[0], outputs[1])
     return (*outputs, triton_logprob_grad(logits, target, inv_t, opts, g_lp, g_h,
-                                          outputs[4], math_dtype, shard.vocab_start))
+                                          outputs[4], math_dtype, shard.vocab_start,
+                                          dz_dtype))
 
 
-def _launch(logits, target, inv_t, opts, entropy, grad, col0=None, into=None):
+def _launch(logits, target, inv_t, opts, entropy, grad, col0=None, into=None, dz=None):
     """One launch of the kernel: the forward sweep (of whole rows with col0 None, or of
     the classes [col0, col0 + V) merged into `into`), or the gradient sweep for grad =
-    (g_lp, g_h, row_stats)."""
+    (g_lp, g_h, row_stats) into dz."""
     n, V = logits.shape
     assert logits.stride(1) == 1
     # Unit-stride indexing in the kernel: views (an expanded temperature) are copied.
@@ -211,16 +216,17 @@ def _launch(logits, target, inv_t, opts, entropy, grad, col0=None, into=None):
         stats = logits.new_empty(n, 3, dtype=torch.float32)
         g_lp = g_h = lse
     entropy_grad = grad is not None and g_h is not None
+    dz = logits if dz is None else dz
     _linear_logprobs_rows_kernel[(n,)](
-        logits, target, inv_t, g_lp, g_h if entropy_grad else g_lp, stats, logprob, ent,
+        logits, dz, target, inv_t, g_lp, g_h if entropy_grad else g_lp, stats, logprob, ent,
         lse, argmax if argmax is not None else g_lp, acc if acc is not None else g_lp,
         n, V, 0 if col0 is None else col0, opts.ignore_index,
         opts.softcap if opts.softcap is not None else 1.0,
-        logits.stride(0), HAS_GRAD=grad is not None, TILE=tile,
+        logits.stride(0), dz.stride(0), HAS_GRAD=grad is not None, TILE=tile,
         HAS_ENTROPY_GRAD=entropy_grad, WANT_ENTROPY=entropy,
         HAS_SOFTCAP=opts.softcap is not None, BLOCK_V=_block_v(V), num_warps=8)
     if grad is not None:
-        return None, None, None, None, None, logits
+        return None, None, None, None, None, dz
     if tile:
         return None
     return logprob, ent, lse, argmax, stats, None

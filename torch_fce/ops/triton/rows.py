@@ -3,7 +3,8 @@
 One program per token row, two sweeps over the vocabulary: the first forms the
 logsumexp online (and the sums label smoothing needs), the second writes the logits
 gradient over the logits in place, so a chunk is read twice and written once, in its
-own dtype, with no float32 copy. The math is that of rows.py (its CERows). The
+own dtype, with no float32 copy (float32 logits of low-precision inputs: dz goes to a
+buffer of the inputs' dtype instead, the gradient GEMMs' operand). The math is that of rows.py (its CERows). The
 vocab-parallel loss runs the two sweeps as separate kernels on a shard of the
 vocabulary (the twins of rows.torch_shard_stats / torch_shard_grad), its all-reduce of
 the per-row statistics in between.
@@ -93,10 +94,11 @@ def _lse_sweep(row_ptr, class_weight_ptr, V, softcap, HAS_SOFTCAP: tl.constexpr,
 
 
 @triton.jit
-def _grad_sweep(row_ptr, class_weight_ptr, V, t, lse, a, b, c, softcap,
+def _grad_sweep(row_ptr, dz_ptr, class_weight_ptr, V, t, lse, a, b, c, softcap,
                 HAS_SOFTCAP: tl.constexpr, HAS_CLASS_WEIGHT: tl.constexpr,
                 HAS_SMOOTHING: tl.constexpr, BLOCK_V: tl.constexpr):
-    """Sweep 2: dz = p * A - B * onehot(t) - C * w, times softcap', over the row.
+    """Sweep 2: dz = p * A - B * onehot(t) - C * w, times softcap', into the row at
+    dz_ptr (row_ptr itself, or a row of its own in the inputs' dtype).
 
     A row with A = B = C = 0 (an ignored token) gets exactly 0, also when its logits are
     not finite."""
@@ -115,24 +117,24 @@ def _grad_sweep(row_ptr, class_weight_ptr, V, t, lse, a, b, c, softcap,
             th = z / softcap
             dz *= 1.0 - th * th
         dz = tl.where(zero, 0.0, dz)
-        tl.store(row_ptr + offs, dz.to(row_ptr.dtype.element_ty), mask=mask)
+        tl.store(dz_ptr + offs, dz.to(dz_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _linear_ce_rows_kernel(
     # pointers
-    logits_ptr, target_ptr, class_weight_ptr, weight_sum_ptr, ce_scale_ptr, z_scale_ptr,
-    lse_ptr, nll_ptr, smooth_ptr, argmax_ptr,
+    logits_ptr, dz_ptr, target_ptr, class_weight_ptr, weight_sum_ptr, ce_scale_ptr,
+    z_scale_ptr, lse_ptr, nll_ptr, smooth_ptr, argmax_ptr,
     # sizes and options
     V, ignore_index, label_smoothing, softcap,
     # strides
-    stride_ln,
+    stride_ln, stride_dn,
     # meta-parameters
     HAS_GRAD: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_CLASS_WEIGHT: tl.constexpr,
     HAS_SMOOTHING: tl.constexpr, BLOCK_V: tl.constexpr, WANT_ARGMAX: tl.constexpr,
 ):
     """logits (n, V) -> lse, nll, smooth (n,) float32 (and argmax (n,) int64 with
-    WANT_ARGMAX); with HAS_GRAD, logits <- dz."""
+    WANT_ARGMAX); with HAS_GRAD, dz (the logits themselves, or a buffer of its own)."""
     # int64: row * stride_ln passes 2^31 for chunks of large vocabularies.
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * stride_ln
@@ -163,7 +165,7 @@ def _linear_ce_rows_kernel(
         a = s_ce * ((1.0 - label_smoothing) * w_y + label_smoothing * w_sum / V) \
             + 2.0 * s_z * lse
         a = tl.where((s_ce == 0.0) & (s_z == 0.0), 0.0, a)  # as rows.grad_coefficients
-        _grad_sweep(row_ptr, class_weight_ptr, V, t, lse, a,
+        _grad_sweep(row_ptr, dz_ptr + row * stride_dn, class_weight_ptr, V, t, lse, a,
                     s_ce * (1.0 - label_smoothing) * w_y, s_ce * label_smoothing / V,
                     softcap, HAS_SOFTCAP, HAS_CLASS_WEIGHT, HAS_SMOOTHING, BLOCK_V)
 
@@ -187,14 +189,14 @@ def _shard_stats_kernel(logits_ptr, col_ptr, class_weight_ptr, lse_ptr, z_y_ptr,
 
 
 @triton.jit
-def _shard_grad_kernel(logits_ptr, col_ptr, class_weight_ptr, lse_ptr, a_ptr, b_ptr, c_ptr,
-                       Vs, softcap, stride_ln, HAS_SOFTCAP: tl.constexpr,
+def _shard_grad_kernel(logits_ptr, dz_ptr, col_ptr, class_weight_ptr, lse_ptr, a_ptr, b_ptr,
+                       c_ptr, Vs, softcap, stride_ln, stride_dn, HAS_SOFTCAP: tl.constexpr,
                        HAS_CLASS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
                        BLOCK_V: tl.constexpr):
-    """A vocabulary shard's rows <- dz, from the global lse and per-row coefficients."""
+    """A vocabulary shard's dz, from the global lse and per-row coefficients."""
     row = tl.program_id(0).to(tl.int64)
     c = tl.load(c_ptr + row) if HAS_SMOOTHING else 0.0
-    _grad_sweep(logits_ptr + row * stride_ln, class_weight_ptr, Vs,
+    _grad_sweep(logits_ptr + row * stride_ln, dz_ptr + row * stride_dn, class_weight_ptr, Vs,
                 tl.load(col_ptr + row).to(tl.int64), tl.load(lse_ptr + row),
                 tl.load(a_ptr + row), tl.load(b_ptr + row), c, softcap, HAS_SOFTCAP,
                 HAS_CLASS_WEIGHT, HAS_SMOOTHING, BLOCK_V)
@@ -202,6 +204,12 @@ def _shard_grad_kernel(logits_ptr, col_ptr, class_weight_ptr, lse_ptr, a_ptr, b_
 
 def _block_v(V):
     return min(4096, triton.next_power_of_2(V))
+
+
+def dz_buffer(logits, dz_dtype):
+    """Where a row kernel writes dz: over the logits in their own dtype, else (float32
+    logits of low-precision inputs) into a buffer of dz_dtype."""
+    return logits if logits.dtype == dz_dtype else torch.empty_like(logits, dtype=dz_dtype)
 
 
 def _flags(logits, cw, opts):
@@ -214,17 +222,20 @@ def _flags(logits, cw, opts):
 
 def triton_ce_stats(logits, target, class_weight, opts, argmax, math_dtype):
     """CERows.stats (rows.py) on the Triton kernel: one sweep per row."""
-    return _launch_rows(logits, target, class_weight, None, opts, argmax, math_dtype)[0]
+    return _launch_rows(logits, target, class_weight, None, opts, argmax, math_dtype,
+                        None)[0]
 
 
 def triton_ce_stats_then_grad(logits, target, class_weight, scales, opts, argmax,
-                              math_dtype):
+                              math_dtype, dz_dtype):
     """CERows.stats_then_grad on the Triton kernel: two sweeps per row, dz written over
-    logits."""
-    return _launch_rows(logits, target, class_weight, scales, opts, argmax, math_dtype)
+    logits (or into dz_buffer's)."""
+    return _launch_rows(logits, target, class_weight, scales, opts, argmax, math_dtype,
+                        dz_dtype)
 
 
-def _launch_rows(logits, target, class_weight, scales, opts, want_argmax, math_dtype):
+def _launch_rows(logits, target, class_weight, scales, opts, want_argmax, math_dtype,
+                 dz_dtype):
     """(CETerms, dz) of logits (n, V) with unit stride along V, target (n,), scales
     None or (ce_scale, z_scale) (n,) float32."""
     n, V = logits.shape
@@ -238,14 +249,15 @@ def _launch_rows(logits, target, class_weight, scales, opts, want_argmax, math_d
     target = target.contiguous()
     cw = class_weight.float().contiguous() if class_weight is not None else None
     w_sum = cw.sum() if cw is not None else lse
+    dz = dz_buffer(logits, dz_dtype) if has_grad else logits
     _linear_ce_rows_kernel[(n,)](
-        logits, target, cw if cw is not None else lse, w_sum, ce_scale, z_scale,
+        logits, dz, target, cw if cw is not None else lse, w_sum, ce_scale, z_scale,
         lse, nll, smooth, argmax if want_argmax else lse,
         V, opts.ignore_index, opts.label_smoothing,
         opts.softcap if opts.softcap is not None else 1.0,
-        logits.stride(0), HAS_GRAD=has_grad, WANT_ARGMAX=want_argmax,
+        logits.stride(0), dz.stride(0), HAS_GRAD=has_grad, WANT_ARGMAX=want_argmax,
         **_flags(logits, cw, opts))
-    return CETerms(lse, nll, smooth, argmax), logits if has_grad else None
+    return CETerms(lse, nll, smooth, argmax), dz if has_grad else None
 
 
 def triton_shard_stats(logits, col, cw, opts, math_dtype):
@@ -261,15 +273,17 @@ def triton_shard_stats(logits, col, cw, opts, math_dtype):
     return lse, z_y, zsum if opts.label_smoothing > 0.0 else None
 
 
-def triton_shard_grad(logits, col, cw, lse, a, b, c, opts, math_dtype):
-    """Triton twin of rows.torch_shard_grad: dz written over logits (returned)."""
+def triton_shard_grad(logits, col, cw, lse, a, b, c, opts, math_dtype, dz_dtype):
+    """Triton twin of rows.torch_shard_grad: dz written over logits (or into
+    dz_buffer's), returned."""
     assert math_dtype == torch.float32
     cw = None if cw is None else cw.float().contiguous()
+    dz = dz_buffer(logits, dz_dtype)
     _shard_grad_kernel[(logits.shape[0],)](
-        logits, col, lse if cw is None else cw, lse, a, b, lse if c is None else c,
+        logits, dz, col, lse if cw is None else cw, lse, a, b, lse if c is None else c,
         logits.shape[1], opts.softcap if opts.softcap is not None else 1.0,
-        logits.stride(0), **_flags(logits, cw, opts))
-    return logits
+        logits.stride(0), dz.stride(0), **_flags(logits, cw, opts))
+    return dz
 
 
 TRITON_CE_ROWS = CERows(triton_ce_stats, triton_ce_stats_then_grad, triton_shard_stats,
