@@ -115,7 +115,7 @@ def test_bench_shapes_rl_objectives_write_their_rows(objective, tmp_path):
                "1", "--objective", objective, "--json", str(tmp_path / "rows.json"))
     assert out.returncode == 0, out.stderr
     rows = json.loads((tmp_path / "rows.json").read_text())["rows"]
-    assert {r["method"] for r in rows} == {"torch", "fce-fp32", "fce-input"}
+    assert {r["method"] for r in rows} == {"torch", "fce-fp32", "fce-input", "fce-f32logits"}
     # the same objective: torch_fce's loss and gradients are the float32 composition's
     assert all(r["loss_err"] < 1e-5 and r["dW_err"] < 1e-5 for r in rows)
 
