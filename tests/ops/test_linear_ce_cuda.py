@@ -272,3 +272,32 @@ def test_cuda_float64_gradients_are_float64_exact():
     assert rel_err(loss, ref_policy) <= 1e-12
     for a, r in zip(got, want):
         assert rel_err(a, r) <= 1e-12
+
+
+@pytest.mark.parametrize("op", ["logprobs", "policy"])
+def test_cuda_log_prob_family_peak_within_a_float32_weight_sum_and_a_tile(op):
+    # A Qwen2.5-0.5B head (bf16, 16384 tokens): the default's peak beyond inputs and
+    # gradients within a float32 weight-gradient sum plus 256 MiB (what a vocabulary-
+    # tiled head, TRL's, holds) and the per-token vectors; the cross-entropy's default
+    # chunk took 1262 MiB here.
+    N, D, V = 16384, 896, 151936
+    x = make_inputs(N, D, V, torch.bfloat16, device="cuda")
+    h, w, t = x["hidden"].requires_grad_(), x["weight"].requires_grad_(), x["target"]
+    a = torch.randn(N, device="cuda")
+
+    def run():
+        if op == "logprobs":
+            out = torch_fce.linear_logprobs(h, w, t, temperature=0.7, entropy=True)
+            (out.logprob.sum() + out.entropy.sum()).backward()
+        else:
+            torch_fce.linear_policy_loss(h, w, t, a, beta=0.04, ref_logprobs=a.detach() - 3,
+                                         temperature=0.7)[0].backward()
+    run()  # cuBLAS's workspace, outside the measurement
+    h.grad = w.grad = None
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    run()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base - (N + V) * D * 2  # less the gradients
+    assert peak <= 4 * V * D + (256 << 20) + 64 * N * 4, peak / 2**20

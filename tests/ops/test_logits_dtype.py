@@ -112,11 +112,15 @@ def test_float32_logits_as_exact_as_the_float32_composition(monkeypatch, backend
     # of rounding to nearest, measured), so there dz's rounding gets twice the room.
     room = 4 if backend == "triton_rows" and DEVICE == "cpu" and dtype == torch.bfloat16 \
         else 2
+    # On the GPU Triton's exp2 / log2 are the hardware's approximations (a few float32
+    # steps of the row's log-sum-exp: 2.8e-7 relative measured on an H200), far below
+    # the 1e-3 of logits rounded to bf16 or fp16.
+    floor = 1e-6 if backend == "triton_rows" and DEVICE == "cuda" else 1e-7
     for name, a, c, r, rd in zip(("value", "hidden", "weight", "bias"), ours, f32, truth,
                                  rounded):
         assert a.dtype == rd.dtype, name
         err, bar = rel_err(a.double(), r), rel_err(c.double(), r)
-        assert err <= room * bar + 1e-7, (name, err, bar)
+        assert err <= room * bar + floor, (name, err, bar)
     # the value itself: far more exact than from logits rounded to the inputs' dtype
     assert rel_err(ours[0].double(), truth[0]) < rel_err(rounded[0].double(), truth[0]) / 4
 

@@ -62,3 +62,29 @@ def test_workspace_environment_variable_is_validated(monkeypatch, bad):
     monkeypatch.setenv("TORCH_FCE_WORKSPACE_MB", bad)
     with pytest.raises(ValueError, match="TORCH_FCE_WORKSPACE_MB"):
         workspace._from_env()
+
+
+# The benchmark shapes' small heads (D, Q1024, E, Q2048) and A, bf16, 16384 tokens.
+LOG_PROB_SHAPES = [(896, 151936), (1024, 151936), (1536, 151936), (2048, 151936),
+                   (4096, 128256)]
+
+
+@pytest.mark.parametrize("D,V", LOG_PROB_SHAPES)
+@pytest.mark.parametrize("tiles", [False, True])
+def test_log_prob_family_default_within_a_float32_weight_sum_and_a_tile(h200, D, V, tiles):
+    # The op's peak, its chunk plus the float32 sums it keeps beyond its gradients (token
+    # chunks: the weight-gradient sum's excess over the bf16 gradient; tiles: the hidden
+    # gradient's), within a float32 weight-gradient sum plus 256 MiB, as a
+    # vocabulary-tiled head holds; the rows the largest whole GEMM tiles that fit.
+    N = 16384
+    held = (N if tiles else V) * D * 2
+    rows = workspace.chunk_rows(N, V, D, torch.bfloat16, "cuda", held=held)
+    bound = 4 * V * D + (256 << 20)
+    assert rows % 128 == 0 and rows * V * 2 + held <= bound < (rows + 128) * V * 2 + held \
+        or rows == workspace.chunk_rows(N, V, D, torch.bfloat16, "cuda")
+    assert rows <= workspace.chunk_rows(N, V, D, torch.bfloat16, "cuda")
+    if not tiles:  # the cross-entropy's default would exceed the bound on every shape here
+        assert rows < workspace.chunk_rows(N, V, D, torch.bfloat16, "cuda")
+    with torch_fce.workspace(256 << 20):  # a set workspace is taken as it is
+        assert workspace.chunk_rows(N, V, D, torch.bfloat16, "cuda", held=held) == \
+            (256 << 20) // (V * 2) // 128 * 128

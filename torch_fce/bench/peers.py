@@ -61,12 +61,12 @@ def _peers():
     return out
 
 
-def methods(device, with_compile, sweep=False):
+def methods(device, with_compile, sweep=()):
     """Name -> loss function (hidden, weight, target) for every method available here.
 
     Peers (CUDA, where installed): Liger, CCE (default and cce_exact) and quack (base and
-    fused pipelines at each chunk of QUACK_CHUNKS). sweep adds torch_fce fp32 at each
-    workspace of SWEEP_WORKSPACE_MIB ("fce-fp32@MiB"). "fce-f32logits": fp32 with
+    fused pipelines at each chunk of QUACK_CHUNKS). sweep (workspaces in MiB) adds
+    torch_fce fp32 at each ("fce-fp32@MiB"). "fce-f32logits": fp32 with
     logits_dtype=torch.float32.
     """
     out = {"torch": _torch_unfused}
@@ -81,9 +81,8 @@ def methods(device, with_compile, sweep=False):
     for acc in ("fp32", "kahan", "input"):
         out[f"fce-{acc}"] = _fce(acc)
     out["fce-f32logits"] = _fce("fp32", torch.float32)
-    if sweep:
-        for mib in SWEEP_WORKSPACE_MIB:
-            out[f"fce-fp32@{mib}"] = with_workspace(_fce("fp32"), mib)
+    for mib in sweep:
+        out[f"fce-fp32@{mib}"] = with_workspace(_fce("fp32"), mib)
     return out
 
 

@@ -160,7 +160,7 @@ def _isolated(args, shapes, names):
                    str(args.reps), "--json", f.name]
             cmd += ["--dtype", args.dtype] if args.dtype else []
             cmd += ["--compile"] if name == "torch.compile" else []
-            cmd += ["--sweep"] if args.sweep else []
+            cmd += ["--sweep", ",".join(map(str, args.sweep))] if args.sweep else []
             cmd += ["--objective", args.objective]
             if subprocess.run(cmd, stdout=subprocess.DEVNULL).returncode != 0:
                 print(f"  {name}: its process failed", file=sys.stderr)
@@ -193,10 +193,12 @@ def main(argv=None):
     p.add_argument("--accuracy", default=None,
                    help="comma-separated N for the error-vs-N study (D=256, V=2048, bf16), "
                         "e.g. 4096,65536,262144")
-    p.add_argument("--sweep", action="store_true",
-                   help="time-memory sweep: torch_fce fp32 at workspaces %s MiB besides "
-                        "quack's chunks %s; with --plot also writes *_tradeoff.png"
-                        % (SWEEP_WORKSPACE_MIB, QUACK_CHUNKS))
+    p.add_argument("--sweep", nargs="?", default=(), const=SWEEP_WORKSPACE_MIB,
+                   type=lambda v: tuple(int(m) for m in v.split(",")),
+                   help="time-memory sweep: torch_fce fp32 at workspaces of these "
+                        "comma-separated MiB (alone: %s) besides quack's chunks %s; with "
+                        "--plot also writes *_tradeoff.png"
+                        % (",".join(map(str, SWEEP_WORKSPACE_MIB)), QUACK_CHUNKS))
     p.add_argument("--isolate", action="store_true",
                    help="one process per method (peak memory and JIT caches of its own)")
     p.add_argument("--json", default=None, help="write rows + environment here")
@@ -207,8 +209,7 @@ def main(argv=None):
     dtype = getattr(torch, args.dtype or ("bfloat16" if cuda else "float32"))
     names = [n for n in (args.shapes or ("A,B,C" if cuda else "cpu")).split(",") if n]
     shapes = [SHAPES[n] if n in SHAPES else Shape(n, *map(int, n.split(":"))) for n in names]
-    fns = rl.methods(args.objective, args.device, args.compile,
-                     SWEEP_WORKSPACE_MIB if args.sweep else ()) \
+    fns = rl.methods(args.objective, args.device, args.compile, args.sweep) \
         if args.objective != "ce" else methods(args.device, args.compile, args.sweep)
     if args.methods:
         fns = {k: v for k, v in fns.items() if k in args.methods.split(",")}

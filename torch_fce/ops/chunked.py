@@ -85,18 +85,24 @@ def logits_dtype_for(hidden, opts):
     return torch.promote_types(hidden.dtype, opts.logits_dtype)
 
 
-def chunk_rows_for(hidden, weight, shard=ONE_DEVICE, logits_dtype=None):
+def chunk_rows_for(hidden, weight, shard=ONE_DEVICE, logits_dtype=None, log_prob_tiles=None):
     """Token rows per chunk (logits_dtype: the loop's, when wider than hidden's: the
-    chunk then holds those logits and a dz of hidden's dtype beside them). Every rank of a shard group must cut the same chunks
-    (each chunk's statistics are all-reduced), so a shard's size comes from V / world
-    size, not from this rank's rows: with uneven shards a larger shard's chunk exceeds
-    the workspace by its share over V / world size."""
+    chunk then holds those logits and a dz of hidden's dtype beside them). Every rank
+    of a shard group must cut the same chunks (each chunk's statistics are
+    all-reduced), so a shard's size comes from V / world size, not from this rank's
+    rows: with uneven shards a larger shard's chunk exceeds the workspace by its share
+    over V / world size. log_prob_tiles: None for the cross-entropy; for the log-prob
+    family whether it cuts vocabulary tiles (its default is then bounded by the float32
+    sums it keeps, see workspace)."""
     V = weight.shape[0] if shard.group is None else -(-shard.vocab_size // shard.world_size)
+    N, D = hidden.shape
     per_logit = None
     if logits_dtype is not None and logits_dtype != hidden.dtype:
         per_logit = logits_dtype.itemsize + hidden.dtype.itemsize
-    return _workspace_rows(hidden.shape[0], max(1, V), hidden.shape[1], hidden.dtype,
-                           hidden.device, per_logit)
+    held = None
+    if log_prob_tiles is not None:  # float32 sums beyond the gradient of their shape
+        held = (N if log_prob_tiles else V) * D * (4 - min(4, hidden.dtype.itemsize))
+    return _workspace_rows(N, max(1, V), D, hidden.dtype, hidden.device, per_logit, held)
 
 
 def run_chunks(hidden, weight, bias, row_fn, outputs, needs_grad, accumulator, chunk_rows,
@@ -187,7 +193,9 @@ def _run_vocab_tiles(hidden, weight, bias, row_fn, needs_grad, chunk_rows, gemm)
     dtype = hidden.dtype
     w = gemm.w
     cols = max(1, chunk_rows * V // max(1, N))
-    cols = cols // 128 * 128 if cols >= 128 else cols  # whole GEMM tiles, as token chunks
+    if cols >= 128:  # tiles of even width (no thin last one), in whole GEMM tiles
+        cols = -(-V // -(-V // cols))
+        cols = -(-cols // 128) * 128
     # The hidden gradient is a sum across tiles: float32 (float64 for float64 inputs).
     gh = GradAccumulator("fp32", (N, D), dtype, dtype, hidden.device) \
         if needs_grad[0] else None

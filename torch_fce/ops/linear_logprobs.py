@@ -185,7 +185,7 @@ def fwd(hidden, weight, target, bias, temperature, *args, backend):
         parts = empty_tile_stats(N, mdt, hidden.device) if merged and not vocab else None
         ldt = logits_dtype_for(hidden, opts)
         run_chunks(hidden, weight, bias, row_fn, () if vocab else (parts or out),
-                   (False,) * 3, "fp32", chunk_rows_for(hidden, weight, shard, ldt),
+                   (False,) * 3, "fp32", chunk_rows_for(hidden, weight, shard, ldt, vocab),
                    by_vocab=vocab, logits_dtype=ldt)
     if merged:
         stats = total() if vocab else parts
@@ -221,6 +221,6 @@ def bwd(grad_logprob, grad_entropy, row_stats, hidden, weight, target, bias, tem
     ldt = logits_dtype_for(hidden, opts)  # the forward's: the same logits, bit for bit
     with no_autocast(hidden):
         gradients = run_chunks(hidden, weight, bias, row_fn, (), needs, opts.accumulator,
-                               chunk_rows_for(hidden, weight, shard, ldt), by_vocab=vocab,
+                               chunk_rows_for(hidden, weight, shard, ldt, vocab), by_vocab=vocab,
                                shard=shard, logits_dtype=ldt)
     return grad_outputs(hidden, weight, bias, gradients, keep_f32=False)

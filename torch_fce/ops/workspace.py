@@ -12,6 +12,13 @@ most 4 GiB or 1/16 of the GPU's memory (that cap wins on GPUs under 16 GiB), and
 most half the logits (so the op saves memory also when all of them would fit); on
 other devices 2^22 elements or 256 rows, whichever is more (smaller chunks re-read the
 float32 sum so often that a 2-core CPU ran 5-14% slower at 131 rows).
+The log-prob family (log-probs, policy loss) is bounded further on CUDA: its peak within
+a float32 weight-gradient sum plus 256 MiB, what a vocabulary-tiled head holds (TRL's
+fused head among them), so its chunk is that less the float32 sums it keeps beside the
+chunk (`held`): with token chunks the weight-gradient sum's excess over the gradient,
+with vocabulary tiles the hidden gradient's. Measured on an H200 (docs/benchmarks.md):
+it costs the policy loss up to 11% of its time on the smallest heads (still faster than
+TRL's head) and the log-probs none beyond the runs' noise.
 `set_workspace(nbytes)` or the TORCH_FCE_WORKSPACE_MB environment variable replace the
 default on every device, with no half-the-logits cap.
 
@@ -32,6 +39,7 @@ _OTHER_DEVICE_ELEMS = 1 << 22
 _OTHER_DEVICE_ROWS = 256
 _MIN_CHUNKS = 2
 _FLOOR_ROWS = 4096
+_TILE_BYTES = 256 << 20  # the log-prob family's peak beyond a float32 weight-gradient sum
 
 def _from_env():
     value = os.environ.get("TORCH_FCE_WORKSPACE_MB")
@@ -81,12 +89,13 @@ def _default_cuda_bytes(V, D, itemsize, device):
     return min(cap, max(floor, 2 * V * D * itemsize))
 
 
-def chunk_rows(N, V, D, dtype, device, per_logit=None):
+def chunk_rows(N, V, D, dtype, device, per_logit=None, held=None):
     """Rows per chunk for N tokens, V classes (this rank's, for a vocabulary shard) and
     hidden size D, inputs of dtype and per_logit bytes per logit of the chunk (None:
     dtype's; float32 logits of bfloat16 inputs hold 4 + 2 with their gradient); at
-    least one row. CUDA chunks are a multiple of 128 rows (GEMM tiles) unless that is
-    below one tile."""
+    least one row. held: the log-prob family's float32 sums beside the chunk, in bytes
+    (None: not that family). CUDA chunks are a multiple of 128 rows (GEMM tiles) unless
+    that is below one tile."""
     device = torch.device(device)
     itemsize = torch.empty((), dtype=dtype).element_size()
     per_logit = per_logit or itemsize
@@ -94,8 +103,10 @@ def chunk_rows(N, V, D, dtype, device, per_logit=None):
     if _nbytes is not None:
         rows = _nbytes // (V * per_logit)
     elif cuda:
-        rows = min(_default_cuda_bytes(V, D, itemsize, device) // (V * per_logit),
-                   -(-N // _MIN_CHUNKS))
+        nbytes = _default_cuda_bytes(V, D, itemsize, device)
+        if held is not None:
+            nbytes = min(nbytes, max(_TILE_BYTES, 4 * V * D + _TILE_BYTES - held))
+        rows = min(nbytes // (V * per_logit), -(-N // _MIN_CHUNKS))
     else:
         rows = max(_OTHER_DEVICE_ELEMS * itemsize // (V * per_logit), _OTHER_DEVICE_ROWS)
     if cuda and rows >= 128:
