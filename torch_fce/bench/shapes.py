@@ -193,7 +193,7 @@ def main(argv=None):
     p.add_argument("--accuracy", default=None,
                    help="comma-separated N for the error-vs-N study (D=256, V=2048, bf16), "
                         "e.g. 4096,65536,262144")
-    p.add_argument("--sweep", nargs="?", default=(), const=SWEEP_WORKSPACE_MIB,
+    p.add_argument("--sweep", nargs="?", default=None, const=SWEEP_WORKSPACE_MIB,
                    type=lambda v: tuple(int(m) for m in v.split(",")),
                    help="time-memory sweep: torch_fce fp32 at workspaces of these "
                         "comma-separated MiB (alone: %s) besides quack's chunks %s; with "
@@ -209,8 +209,8 @@ def main(argv=None):
     dtype = getattr(torch, args.dtype or ("bfloat16" if cuda else "float32"))
     names = [n for n in (args.shapes or ("A,B,C" if cuda else "cpu")).split(",") if n]
     shapes = [SHAPES[n] if n in SHAPES else Shape(n, *map(int, n.split(":"))) for n in names]
-    fns = rl.methods(args.objective, args.device, args.compile, args.sweep) \
-        if args.objective != "ce" else methods(args.device, args.compile, args.sweep)
+    fns = rl.methods(args.objective, args.device, args.compile, args.sweep or ()) \
+        if args.objective != "ce" else methods(args.device, args.compile, args.sweep or ())
     if args.methods:
         fns = {k: v for k, v in fns.items() if k in args.methods.split(",")}
     total, done = len(shapes) * len(fns), [0]
