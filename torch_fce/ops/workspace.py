@@ -17,7 +17,7 @@ a float32 weight-gradient sum plus 256 MiB, what a vocabulary-tiled head holds (
 fused head among them), so its chunk is that less the float32 sums it keeps beside the
 chunk (`held`): with token chunks the weight-gradient sum's excess over the gradient,
 with vocabulary tiles the hidden gradient's. Measured on an H200 (docs/benchmarks.md):
-it costs the policy loss up to 11% of its time on the smallest heads (still faster than
+it costs the policy loss up to 13% of its time on the smallest heads (still faster than
 TRL's head) and the log-probs none beyond the runs' noise.
 `set_workspace(nbytes)` or the TORCH_FCE_WORKSPACE_MB environment variable replace the
 default on every device, with no half-the-logits cap.
