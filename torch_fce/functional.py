@@ -110,10 +110,7 @@ def linear_logprobs(hidden, weight, target, bias=None, *, temperature=1.0, softc
             return -sum_c p_c log p_c. accumulator: as for linear_cross_entropy.
         shift: pair hidden[..., t, :] with target[..., t + 1] (causal LM, as for
             linear_cross_entropy); the temperature stays with the hidden position.
-        logits_dtype: None (the logits rounded to hidden's dtype, as F.linear's) or
-            torch.float32 (the GEMM's float32 sums, unrounded: bfloat16/float16 inputs
-            get log-probs and gradients as of F.linear(hidden.float(), weight.float());
-            docs/numerics.md). float32 and float64 inputs are unaffected.
+        logits_dtype: as for linear_cross_entropy.
 
     Returns:
         LogProbs(logprob, entropy, lse, argmax). logprob and entropy are differentiable
@@ -163,10 +160,7 @@ def linear_policy_loss(hidden, weight, target, advantages, bias=None, *, old_log
             ratio (TRL's use_bias_correction_kl). temperature: as linear_logprobs.
         shift: pair hidden[..., t, :] with target[..., t + 1]; the per-token tensors stay
             with the hidden position, as the statistics do.
-        logits_dtype: None (the logits rounded to hidden's dtype, as F.linear's) or
-            torch.float32 (the GEMM's float32 sums, unrounded: bfloat16/float16 inputs
-            get log-probs and gradients as of F.linear(hidden.float(), weight.float());
-            docs/numerics.md). float32 and float64 inputs are unaffected.
+        logits_dtype: as for linear_cross_entropy.
 
     Returns:
         (loss, PolicyStats): the float32 scalar loss (differentiable w.r.t. hidden,

@@ -179,7 +179,8 @@ def main(argv=None):
     p.add_argument("--methods", default=None,
                    help="comma-separated subset of: torch, torch.compile (with --compile), "
                         "liger, cce, cce-exact, quack-{base,fused}-{4096,8192} (CUDA, where "
-                        "installed), fce-{fp32,kahan,input}, fce-f32logits (logits_dtype=torch.float32), fce-fp32@MiB (with --sweep) "
+                        "installed), fce-{fp32,kahan,input}, fce-f32logits "
+                        "(logits_dtype=torch.float32), fce-fp32@MiB (with --sweep) "
                         "(default: all available)")
     p.add_argument("--compile", action="store_true", help="include torch.compile")
     p.add_argument("--objective", choices=("ce", "logprobs", "policy"), default="ce",

@@ -1,12 +1,13 @@
 """The token-chunked loop shared by every op, backend and vocabulary layout.
 
 Per chunk of n tokens: logits = hidden @ weight.T + bias (one GEMM into an (n, V)
-buffer: rounded to the inputs' dtype as F.linear does, or with the option logits_dtype =
-torch.float32 the GEMM's float32 sums themselves), a row function turns them into per-token terms and, when gradients are
-wanted, the logits gradient dz, then dz @ weight gives the hidden gradient and dz.T @
-hidden is added to the weight gradient. Memory beyond inputs and outputs is the (n, V)
-chunk plus the gradient accumulator (and, for float32 master weights, the weight in
-hidden's dtype for the GEMMs); n comes from the workspace (workspace.py).
+buffer: rounded to the inputs' dtype as F.linear does, or with the option logits_dtype
+= torch.float32 the GEMM's float32 sums themselves), a row function turns them into
+per-token terms and, when gradients are wanted, the logits gradient dz, then dz @
+weight gives the hidden gradient and dz.T @ hidden is added to the weight gradient.
+Memory beyond inputs and outputs is the (n, V) chunk plus the gradient accumulator
+(and, for float32 master weights, the weight in hidden's dtype for the GEMMs); n comes
+from the workspace (workspace.py).
 
 Row functions (the `RowFn` protocol below) are each op's math; the backends differ
 only in which row functions they bring (dispatch.py). Two layouts ride the same loop:

@@ -184,9 +184,9 @@ def fwd(hidden, weight, target, bias, temperature, *args, backend):
         # Token chunks of a shard write their partial statistics into a TileStats of N.
         parts = empty_tile_stats(N, mdt, hidden.device) if merged and not vocab else None
         ldt = logits_dtype_for(hidden, opts)
+        chunk = chunk_rows_for(hidden, weight, shard, ldt, log_prob_tiles=vocab)
         run_chunks(hidden, weight, bias, row_fn, () if vocab else (parts or out),
-                   (False,) * 3, "fp32", chunk_rows_for(hidden, weight, shard, ldt, vocab),
-                   by_vocab=vocab, logits_dtype=ldt)
+                   (False,) * 3, "fp32", chunk, by_vocab=vocab, logits_dtype=ldt)
     if merged:
         stats = total() if vocab else parts
         out = finish_stats(all_reduce_tile_stats(stats, shard) if shard.group else stats,
@@ -219,8 +219,8 @@ def bwd(grad_logprob, grad_entropy, row_stats, hidden, weight, target, bias, tem
                                          stats, mdt, start, hidden.dtype)
 
     ldt = logits_dtype_for(hidden, opts)  # the forward's: the same logits, bit for bit
+    chunk = chunk_rows_for(hidden, weight, shard, ldt, log_prob_tiles=vocab)
     with no_autocast(hidden):
         gradients = run_chunks(hidden, weight, bias, row_fn, (), needs, opts.accumulator,
-                               chunk_rows_for(hidden, weight, shard, ldt, vocab), by_vocab=vocab,
-                               shard=shard, logits_dtype=ldt)
+                               chunk, by_vocab=vocab, shard=shard, logits_dtype=ldt)
     return grad_outputs(hidden, weight, bias, gradients, keep_f32=False)

@@ -304,7 +304,8 @@ def fwd(hidden, weight, target, advantages, bias, old_logprobs, ref_logprobs,
     with no_autocast(hidden):
         ldt = logits_dtype_for(hidden, opts)
         gradients = run_chunks(hidden, weight, bias, row_fn, out, needs, opts.accumulator,
-                               chunk_rows_for(hidden, weight, shard, ldt, False), shard=shard,
+                               chunk_rows_for(hidden, weight, shard, ldt,
+                                              log_prob_tiles=False), shard=shard,
                                logits_dtype=ldt)
     loss_t, *stats = out
     return (loss_t.sum(), *grad_outputs(hidden, weight, bias, gradients,

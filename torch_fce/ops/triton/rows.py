@@ -4,7 +4,8 @@ One program per token row, two sweeps over the vocabulary: the first forms the
 logsumexp online (and the sums label smoothing needs), the second writes the logits
 gradient over the logits in place, so a chunk is read twice and written once, in its
 own dtype, with no float32 copy (float32 logits of low-precision inputs: dz goes to a
-buffer of the inputs' dtype instead, the gradient GEMMs' operand). The math is that of rows.py (its CERows). The
+buffer of the inputs' dtype instead, the gradient GEMMs' operand). The math is that of
+rows.py (its CERows). The
 vocab-parallel loss runs the two sweeps as separate kernels on a shard of the
 vocabulary (the twins of rows.torch_shard_stats / torch_shard_grad), its all-reduce of
 the per-row statistics in between.
