@@ -44,8 +44,9 @@ def linear_cross_entropy(hidden, weight, target, bias=None, class_weight=None, *
         shift: pair hidden[..., t, :] with target[..., t + 1] (causal LM); hidden is not
             copied, the last position of each sequence is ignored.
         Other options: see docs/api.md.
-        return_stats: also return LossStats (per-token lse and argmax, the z-loss term)
-            from the same pass, no extra GEMM (token accuracy: argmax == target).
+        return_stats: also return LossStats (per-token lse, argmax and entropy, the
+            z-loss term) from the same pass, no extra GEMM (token accuracy: argmax ==
+            target).
         logits_dtype: None (the logits rounded to hidden's dtype, as F.linear's) or
             torch.float32 (the GEMM's float32 sums, unrounded: bfloat16/float16 inputs
             get log-probs and gradients as of F.linear(hidden.float(), weight.float());
@@ -76,10 +77,10 @@ def linear_cross_entropy(hidden, weight, target, bias=None, class_weight=None, *
     if not return_stats:
         return torch.ops.fce.linear_ce(hidden, weight, target, bias, class_weight,
                                        **opts._asdict())
-    loss, lse, argmax = torch.ops.fce.linear_ce_stats(hidden, weight, target, bias,
-                                                      class_weight, **opts._asdict())
+    loss, lse, argmax, entropy = torch.ops.fce.linear_ce_stats(
+        hidden, weight, target, bias, class_weight, **opts._asdict())
     return loss, LossStats(lse, argmax, _z_loss_term(lse.detach(), target, ignore_index,
-                                                     reduction, z_loss))
+                                                     reduction, z_loss), entropy)
 
 
 def _z_loss_term(lse, target, ignore_index, reduction, z_loss):

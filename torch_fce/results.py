@@ -8,12 +8,14 @@ import torch
 
 class LossStats(NamedTuple):
     """Token statistics of linear_cross_entropy(return_stats=True), from the loss's own
-    pass: lse and argmax (int64, the most likely class) of target's shape, and z_loss,
-    the z-loss term's share of the loss (reduced as the loss; 0 without z_loss). None
-    carries a gradient."""
+    pass: lse, argmax (int64, the most likely class) and entropy (-sum_c p_c log p_c of
+    the softcapped logits) of target's shape, for every token (ignored ones too), and
+    z_loss, the z-loss term's share of the loss (reduced as the loss; 0 without
+    z_loss). None carries a gradient."""
     lse: torch.Tensor
     argmax: torch.Tensor
     z_loss: torch.Tensor
+    entropy: torch.Tensor
 
 
 class LogProbs(NamedTuple):

@@ -100,7 +100,8 @@ def _every_entry(h, w, t, b):
         entropy_coef=0.01, temperature=0.7, loss_type=loss_type, epsilon_high=1.5)[0]
         for loss_type in ("clip", "cispo", "sapo", "reinforce"))
     total = loss + per_token.mean() + module + lp.logprob.mean() + lp.entropy.mean() + policy
-    return total, torch.stack([stats.lse.sum(), stats.argmax.sum().float()])
+    return total, torch.stack([stats.lse.sum(), stats.argmax.sum().float(),
+                               stats.entropy.sum()])
 
 
 @pytest.mark.parametrize("how", ["cuda_graph", "compiled_fullgraph_dynamic"])

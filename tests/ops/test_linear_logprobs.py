@@ -2,6 +2,8 @@
 entropy), every option, any upstream gradients; gradcheck; compile; opcheck; bad input;
 the Triton row kernel under the interpreter."""
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -396,11 +398,14 @@ def test_ce_rows_nan_never_wins_and_logits_below_minus_1e30(softcap):
     target = torch.tensor([1, 0], device=DEVICE)
     opts = CEOptions(softcap=softcap)
     for rows in (TORCH_CE_ROWS, TRITON_CE_ROWS):
-        lse, nll, _, argmax = rows.stats(logits.clone(), target, None, opts, True,
-                                         torch.float32)
-        assert argmax.tolist() == [1, 0] and lse[0].isnan()
-        if softcap is None:
+        lse, nll, _, argmax, entropy = rows.stats(logits.clone(), target, None, opts, True,
+                                                  torch.float32)
+        assert argmax.tolist() == [1, 0] and lse[0].isnan() and entropy[0].isnan()
+        if softcap is None:  # two classes tie at -2e31, the others have p = 0
             assert lse[1] == -2e31 and nll[1] == 0.0
+            assert entropy[1] == pytest.approx(math.log(2), rel=1e-6)
+        else:  # all four softcapped to -4: uniform
+            assert entropy[1] == pytest.approx(math.log(4), rel=1e-6)
 
 
 @pytest.mark.parametrize("rows", ["torch_rows", "triton_rows"])
@@ -497,12 +502,58 @@ def test_linear_ce_return_stats_from_the_same_pass(reduction):
                                   softcap=5.0)
     assert rel_err(stats.lse, lse) <= _tol(torch.float32, 13)
     assert torch.equal(stats.argmax, argmax)
+    # every token's entropy, the ignored ones' too
+    assert rel_err(stats.entropy, _entropy(x["hidden"], x["weight"], x["bias"], 5.0)) \
+        <= _tol(torch.float32, 13)
     valid = x["target"] != -100
     zl = torch.where(valid, lse ** 2, 0.0) * 1e-2
     want = {"none": zl, "sum": zl.sum(), "mean": zl.sum() / valid.sum()}[reduction]
     assert rel_err(stats.z_loss, want) <= _tol(torch.float32, 13)
     loss.sum().backward()  # the statistics carry no gradient; the loss's is unchanged
     assert h.grad is not None and not stats.lse.requires_grad
+    assert not stats.entropy.requires_grad
+
+
+def _entropy(hidden, weight, bias=None, softcap=None):
+    """Every row's entropy of softcap(hidden @ weight.T + bias) in float64."""
+    z = F.linear(hidden.double(), weight.double(), None if bias is None else bias.double())
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    return -(z.softmax(-1) * z.log_softmax(-1)).sum(-1)
+
+
+@pytest.mark.parametrize("backend", ["op", "torch_rows", "triton_rows"])
+@pytest.mark.parametrize("softcap", [None, 150.0])
+def test_ce_token_entropy_of_confident_rows_keeps_float32_precision(backend, softcap):
+    # lse about 70, many rows with p(target) > 0.98 (entropies of 1e-4..1e-1), odd V,
+    # ignored tokens: the entropy is formed relative to the row max (log s - sum e (z -
+    # m) / s), so its error is float32's on those rows, not lse's rounding (about 4e-6,
+    # which lse - sum p z would carry). Within twice torch's float32 composition's error
+    # from float64, on the loss's stats-only and gradient paths alike.
+    h, w, target = (t.to(DEVICE) for t in confident_inputs(48, 24, 257))
+    target[::5] = -100
+    truth = _entropy(h, w, softcap=softcap)
+    z = F.linear(h, w)
+    z = z if softcap is None else softcap * torch.tanh(z / softcap)
+    torch_f32 = -(z.softmax(-1) * z.log_softmax(-1)).sum(-1)
+    confident = truth < 5e-2
+    assert confident.sum() >= 10
+    if backend == "op":
+        got = [torch_fce.linear_cross_entropy(h, w, target, softcap=softcap, reduction=r,
+                                              return_stats=True)[1].entropy
+               for r in ("none", "sum")]  # the stats-only and the gradient path
+    else:
+        rows, opts = BACKENDS[backend].ce, CEOptions(softcap=softcap)
+        scales = (torch.ones(48, device=DEVICE), torch.zeros(48, device=DEVICE))
+        got = [rows.stats(F.linear(h, w), target, None, opts, True, torch.float32).entropy,
+               rows.stats_then_grad(F.linear(h, w), target, None, scales, opts, True,
+                                    torch.float32, torch.float32)[0].entropy]
+    torch_err = (torch_f32.double() - truth).abs()
+    for ent in got:
+        err = (ent.double() - truth).abs()
+        assert err.max() <= 2 * torch_err.max() + 1e-8
+        # lse - sum p z: 1.6e-5 on the confident rows, 25x torch's error there
+        assert err[confident].max() <= 2 * torch_err[confident].max() + 1e-8
 
 
 @pytest.mark.parametrize("softcap", [None, 4.0])

@@ -21,7 +21,7 @@ from .chunked import (ONE_DEVICE, Shard, after_first_gemm, chunk_rows_for, grad_
 from .dispatch import LIB, kernel
 from .entry import autocast_operands, flat, int64_if_needed, needs_grad, refuse_transforms, rows
 from .options import as_float, check_choice, got, schema_args, take
-from .rows import grad_coefficients
+from .rows import CETerms, grad_coefficients
 from .tokens import counted_target_weights, grad_scales, reduce_loss
 
 REDUCTIONS = ("mean", "sum", "none")
@@ -52,21 +52,22 @@ _OPTS, _SHARD = schema_args(CEOptions), schema_args(Shard)
 _TENSORS = ("Tensor hidden, Tensor weight, Tensor target, Tensor? bias=None, "
             "Tensor? class_weight=None")
 LIB.define(f"linear_ce({_TENSORS}, *, {schema_args(CEOptions, True)}) -> Tensor")
-# linear_ce with the token statistics of the same pass: lse and argmax, target.shape.
+# linear_ce with the token statistics of the same pass: lse, argmax and entropy, each
+# target.shape.
 LIB.define(f"linear_ce_stats({_TENSORS}, *, {schema_args(CEOptions, True)}) "
-           "-> (Tensor loss, Tensor lse, Tensor argmax)")
+           "-> (Tensor loss, Tensor lse, Tensor argmax, Tensor entropy)")
 # hidden (N, D), target (N,); a Shard: weight holds this rank's classes. Returns the
 # loss (() or (N,)) and, for the inputs flagged in needs_grad, the gradients of the loss
 # with unit upstream gradient ((0,) otherwise; requested only for reduction "mean"/
 # "sum"). grad_weight and grad_bias are float32 with the "fp32" accumulator (rounded
 # once, in the backward; float64 for float64 weights and bias), else in the weight's and
-# the bias's dtypes. With stats (one device), also each token's lse and argmax ((0,)
-# otherwise).
+# the bias's dtypes. With stats (one device), also each token's lse, argmax and entropy
+# ((0,) otherwise).
 LIB.define(
     "linear_ce_fwd(Tensor hidden, Tensor weight, Tensor target, Tensor? bias, "
     f"Tensor? class_weight, {_OPTS}, {_SHARD}, bool[3] needs_grad, bool stats) "
     "-> (Tensor loss, Tensor grad_hidden, Tensor grad_weight, Tensor grad_bias, "
-    "Tensor lse, Tensor argmax)")
+    "Tensor lse, Tensor argmax, Tensor entropy)")
 # Gradients for the upstream gradient grad_loss (() or (N,) as the loss), recomputing
 # the logits.
 LIB.define(
@@ -78,8 +79,8 @@ LIB.define(
 # ---- the public ops ----------------------------------------------------------------
 
 def forward(hidden, weight, target, bias, class_weight, opts, stats, shard=ONE_DEVICE):
-    """(loss, lse, argmax) of the checked inputs, the token statistics (0,) unless
-    stats. Also the vocab-parallel entry (distributed/vocab_parallel.py)."""
+    """(loss, lse, argmax, entropy) of the checked inputs, the token statistics (0,)
+    unless stats. Also the vocab-parallel entry (distributed/vocab_parallel.py)."""
     refuse_transforms((hidden, weight, bias, class_weight))
     hidden, weight, bias = autocast_operands(hidden, weight, bias)  # dtypes checked after
     checks.check_inputs(hidden, weight, target, bias, class_weight, _sharded_vocab(shard))
@@ -93,12 +94,12 @@ def forward(hidden, weight, target, bias, class_weight, opts, stats, shard=ONE_D
     # the logits in the backward.
     needs = needs_grad(hidden, weight, bias, opts.reduction != "none"
                        and hidden.dtype != torch.float16)
-    loss, *_, lse, argmax = torch.ops.fce.linear_ce_fwd(
+    loss, *_, lse, argmax, entropy = torch.ops.fce.linear_ce_fwd(
         rows(hidden), weight, flat(target), bias, class_weight, *opts, *shard, needs, stats)
     loss = loss.reshape(target.shape) if opts.reduction == "none" else loss
     if stats:
-        lse, argmax = lse.reshape(target.shape), argmax.reshape(target.shape)
-    return loss, lse, argmax
+        lse, argmax, entropy = (t.reshape(target.shape) for t in (lse, argmax, entropy))
+    return loss, lse, argmax, entropy
 
 
 @torch.library.impl(LIB, "linear_ce", "CompositeImplicitAutograd")
@@ -145,7 +146,8 @@ def _fwd_fake(hidden, weight, target, bias, class_weight, *args):
     return (hidden.new_empty(shape, dtype=mdt),
             *grads.fake_grads(hidden, weight, bias, needs, opts.accumulator == "fp32",
                               shard.group is not None),
-            hidden.new_empty(n, dtype=mdt), hidden.new_empty(n, dtype=torch.int64))
+            hidden.new_empty(n, dtype=mdt), hidden.new_empty(n, dtype=torch.int64),
+            hidden.new_empty(n, dtype=mdt))
 
 
 @torch.library.register_fake("fce::linear_ce_bwd")
@@ -163,8 +165,8 @@ def _setup(ctx, inputs, output):
     hidden, weight, target, bias, class_weight, *args = inputs
     opts, rest = take(CEOptions, args)
     shard, (needs, _) = take(Shard, rest)
-    _, gh, gw, gb, lse, argmax = output
-    ctx.mark_non_differentiable(gh, gw, gb, lse, argmax)
+    gh, gw, gb = output[1:4]
+    ctx.mark_non_differentiable(*output[1:])  # gh, gw, gb and the token statistics
     ctx.set_materialize_grads(False)  # else autograd makes zero "gradients" of gh, gw, gb
     ctx.dtypes = grads.dtypes(hidden, weight, bias)
     ctx.precomputed = any(needs)
@@ -211,15 +213,16 @@ def fwd(hidden, weight, target, bias, class_weight, *args, backend):
         target, class_weight, opts.ignore_index, opts.reduction, opts.z_loss,
         math_dtype_for(hidden.dtype))) if any(needs) else None
     with no_autocast(hidden):
-        (lse, nll, smooth, argmax), gradients = _chunks(
+        (lse, nll, smooth, argmax, entropy), gradients = _chunks(
             hidden, weight, target, bias, class_weight, opts, shard, needs, scales, stats,
             backend)
         loss = reduce_loss(nll, smooth, lse, target, class_weight, opts.ignore_index,
                            opts.reduction, opts.label_smoothing, opts.z_loss, V)
-    none = hidden.new_empty(0, dtype=lse.dtype), hidden.new_empty(0, dtype=torch.int64)
+    none = (hidden.new_empty(0, dtype=lse.dtype), hidden.new_empty(0, dtype=torch.int64),
+            hidden.new_empty(0, dtype=lse.dtype))
     return (loss, *grad_outputs(hidden, weight, bias, gradients, opts.accumulator == "fp32",
                                 shard.group is not None),
-            *((lse, argmax) if stats else none))
+            *((lse, argmax, entropy) if stats else none))
 
 
 @kernel("linear_ce_bwd", hidden=1)
@@ -237,24 +240,25 @@ def bwd(grad_loss, hidden, weight, target, bias, class_weight, *args, backend):
     return grad_outputs(hidden, weight, bias, gradients, keep_f32=False)
 
 
-def _chunks(hidden, weight, target, bias, class_weight, opts, shard, needs, scales, argmax,
+def _chunks(hidden, weight, target, bias, class_weight, opts, shard, needs, scales, stats,
             backend):
-    """The cross entropy on the loop: (lse, nll, smooth, argmax) each (N,) (argmax None
-    unless asked for) and the gradients; scales() gives (ce_scale, z_scale), or scales is
-    None without gradients."""
+    """The cross entropy on the loop: CETerms, each (N,) (argmax and entropy None unless
+    stats), and the gradients; scales() gives (ce_scale, z_scale), or scales is None
+    without gradients."""
     N, mdt = hidden.shape[0], math_dtype_for(hidden.dtype)
     terms = [hidden.new_empty(N, dtype=mdt) for _ in range(3)] + (
-        [hidden.new_empty(N, dtype=torch.int64)] if argmax else [])
+        [hidden.new_empty(N, dtype=torch.int64), hidden.new_empty(N, dtype=mdt)]
+        if stats else [])
     if shard.group is None:
         def row_fn(logits, s, e):
             if scales is None:
-                out, dz = backend.ce.stats(logits, target[s:e], class_weight, opts, argmax,
+                out, dz = backend.ce.stats(logits, target[s:e], class_weight, opts, stats,
                                            mdt), None
             else:
                 out, dz = backend.ce.stats_then_grad(
                     logits, target[s:e], class_weight, tuple(t[s:e] for t in scales()), opts,
-                    argmax, mdt, hidden.dtype)
-            return out if argmax else out[:3], dz
+                    stats, mdt, hidden.dtype)
+            return out if stats else out[:3], dz
     else:
         row_fn = _shard_row_fn(hidden, weight, target, class_weight, opts, shard, scales,
                                backend)
@@ -262,7 +266,7 @@ def _chunks(hidden, weight, target, bias, class_weight, opts, shard, needs, scal
     gradients = run_chunks(hidden, weight, bias, row_fn, terms, needs, opts.accumulator,
                            chunk_rows_for(hidden, weight, shard, ldt), shard=shard,
                            logits_dtype=ldt)
-    return (*terms[:3], terms[3] if argmax else None), gradients
+    return CETerms(*terms) if stats else CETerms(*terms, None, None), gradients
 
 
 def _shard_row_fn(hidden, weight, target, class_weight, opts, shard, scales, backend):

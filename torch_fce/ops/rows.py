@@ -5,6 +5,8 @@ For a chunk of logits rows z (n, V) (after bias), with p = softmax(softcap(z)):
   lse    = logsumexp(softcap(z))
   nll    = w_y * (lse - z_y)                 (0 where ignored, whatever the logits)
   smooth = sum_c w_c * (lse - z_c)           (0 where ignored; only with label smoothing)
+  entropy = -sum_c p_c log p_c = log s - sum_c e_c (z_c - m) / s, e_c = exp(z_c - m),
+           m the row max, s = sum_c e_c     (with the token statistics only)
   dz_c   = [p_c * A - B * [c == y] - C * w_c] * softcap'(z_c)
 with A = s * ((1 - eps) * w_y + eps * W / V) + 2 * t * lse, B = s * (1 - eps) * w_y,
 C = s * eps / V, W = sum_c w_c, s the per-token CE gradient scale and t the per-token
@@ -20,21 +22,24 @@ from .tokens import counted_target_weights
 
 class CETerms(NamedTuple):
     """A chunk's per-token cross-entropy terms, each (n,): lse, nll, smooth (zeros
-    without label smoothing) and argmax (int64, the first most likely class; None
-    unless asked for)."""
+    without label smoothing) and the token statistics, None unless asked for: argmax
+    (int64, the first most likely class) and entropy (of every token, ignored ones
+    too)."""
     lse: torch.Tensor
     nll: torch.Tensor
     smooth: torch.Tensor
     argmax: Optional[torch.Tensor]
+    entropy: Optional[torch.Tensor]
 
 
 class CERows(NamedTuple):
     """The cross entropy's row functions on one backend. opts is the op's options
     record (ops/linear_ce.CEOptions: ignore_index, label_smoothing, softcap are read);
     logits (n, V) is the loop's buffer and may be overwritten.
-      stats(logits, target, class_weight, opts, argmax, math_dtype) -> CETerms
-      stats_then_grad(logits, target, class_weight, scales, opts, argmax, math_dtype,
-                      dz_dtype) -> (CETerms, dz): scales = (ce_scale, z_scale) (n,)
+      stats(logits, target, class_weight, opts, token_stats, math_dtype) -> CETerms
+          (argmax and entropy with token_stats)
+      stats_then_grad(logits, target, class_weight, scales, opts, token_stats,
+                      math_dtype, dz_dtype) -> (CETerms, dz): scales = (ce_scale, z_scale) (n,)
           (tokens.grad_scales); dz in dz_dtype (the inputs', which float32 logits of
           low-precision inputs are wider than), written over logits where it can
       shard_stats(logits, col, cw, opts, math_dtype) -> (lse, z_y, zsum) of a
@@ -118,19 +123,20 @@ def torch_shard_grad(logits, col, cw, lse, a, b, c, opts, math_dtype, dz_dtype):
     return logits_grad_(e, 1.0, col, a, b, c, cw, tanh).to(dz_dtype)
 
 
-def torch_ce_stats(logits, target, class_weight, opts, argmax, math_dtype):
+def torch_ce_stats(logits, target, class_weight, opts, token_stats, math_dtype):
     """CERows.stats in PyTorch."""
-    return _torch_rows(logits, target, class_weight, None, opts, argmax, math_dtype, None)[0]
+    return _torch_rows(logits, target, class_weight, None, opts, token_stats, math_dtype,
+                       None)[0]
 
 
-def torch_ce_stats_then_grad(logits, target, class_weight, scales, opts, argmax,
+def torch_ce_stats_then_grad(logits, target, class_weight, scales, opts, token_stats,
                              math_dtype, dz_dtype):
     """CERows.stats_then_grad in PyTorch."""
-    return _torch_rows(logits, target, class_weight, scales, opts, argmax, math_dtype,
+    return _torch_rows(logits, target, class_weight, scales, opts, token_stats, math_dtype,
                        dz_dtype)
 
 
-def _torch_rows(logits, target, class_weight, scales, opts, want_argmax, math_dtype,
+def _torch_rows(logits, target, class_weight, scales, opts, token_stats, math_dtype,
                 dz_dtype):
     """(CETerms, dz) for logits (n, V); dz is None without scales. The math runs in
     place over logits to keep the passes over the chunk few."""
@@ -144,14 +150,18 @@ def _torch_rows(logits, target, class_weight, scales, opts, want_argmax, math_dt
     z_y = z.gather(1, tgt[:, None]).squeeze(1)
     W = float(V) if cw is None else cw.sum()
     zsum = (z.sum(-1) if cw is None else z @ cw) if eps > 0.0 else None
-    argmax = first_max(z)[1] if want_argmax else None
+    argmax = first_max(z)[1] if token_stats else None
     m = z.amax(-1, keepdim=True).clamp_min(torch.finfo(math_dtype).min)  # finite if all -inf
     e = z.sub_(m).exp_()  # z is consumed from here on
     total = e.sum(-1)
-    lse = m.squeeze(1) + total.log()
+    log_s = total.log()
+    lse = m.squeeze(1) + log_s
+    # xlogy(e, e) = e (z - m), 0 at e = 0 (-inf logits): relative to the max, so a
+    # confident row's entropy does not cancel against lse
+    entropy = log_s - torch.special.xlogy(e, e).sum(-1) / total if token_stats else None
     nll = torch.where(valid, w_y * (lse - z_y), 0.0)  # ignored rows may be NaN
     smooth = torch.where(valid, W * lse - zsum, 0.0) if eps > 0.0 else torch.zeros_like(lse)
-    terms = CETerms(lse, nll, smooth, argmax)
+    terms = CETerms(lse, nll, smooth, argmax, entropy)
     if scales is None:
         return terms, None
     a, b, c = grad_coefficients(*scales, w_y, lse, W, V, eps)

@@ -14,14 +14,7 @@ import triton
 import triton.language as tl
 
 from ..logprob_rows import LogProbRows, shard_stats
-from .rows import _block_max, _block_v, _load_z, _sweep_start, dz_buffer
-
-
-@triton.jit
-def _rebased_ez(ez, s, m, m_new):
-    """ez relative to a larger max m_new, before the exp(m - m_new) scale: 0 for no
-    classes (s = 0), where m - m_new may overflow to -inf (logprob_rows.rebased_ez)."""
-    return tl.where(s > 0.0, ez + (m - m_new) * s, 0.0)
+from .rows import _block_max, _block_v, _load_z, _rebased_ez, _sweep_start, dz_buffer
 
 
 @triton.jit

@@ -71,27 +71,44 @@ def _sweep_start(BLOCK_V: tl.constexpr):
 
 
 @triton.jit
+def _rebased_ez(ez, s, m, m_new):
+    """ez relative to a larger max m_new, before the exp(m - m_new) scale: 0 for no
+    classes (s = 0), where m - m_new may overflow to -inf (logprob_rows.rebased_ez)."""
+    return tl.where(s > 0.0, ez + (m - m_new) * s, 0.0)
+
+
+@triton.jit
 def _lse_sweep(row_ptr, class_weight_ptr, V, softcap, HAS_SOFTCAP: tl.constexpr,
                HAS_CLASS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
-               BLOCK_V: tl.constexpr, WANT_ARGMAX: tl.constexpr):
-    """Sweep 1: (lse, sum_c w_c z_c, argmax) of one row, the logsumexp formed online;
-    argmax (the first most likely class) is 0 unless WANT_ARGMAX."""
+               BLOCK_V: tl.constexpr, WANT_STATS: tl.constexpr):
+    """Sweep 1: (lse, sum_c w_c z_c, argmax, entropy) of one row, the logsumexp formed
+    online; the token statistics argmax (the first most likely class) and entropy are 0
+    unless WANT_STATS. The entropy's ez = sum_c exp(z_c - m) (z_c - m) is kept online
+    relative to the running max (rebased at each new one, as the log-prob kernel's), so
+    a confident row's entropy does not cancel against lse."""
     cols = tl.arange(0, BLOCK_V)
     m, s, best, best_i = _sweep_start(BLOCK_V)
+    ez = tl.sum(tl.zeros([BLOCK_V], tl.float32), axis=0)
     zsum = tl.zeros([BLOCK_V], tl.float32)
     for v0 in range(0, V, BLOCK_V):
         offs = v0 + cols
         mask = offs < V
         z = _load_z(row_ptr + offs, mask, softcap, HAS_SOFTCAP)
-        bz, best, best_i = _block_max(z, v0, best, best_i, WANT_ARGMAX)
+        bz, best, best_i = _block_max(z, v0, best, best_i, WANT_STATS)
         m_new = tl.maximum(m, bz)
-        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
+        scale = tl.exp(m - m_new)
+        ex = tl.exp(z - m_new)
+        if WANT_STATS:
+            ez = scale * _rebased_ez(ez, s, m, m_new) + tl.sum(
+                tl.where(ex > 0.0, ex * (z - m_new), 0.0), axis=0)
+        s = s * scale + tl.sum(ex, axis=0)
         m = m_new
         if HAS_SMOOTHING:
             w = tl.load(class_weight_ptr + offs, mask=mask, other=0.0).to(tl.float32) \
                 if HAS_CLASS_WEIGHT else 1.0
             zsum += tl.where(mask, z * w, 0.0)
-    return m + tl.log(s), tl.sum(zsum, axis=0), best_i
+    log_s = tl.log(s)
+    return m + log_s, tl.sum(zsum, axis=0), best_i, log_s - ez / s
 
 
 @triton.jit
@@ -125,27 +142,30 @@ def _grad_sweep(row_ptr, dz_ptr, class_weight_ptr, V, t, lse, a, b, c, softcap,
 def _linear_ce_rows_kernel(
     # pointers
     logits_ptr, dz_ptr, target_ptr, class_weight_ptr, weight_sum_ptr, ce_scale_ptr,
-    z_scale_ptr, lse_ptr, nll_ptr, smooth_ptr, argmax_ptr,
+    z_scale_ptr, lse_ptr, nll_ptr, smooth_ptr, argmax_ptr, entropy_ptr,
     # sizes and options
     V, ignore_index, label_smoothing, softcap,
     # strides
     stride_ln, stride_dn,
     # meta-parameters
     HAS_GRAD: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_CLASS_WEIGHT: tl.constexpr,
-    HAS_SMOOTHING: tl.constexpr, BLOCK_V: tl.constexpr, WANT_ARGMAX: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr, BLOCK_V: tl.constexpr, WANT_STATS: tl.constexpr,
 ):
-    """logits (n, V) -> lse, nll, smooth (n,) float32 (and argmax (n,) int64 with
-    WANT_ARGMAX); with HAS_GRAD, dz (the logits themselves, or a buffer of its own)."""
+    """logits (n, V) -> lse, nll, smooth (n,) float32 (and argmax (n,) int64 and
+    entropy (n,) float32 with WANT_STATS); with HAS_GRAD, dz (the logits themselves, or
+    a buffer of its own)."""
     # int64: row * stride_ln passes 2^31 for chunks of large vocabularies.
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * stride_ln
     t = tl.load(target_ptr + row).to(tl.int64)
     valid = t != ignore_index
     in_range = (t >= 0) & (t < V)
-    lse, zsum, best = _lse_sweep(row_ptr, class_weight_ptr, V, softcap, HAS_SOFTCAP,
-                                 HAS_CLASS_WEIGHT, HAS_SMOOTHING, BLOCK_V, WANT_ARGMAX)
-    if WANT_ARGMAX:
+    lse, zsum, best, entropy = _lse_sweep(row_ptr, class_weight_ptr, V, softcap,
+                                          HAS_SOFTCAP, HAS_CLASS_WEIGHT, HAS_SMOOTHING,
+                                          BLOCK_V, WANT_STATS)
+    if WANT_STATS:
         tl.store(argmax_ptr + row, best)
+        tl.store(entropy_ptr + row, entropy)
 
     # ---- per-token terms ----------------------------------------------------------
     t_safe = tl.where(valid & in_range, t, 0)
@@ -181,8 +201,8 @@ def _shard_stats_kernel(logits_ptr, col_ptr, class_weight_ptr, lse_ptr, z_y_ptr,
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * stride_ln
     col = tl.load(col_ptr + row).to(tl.int64)
-    lse, zsum, _ = _lse_sweep(row_ptr, class_weight_ptr, Vs, softcap, HAS_SOFTCAP,
-                              HAS_CLASS_WEIGHT, HAS_SMOOTHING, BLOCK_V, False)
+    lse, zsum, _, _ = _lse_sweep(row_ptr, class_weight_ptr, Vs, softcap, HAS_SOFTCAP,
+                                 HAS_CLASS_WEIGHT, HAS_SMOOTHING, BLOCK_V, False)
     z_y = _load_z(row_ptr + tl.maximum(col, 0), True, softcap, HAS_SOFTCAP)
     tl.store(lse_ptr + row, lse)
     tl.store(z_y_ptr + row, tl.where(col >= 0, z_y, 0.0))
@@ -221,28 +241,29 @@ def _flags(logits, cw, opts):
                 num_warps=8)
 
 
-def triton_ce_stats(logits, target, class_weight, opts, argmax, math_dtype):
+def triton_ce_stats(logits, target, class_weight, opts, token_stats, math_dtype):
     """CERows.stats (rows.py) on the Triton kernel: one sweep per row."""
-    return _launch_rows(logits, target, class_weight, None, opts, argmax, math_dtype,
+    return _launch_rows(logits, target, class_weight, None, opts, token_stats, math_dtype,
                         None)[0]
 
 
-def triton_ce_stats_then_grad(logits, target, class_weight, scales, opts, argmax,
+def triton_ce_stats_then_grad(logits, target, class_weight, scales, opts, token_stats,
                               math_dtype, dz_dtype):
     """CERows.stats_then_grad on the Triton kernel: two sweeps per row, dz written over
     logits (or into dz_buffer's)."""
-    return _launch_rows(logits, target, class_weight, scales, opts, argmax, math_dtype,
-                        dz_dtype)
+    return _launch_rows(logits, target, class_weight, scales, opts, token_stats,
+                        math_dtype, dz_dtype)
 
 
-def _launch_rows(logits, target, class_weight, scales, opts, want_argmax, math_dtype,
+def _launch_rows(logits, target, class_weight, scales, opts, token_stats, math_dtype,
                  dz_dtype):
     """(CETerms, dz) of logits (n, V) with unit stride along V, target (n,), scales
     None or (ce_scale, z_scale) (n,) float32."""
     n, V = logits.shape
     assert math_dtype == torch.float32
     lse, nll, smooth = (logits.new_empty(n, dtype=torch.float32) for _ in range(3))
-    argmax = logits.new_empty(n, dtype=torch.int64) if want_argmax else None
+    argmax = logits.new_empty(n, dtype=torch.int64) if token_stats else None
+    entropy = logits.new_empty(n, dtype=torch.float32) if token_stats else None
     has_grad = scales is not None
     ce_scale, z_scale = scales if has_grad else (lse, lse)
     # The kernel indexes targets and class weights with unit stride; callers may pass
@@ -253,12 +274,12 @@ def _launch_rows(logits, target, class_weight, scales, opts, want_argmax, math_d
     dz = dz_buffer(logits, dz_dtype) if has_grad else logits
     _linear_ce_rows_kernel[(n,)](
         logits, dz, target, cw if cw is not None else lse, w_sum, ce_scale, z_scale,
-        lse, nll, smooth, argmax if want_argmax else lse,
+        lse, nll, smooth, argmax if token_stats else lse, entropy if token_stats else lse,
         V, opts.ignore_index, opts.label_smoothing,
         opts.softcap if opts.softcap is not None else 1.0,
-        logits.stride(0), dz.stride(0), HAS_GRAD=has_grad, WANT_ARGMAX=want_argmax,
+        logits.stride(0), dz.stride(0), HAS_GRAD=has_grad, WANT_STATS=token_stats,
         **_flags(logits, cw, opts))
-    return CETerms(lse, nll, smooth, argmax), dz if has_grad else None
+    return CETerms(lse, nll, smooth, argmax, entropy), dz if has_grad else None
 
 
 def triton_shard_stats(logits, col, cw, opts, math_dtype):
