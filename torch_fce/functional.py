@@ -33,7 +33,7 @@ def _shifted(hidden, weight, target, bias, class_weight, ignore_index, shift):
 def linear_cross_entropy(hidden, weight, target, bias=None, class_weight=None, *,
                          ignore_index=-100, reduction="mean", label_smoothing=0.0,
                          softcap=None, z_loss=0.0, accumulator="fp32", shift=False,
-                         return_stats=False, logits_dtype=None):
+                         return_stats=False, logits_dtype=None, dft=False):
     """Cross entropy of F.linear(hidden, weight, bias) against target, without the logits.
 
     Args:
@@ -51,6 +51,10 @@ def linear_cross_entropy(hidden, weight, target, bias=None, class_weight=None, *
             torch.float32 (the GEMM's float32 sums, unrounded: bfloat16/float16 inputs
             get log-probs and gradients as of F.linear(hidden.float(), weight.float());
             docs/numerics.md). float32 and float64 inputs are unaffected.
+        dft: Dynamic Fine-Tuning (TRL's loss_type="dft"): each token's loss, and its
+            gradient, times the token's probability of its target, taken as a constant
+            (detached); the "mean" denominator is unchanged. Not with label_smoothing or
+            z_loss.
         A DTensor weight sharded on dim 0 (vocabulary) runs the vocab-parallel loss over
         its mesh dimension (torch_fce.distributed); the loss is the same on every rank.
 
@@ -62,7 +66,7 @@ def linear_cross_entropy(hidden, weight, target, bias=None, class_weight=None, *
     # Under torch.compile the op's fake kernel checks them: an error raised here would
     # reach the caller as Dynamo's "Observed exception", without its message.
     opts = CEOptions(ignore_index, reduction, label_smoothing, softcap, z_loss, accumulator,
-                     logits_dtype)
+                     logits_dtype, dft)
     if not torch.compiler.is_compiling():
         opts.check()
     target = _shifted(hidden, weight, target, bias, class_weight, ignore_index, shift)

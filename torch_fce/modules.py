@@ -14,14 +14,15 @@ class LinearCrossEntropyLoss(nn.Module):
 
     def __init__(self, *, class_weight=None, ignore_index=-100, reduction="mean",
                  label_smoothing=0.0, softcap=None, z_loss=0.0, accumulator="fp32",
-                 shift=False, logits_dtype=None):
+                 shift=False, logits_dtype=None, dft=False):
         super().__init__()
         CEOptions(ignore_index, reduction, label_smoothing, softcap, z_loss, accumulator,
-                  logits_dtype).check()
+                  logits_dtype, dft).check()
         self.register_buffer("class_weight", class_weight)
         self.options = dict(ignore_index=ignore_index, reduction=reduction,
                             label_smoothing=label_smoothing, softcap=softcap, z_loss=z_loss,
-                            accumulator=accumulator, shift=shift, logits_dtype=logits_dtype)
+                            accumulator=accumulator, shift=shift, logits_dtype=logits_dtype,
+                            dft=dft)
 
     def forward(self, hidden, weight, target, bias=None):
         return linear_cross_entropy(hidden, weight, target, bias, self.class_weight,

@@ -23,7 +23,8 @@ FAMILIES = [
     dict(softcap=5.0), dict(z_loss=1e-3), dict(class_weight=True), dict(bias=True),
     dict(ignore_index=2), dict(dtype=torch.bfloat16, accumulator="kahan"),
     dict(dtype=torch.bfloat16, accumulator="input", bias=True, label_smoothing=0.2),
-    dict(dtype=torch.float16, softcap=5.0),
+    dict(dtype=torch.float16, softcap=5.0), dict(dft=True),
+    dict(dft=True, reduction="none", class_weight=True, softcap=5.0),
 ]
 SPLITS = {2: [0, 15, V], 4: [0, 5, 17, 30, V]}  # uneven shards
 

@@ -18,6 +18,8 @@ FAMILIES = {
     "z_loss": dict(z_loss=1e-3),
     "kahan": dict(accumulator="kahan"),
     "input": dict(accumulator="input"),
+    "dft": dict(dft=True, softcap=5.0),
+    "dft_none": dict(dft=True, reduction="none"),
 }
 
 

@@ -20,8 +20,8 @@ from .chunked import (ONE_DEVICE, Shard, after_first_gemm, chunk_rows_for, grad_
                       logits_dtype_for, math_dtype_for, no_autocast, run_chunks)
 from .dispatch import LIB, kernel
 from .entry import autocast_operands, flat, int64_if_needed, needs_grad, refuse_transforms, rows
-from .options import as_float, check_choice, got, schema_args, take
-from .rows import CETerms, grad_coefficients
+from .options import as_float, check_bool, check_choice, got, schema_args, take
+from .rows import CETerms, dft_weight, grad_coefficients
 from .tokens import counted_target_weights, grad_scales, reduce_loss
 
 REDUCTIONS = ("mean", "sum", "none")
@@ -36,6 +36,7 @@ class CEOptions(NamedTuple):
     z_loss: float = 0.0
     accumulator: str = "fp32"
     logits_dtype: Optional[torch.dtype] = None  # torch.float32: the GEMM's float32 sums
+    dft: bool = False  # each token's loss and gradient times its detached p(target)
 
     def check(self):
         """Raises naming the option; returns self."""
@@ -45,6 +46,12 @@ class CEOptions(NamedTuple):
             raise ValueError(f"label_smoothing must be in [0, 1]{got(self.label_smoothing)}")
         if not as_float("z_loss", self.z_loss) >= 0.0:
             raise ValueError(f"z_loss must be >= 0{got(self.z_loss)}")
+        check_bool("dft", self.dft)
+        # DFT weighs the negative log-likelihood; which weight a smoothing or z-loss term
+        # would take is not defined, so they are refused rather than guessed.
+        if self.dft and (self.label_smoothing != 0.0 or self.z_loss != 0.0):
+            raise ValueError("dft=True weighs the target's negative log-likelihood only: "
+                             "use it with label_smoothing=0 and z_loss=0")
         return self
 
 
@@ -295,10 +302,13 @@ def _shard_row_fn(hidden, weight, target, class_weight, opts, shard, scales, bac
         lse = M + sums[0].log()
         v = valid[s:e]
         nll = torch.where(v, w_y[s:e] * (lse - sums[1]), 0.0)
+        p_y = dft_weight(v, sums[1] - lse) if opts.dft else 1.0
+        nll = nll * p_y
         smooth = torch.where(v, W * lse - sums[2], 0.0) if smoothing else torch.zeros_like(lse)
         if scales is None:
             return (lse, nll, smooth), None
-        coeffs = grad_coefficients(*(t[s:e] for t in scales()), w_y[s:e], lse, W, V,
+        ce_scale, z_scale = (t[s:e] for t in scales())
+        coeffs = grad_coefficients(ce_scale * p_y, z_scale, w_y[s:e], lse, W, V,
                                    opts.label_smoothing)
         return (lse, nll, smooth), backend.ce.shard_grad(logits, col[s:e], cw, lse, *coeffs,
                                                          opts, mdt, hidden.dtype)

@@ -10,7 +10,9 @@ For a chunk of logits rows z (n, V) (after bias), with p = softmax(softcap(z)):
   dz_c   = [p_c * A - B * [c == y] - C * w_c] * softcap'(z_c)
 with A = s * ((1 - eps) * w_y + eps * W / V) + 2 * t * lse, B = s * (1 - eps) * w_y,
 C = s * eps / V, W = sum_c w_c, s the per-token CE gradient scale and t the per-token
-z-loss scale (see tokens.grad_scales).
+z-loss scale (see tokens.grad_scales). With dft (Dynamic Fine-Tuning, arXiv 2508.05629;
+no smoothing, no z-loss), nll and s are times p_y, the target's probability, taken as a
+constant: the loss is sum of p_y * nll with p_y detached.
 """
 
 from typing import Callable, NamedTuple, Optional
@@ -79,6 +81,11 @@ def grad_coefficients(ce_scale, z_scale, w_y, lse, W, V, eps):
     # Exactly 0 where both scales are (ignored tokens), also when lse is not finite.
     a = torch.where((ce_scale == 0.0) & (z_scale == 0.0), 0.0, a)
     return a, ce_scale * (1.0 - eps) * w_y, ce_scale * (eps / V) if eps > 0.0 else None
+
+
+def dft_weight(valid, logprob):
+    """DFT's per-token weight: p(target) = exp(logprob), 0 where ignored."""
+    return torch.where(valid, logprob.exp(), 0.0)
 
 
 def logits_grad_(e, norm, col, a, b, c, cw, tanh):
@@ -159,12 +166,18 @@ def _torch_rows(logits, target, class_weight, scales, opts, token_stats, math_dt
     # xlogy(e, e) = e (z - m), 0 at e = 0 (-inf logits): relative to the max, so a
     # confident row's entropy does not cancel against lse
     entropy = log_s - torch.special.xlogy(e, e).sum(-1) / total if token_stats else None
-    nll = torch.where(valid, w_y * (lse - z_y), 0.0)  # ignored rows may be NaN
+    # relative to the max, as dz: a confident row keeps float32 precision (not lse's)
+    logp_y = (z_y - m.squeeze(1)) - log_s
+    nll = torch.where(valid, -w_y * logp_y, 0.0)  # ignored rows may be NaN
+    p_y = dft_weight(valid, logp_y) if opts.dft else None
+    nll = nll if p_y is None else nll * p_y
     smooth = torch.where(valid, W * lse - zsum, 0.0) if eps > 0.0 else torch.zeros_like(lse)
     terms = CETerms(lse, nll, smooth, argmax, entropy)
     if scales is None:
         return terms, None
-    a, b, c = grad_coefficients(*scales, w_y, lse, W, V, eps)
+    ce_scale, z_scale = scales
+    a, b, c = grad_coefficients(ce_scale if p_y is None else ce_scale * p_y, z_scale, w_y,
+                                lse, W, V, eps)
     dz = logits_grad_(e, 1.0 / total, torch.where(valid, tgt, -1), a, b, c, cw, tanh)
     return terms, dz.to(dz_dtype)
 

@@ -81,8 +81,8 @@ def _rebased_ez(ez, s, m, m_new):
 def _lse_sweep(row_ptr, class_weight_ptr, V, softcap, HAS_SOFTCAP: tl.constexpr,
                HAS_CLASS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
                BLOCK_V: tl.constexpr, WANT_STATS: tl.constexpr):
-    """Sweep 1: (lse, sum_c w_c z_c, argmax, entropy) of one row, the logsumexp formed
-    online; the token statistics argmax (the first most likely class) and entropy are 0
+    """Sweep 1: (m, log s, sum_c w_c z_c, argmax, entropy) of one row, m its max and s =
+    sum_c exp(z_c - m) formed online (lse = m + log s); the token statistics argmax (the first most likely class) and entropy are 0
     unless WANT_STATS. The entropy's ez = sum_c exp(z_c - m) (z_c - m) is kept online
     relative to the running max (rebased at each new one, as the log-prob kernel's), so
     a confident row's entropy does not cancel against lse."""
@@ -108,15 +108,17 @@ def _lse_sweep(row_ptr, class_weight_ptr, V, softcap, HAS_SOFTCAP: tl.constexpr,
                 if HAS_CLASS_WEIGHT else 1.0
             zsum += tl.where(mask, z * w, 0.0)
     log_s = tl.log(s)
-    return m + log_s, tl.sum(zsum, axis=0), best_i, log_s - ez / s
+    return m, log_s, tl.sum(zsum, axis=0), best_i, log_s - ez / s
 
 
 @triton.jit
-def _grad_sweep(row_ptr, dz_ptr, class_weight_ptr, V, t, lse, a, b, c, softcap,
+def _grad_sweep(row_ptr, dz_ptr, class_weight_ptr, V, t, m, log_s, a, b, c, softcap,
                 HAS_SOFTCAP: tl.constexpr, HAS_CLASS_WEIGHT: tl.constexpr,
                 HAS_SMOOTHING: tl.constexpr, BLOCK_V: tl.constexpr):
     """Sweep 2: dz = p * A - B * onehot(t) - C * w, times softcap', into the row at
-    dz_ptr (row_ptr itself, or a row of its own in the inputs' dtype).
+    dz_ptr (row_ptr itself, or a row of its own in the inputs' dtype), with p =
+    exp((z - m) - log s): z - m is exact near the max, so a confident row's gradient
+    p_y - 1 keeps float32 precision where exp(z - lse) would carry lse's rounding.
 
     A row with A = B = C = 0 (an ignored token) gets exactly 0, also when its logits are
     not finite."""
@@ -126,7 +128,7 @@ def _grad_sweep(row_ptr, dz_ptr, class_weight_ptr, V, t, lse, a, b, c, softcap,
         offs = v0 + cols
         mask = offs < V
         z = _load_z(row_ptr + offs, mask, softcap, HAS_SOFTCAP)
-        dz = tl.exp(z - lse) * a - tl.where(offs == t, b, 0.0)
+        dz = tl.exp((z - m) - log_s) * a - tl.where(offs == t, b, 0.0)
         if HAS_SMOOTHING:
             w = tl.load(class_weight_ptr + offs, mask=mask, other=0.0).to(tl.float32) \
                 if HAS_CLASS_WEIGHT else 1.0
@@ -150,19 +152,21 @@ def _linear_ce_rows_kernel(
     # meta-parameters
     HAS_GRAD: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_CLASS_WEIGHT: tl.constexpr,
     HAS_SMOOTHING: tl.constexpr, BLOCK_V: tl.constexpr, WANT_STATS: tl.constexpr,
+    DFT: tl.constexpr,
 ):
     """logits (n, V) -> lse, nll, smooth (n,) float32 (and argmax (n,) int64 and
     entropy (n,) float32 with WANT_STATS); with HAS_GRAD, dz (the logits themselves, or
-    a buffer of its own)."""
+    a buffer of its own). With DFT, nll and the CE scale are times the target's p."""
     # int64: row * stride_ln passes 2^31 for chunks of large vocabularies.
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * stride_ln
     t = tl.load(target_ptr + row).to(tl.int64)
     valid = t != ignore_index
     in_range = (t >= 0) & (t < V)
-    lse, zsum, best, entropy = _lse_sweep(row_ptr, class_weight_ptr, V, softcap,
-                                          HAS_SOFTCAP, HAS_CLASS_WEIGHT, HAS_SMOOTHING,
-                                          BLOCK_V, WANT_STATS)
+    m, log_s, zsum, best, entropy = _lse_sweep(row_ptr, class_weight_ptr, V, softcap,
+                                               HAS_SOFTCAP, HAS_CLASS_WEIGHT,
+                                               HAS_SMOOTHING, BLOCK_V, WANT_STATS)
+    lse = m + log_s
     if WANT_STATS:
         tl.store(argmax_ptr + row, best)
         tl.store(entropy_ptr + row, entropy)
@@ -176,17 +180,20 @@ def _linear_ce_rows_kernel(
     w_y = tl.where(valid, w_y, 0.0)
     w_sum = tl.load(weight_sum_ptr).to(tl.float32) if HAS_CLASS_WEIGHT else V * 1.0
     tl.store(lse_ptr + row, lse)
-    tl.store(nll_ptr + row, tl.where(valid, w_y * (lse - z_y), 0.0))
+    logp_y = (z_y - m) - log_s  # relative to the max, as the gradient sweep's p
+    nll = tl.where(valid, -w_y * logp_y, 0.0)
+    p_y = tl.where(valid, tl.exp(logp_y), 0.0) if DFT else 1.0  # rows.dft_weight
+    tl.store(nll_ptr + row, nll * p_y)
     smooth = tl.where(valid, w_sum * lse - zsum, 0.0) if HAS_SMOOTHING else 0.0
     tl.store(smooth_ptr + row, smooth)
 
     if HAS_GRAD:
-        s_ce = tl.load(ce_scale_ptr + row)
+        s_ce = tl.load(ce_scale_ptr + row) * p_y
         s_z = tl.load(z_scale_ptr + row)
         a = s_ce * ((1.0 - label_smoothing) * w_y + label_smoothing * w_sum / V) \
             + 2.0 * s_z * lse
         a = tl.where((s_ce == 0.0) & (s_z == 0.0), 0.0, a)  # as rows.grad_coefficients
-        _grad_sweep(row_ptr, dz_ptr + row * stride_dn, class_weight_ptr, V, t, lse, a,
+        _grad_sweep(row_ptr, dz_ptr + row * stride_dn, class_weight_ptr, V, t, m, log_s, a,
                     s_ce * (1.0 - label_smoothing) * w_y, s_ce * label_smoothing / V,
                     softcap, HAS_SOFTCAP, HAS_CLASS_WEIGHT, HAS_SMOOTHING, BLOCK_V)
 
@@ -201,8 +208,9 @@ def _shard_stats_kernel(logits_ptr, col_ptr, class_weight_ptr, lse_ptr, z_y_ptr,
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * stride_ln
     col = tl.load(col_ptr + row).to(tl.int64)
-    lse, zsum, _, _ = _lse_sweep(row_ptr, class_weight_ptr, Vs, softcap, HAS_SOFTCAP,
-                                 HAS_CLASS_WEIGHT, HAS_SMOOTHING, BLOCK_V, False)
+    m, log_s, zsum, _, _ = _lse_sweep(row_ptr, class_weight_ptr, Vs, softcap, HAS_SOFTCAP,
+                                      HAS_CLASS_WEIGHT, HAS_SMOOTHING, BLOCK_V, False)
+    lse = m + log_s
     z_y = _load_z(row_ptr + tl.maximum(col, 0), True, softcap, HAS_SOFTCAP)
     tl.store(lse_ptr + row, lse)
     tl.store(z_y_ptr + row, tl.where(col >= 0, z_y, 0.0))
@@ -214,11 +222,12 @@ def _shard_grad_kernel(logits_ptr, dz_ptr, col_ptr, class_weight_ptr, lse_ptr, a
                        c_ptr, Vs, softcap, stride_ln, stride_dn, HAS_SOFTCAP: tl.constexpr,
                        HAS_CLASS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
                        BLOCK_V: tl.constexpr):
-    """A vocabulary shard's dz, from the global lse and per-row coefficients."""
+    """A vocabulary shard's dz, from the global lse (as m, with log s = 0) and per-row
+    coefficients."""
     row = tl.program_id(0).to(tl.int64)
     c = tl.load(c_ptr + row) if HAS_SMOOTHING else 0.0
     _grad_sweep(logits_ptr + row * stride_ln, dz_ptr + row * stride_dn, class_weight_ptr, Vs,
-                tl.load(col_ptr + row).to(tl.int64), tl.load(lse_ptr + row),
+                tl.load(col_ptr + row).to(tl.int64), tl.load(lse_ptr + row), 0.0,
                 tl.load(a_ptr + row), tl.load(b_ptr + row), c, softcap, HAS_SOFTCAP,
                 HAS_CLASS_WEIGHT, HAS_SMOOTHING, BLOCK_V)
 
@@ -278,6 +287,7 @@ def _launch_rows(logits, target, class_weight, scales, opts, token_stats, math_d
         V, opts.ignore_index, opts.label_smoothing,
         opts.softcap if opts.softcap is not None else 1.0,
         logits.stride(0), dz.stride(0), HAS_GRAD=has_grad, WANT_STATS=token_stats,
+        DFT=opts.dft,
         **_flags(logits, cw, opts))
     return CETerms(lse, nll, smooth, argmax, entropy), dz if has_grad else None
 
