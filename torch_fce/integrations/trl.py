@@ -1,8 +1,9 @@
-"""TRL 1.16: GRPOTrainer's loss through torch_fce.linear_policy_loss, and torch_fce's
-log-probs inside TRL's fused LM head.
+"""TRL 1.16: GRPOTrainer's loss through torch_fce.linear_policy_loss, SFTTrainer's
+through torch_fce.linear_cross_entropy, and torch_fce's log-probs inside TRL's fused LM
+head.
 
     from torch_fce.integrations import trl as fce_trl
-    trainer = GRPOTrainer(model=policy, ...)
+    trainer = GRPOTrainer(model=policy, ...)   # or SFTTrainer(...)
     fce_trl.apply(trainer)        # the loss in three GEMMs, or a warning saying why not
     trainer.train()
     fce_trl.revert(trainer)
@@ -10,11 +11,11 @@ log-probs inside TRL's fused LM head.
     with fce_trl.fused_lm_head():  # any trainer that uses add_fused_lm_head (SFT, KTO,
         trainer.train()            # RLOO, GRPO's old and reference log-probs)
 
-apply() replaces the trainer's `_compute_loss` (on the instance) by one that runs the
-policy's forward with its head capturing the hidden states and forms TRL's loss, its
-normalisation and its metrics from linear_policy_loss; for a configuration whose loss it
-cannot reproduce exactly it warns, naming the reason, and leaves TRL's own. docs/rl.md
-lists what is served.
+apply() replaces the trainer's loss method (on the instance: GRPOTrainer's
+`_compute_loss`, SFTTrainer's `compute_loss`) by one that runs the model's forward with
+its head capturing the hidden states and forms TRL's loss, its normalisation and its
+metrics from the fused op; for a configuration whose loss it cannot reproduce exactly it
+warns, naming the reason, and leaves TRL's own. docs/rl.md lists what is served.
 """
 
 import contextlib
@@ -22,7 +23,7 @@ import warnings
 
 import torch
 
-from ..functional import linear_logprobs, linear_policy_loss
+from ..functional import linear_cross_entropy, linear_logprobs, linear_policy_loss, shift_targets
 from ..ops.entry import autocast_operands
 from ..ops.linear_logprobs import LogProbOptions
 from . import transformers as fce_hf
@@ -44,17 +45,19 @@ def _attached(model):
     return inner
 
 
-def _head_inputs(model, input_ids, attention_mask, K, **model_kwargs):
+def _head_inputs(model, K=None, **model_kwargs):
     """(hidden, weight, bias, softcap, outputs): the head's operands for the last K
-    tokens' log-probs (position t predicts token t + 1) from one forward through `model`
-    as given (wrappers included, so DDP's gradient hooks run), and the model's outputs."""
+    tokens' log-probs (position t predicts token t + 1; None: every position's hidden
+    state) from one forward through `model` as given (wrappers included, so DDP's
+    gradient hooks run), and the model's outputs."""
     inner = _attached(model)
     head = inner.get_output_embeddings()
     # The head, capturing, hands back its input instead of the logits.
     with capture_of(head).capturing() as capture:
-        out = model(input_ids=input_ids, attention_mask=attention_mask, **model_kwargs)
+        out = model(**model_kwargs)
     hidden, capture.hidden = capture.hidden, None
-    hidden, bias, softcap = head_operands(inner, head, hidden[:, -K - 1:-1])
+    hidden, bias, softcap = head_operands(inner, head,
+                                          hidden if K is None else hidden[:, -K - 1:-1])
     return hidden, head.weight, bias, softcap, out
 
 
@@ -74,8 +77,8 @@ def per_token_logps_and_entropies(model, input_ids, attention_mask=None, logits_
     K = input_ids.shape[1] - 1 if logits_to_keep is None else int(logits_to_keep)
     if not 0 < K < input_ids.shape[1]:
         raise ValueError(f"logits_to_keep must be in [1, {input_ids.shape[1] - 1}], got {K}")
-    hidden, weight, bias, softcap, _ = _head_inputs(model, input_ids, attention_mask, K,
-                                                    **model_kwargs)
+    hidden, weight, bias, softcap, _ = _head_inputs(
+        model, K, input_ids=input_ids, attention_mask=attention_mask, **model_kwargs)
     out = linear_logprobs(hidden, weight, input_ids[:, -K:].to(hidden.device), bias,
                           temperature=temperature, softcap=softcap, entropy=compute_entropy,
                           accumulator=accumulator)
@@ -193,28 +196,44 @@ _MULTIMODAL = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_
                "mm_token_type_ids", "image_position_ids")
 
 
-# The TRL release whose GRPOTrainer loss _grpo_loss reproduces (and tests check).
+# The TRL release whose trainer losses _grpo_loss and _sft_loss reproduce (and tests check).
 TRL_VERSION = "1.16"
+# The attribute apply() leaves on a trainer: the name of the loss method it replaced.
+_APPLIED = "_torch_fce_loss"
 
 
-def _unsupported(trainer):
-    """Why torch_fce cannot reproduce this GRPOTrainer's loss exactly, or None."""
+def _unsupported_trainer(trainer):
+    """(the loss method apply() replaces, None) for a trainer whose loss torch_fce
+    reproduces exactly, else (None, why not)."""
     import trl
-    from trl import GRPOTrainer
+    from trl import GRPOTrainer, SFTTrainer
 
     if trl.__version__.rsplit(".", 1)[0] != TRL_VERSION:
-        return (f"it reproduces TRL {TRL_VERSION}'s GRPOTrainer loss, and TRL "
-                f"{trl.__version__} is installed (its loss code may differ)")
-    if not isinstance(trainer, GRPOTrainer):
-        return f"it serves GRPOTrainer, got a {type(trainer).__name__}"
+        return None, (f"it reproduces TRL {TRL_VERSION}'s trainer losses, and TRL "
+                      f"{trl.__version__} is installed (its loss code may differ)")
+    if isinstance(trainer, GRPOTrainer):
+        return "_compute_loss", _unsupported_grpo(trainer)
+    if isinstance(trainer, SFTTrainer):
+        return "compute_loss", _unsupported_sft(trainer)
+    return None, f"it serves GRPOTrainer and SFTTrainer, got a {type(trainer).__name__}"
+
+
+def _zero3(trainer):
+    plugin = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
+    return plugin is not None and plugin.zero_stage == 3
+
+
+def _unsupported_grpo(trainer):
+    """Why torch_fce cannot reproduce this GRPOTrainer's loss exactly, or None."""
+    from trl import GRPOTrainer
+
     for method in ("_compute_loss", "_get_per_token_logps_and_entropies"):
         if getattr(type(trainer), method) is not getattr(GRPOTrainer, method):
             return f"{type(trainer).__name__} overrides {method}"
     if trainer.args.fp16 or _base_model(trainer.model).dtype == torch.float16:
         return ("float16 (linear_policy_loss forms its gradient in the forward, where a "
                 "GradScaler's scale could not keep it from underflowing: use bf16)")
-    plugin = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
-    if plugin is not None and plugin.zero_stage == 3:
+    if _zero3(trainer):
         return ("DeepSpeed ZeRO-3 (the head's weight is gathered only inside its forward, "
                 "and the loss reads it after)")
     if trainer.loss_type not in _LOSS_TYPES:
@@ -237,29 +256,60 @@ def _unsupported(trainer):
     return None
 
 
+def _unsupported_sft(trainer):
+    """Why torch_fce cannot reproduce this SFTTrainer's loss exactly, or None."""
+    from trl import SFTTrainer
+
+    if type(trainer).compute_loss is not SFTTrainer.compute_loss:
+        return f"{type(trainer).__name__} overrides compute_loss"
+    if trainer.compute_loss_func is not None:
+        return "a compute_loss_func (it is given the model's logits)"
+    if trainer.args.loss_type not in ("nll", "dft"):
+        return f"loss_type={trainer.args.loss_type!r} (served: nll, dft)"
+    config = getattr(trainer.accelerator, "parallelism_config", None)
+    if config is not None and (getattr(config, "sp_enabled", False)
+                               or getattr(config, "cp_enabled", False)):
+        return ("sequence or context parallelism (the loss is reduced across ranks by the "
+                "trainer, over pre-shifted labels)")
+    if trainer.get_tp_size() > 1:
+        return "tensor parallelism (the head's weight is sharded when the loss runs)"
+    if _zero3(trainer):
+        return ("DeepSpeed ZeRO-3 (the head's weight is gathered only inside its forward, "
+                "and the loss reads it after)")
+    return None
+
+
 def _base_model(model):
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 def apply(trainer, *, accumulator="fp32"):
-    """Makes a TRL GRPOTrainer (instance, reversibly) compute its loss with
-    torch_fce.linear_policy_loss; returns the trainer.
+    """Makes a TRL 1.16 GRPOTrainer or SFTTrainer (instance, reversibly) compute its loss
+    with torch_fce's fused ops; returns the trainer.
 
-    Served: loss_type grpo, dapo, dr_grpo, bnpo, cispo and sapo at token-level
-    importance sampling, any beta (the k3 KL, with or without the ratio's bias
-    correction), delta, vLLM importance-sampling correction, tool masks, a static
-    entropy bonus (with beta != 0 under bnpo only), MoE router losses, gradient
-    accumulation, train and eval, bf16 and float32; the same loss, gradients and logged
-    metrics as TRL's. Anything else (sequence-level importance sampling, entropy
-    masking, off-policy masking, adaptive entropy, loss types vespo and luspo, float16,
-    DeepSpeed ZeRO-3, a head or family torch_fce does not reproduce, a subclass
-    overriding the loss, a TRL release other than 1.16): one warning naming the reason,
-    and TRL's own loss.
+    GRPOTrainer, through linear_policy_loss: loss_type grpo, dapo, dr_grpo, bnpo, cispo
+    and sapo at token-level importance sampling, any beta (the k3 KL, with or without
+    the ratio's bias correction), delta, vLLM importance-sampling correction, tool
+    masks, a static entropy bonus (with beta != 0 under bnpo only), MoE router losses,
+    gradient accumulation, train and eval, bf16 and float32.
+    SFTTrainer, through linear_cross_entropy in three GEMMs: loss_type nll and dft,
+    label_smoothing_factor (without the logits), completion and assistant masks,
+    padding-free batches, the MoE router aux loss, num_items_in_batch and
+    average_tokens_across_devices, train and eval, and the metrics it logs (entropy,
+    mean_token_accuracy, num_tokens, aux_loss) from the same pass.
+    Both: the same loss, gradients and logged metrics as TRL's. Anything else (GRPO's
+    sequence-level importance sampling, entropy or off-policy masking, adaptive entropy,
+    loss types vespo and luspo, float16; SFT's compute_loss_func, sequence, context or
+    tensor parallelism; DeepSpeed ZeRO-3, a head or family torch_fce does not reproduce,
+    a subclass overriding the loss, a TRL release other than 1.16): one warning naming
+    the reason, and TRL's own loss. A batch apply() does not reproduce (vision inputs;
+    SFT's return_outputs=True, which asks for the logits) runs TRL's loss, with a
+    warning.
     """
-    if "_compute_loss" in vars(trainer):
+    if hasattr(trainer, _APPLIED):
         raise ValueError("torch_fce is already applied to this trainer")
     LogProbOptions(accumulator=accumulator).check()
-    why = _unsupported(trainer)
+    method, why = _unsupported_trainer(trainer)
     if why is None:
         try:
             fce_hf.attach(_base_model(trainer.model))
@@ -270,28 +320,40 @@ def apply(trainer, *, accumulator="fp32"):
                       f"{why}", stacklevel=2)
         return trainer
 
-    def _compute_loss(model, inputs):
-        return _grpo_loss(trainer, model, inputs, accumulator)
+    if method == "_compute_loss":
+        def loss(model, inputs):
+            return _grpo_loss(trainer, model, inputs, accumulator)
+    else:
+        def loss(model, inputs, return_outputs=False, num_items_in_batch=None):
+            return _sft_loss(trainer, model, inputs, return_outputs, num_items_in_batch,
+                             accumulator)
 
-    trainer._compute_loss = _compute_loss
+    setattr(trainer, method, loss)
+    setattr(trainer, _APPLIED, method)
     return trainer
 
 
 def revert(trainer):
     """Undoes apply(): TRL's own loss again."""
-    if "_compute_loss" not in vars(trainer):
+    if not hasattr(trainer, _APPLIED):
         raise ValueError("torch_fce is not applied to this trainer")
-    del trainer._compute_loss
+    delattr(trainer, vars(trainer).pop(_APPLIED))
     fce_hf.detach(_base_model(trainer.model))
     return trainer
 
 
-def _grpo_loss(trainer, model, inputs, accumulator):
-    """GRPOTrainer._compute_loss, for the configurations _unsupported() lets through."""
+def _multimodal(trainer, inputs):
+    """Warns and returns True for a batch with vision inputs (TRL's loss computes it)."""
     present = [k for k in _MULTIMODAL if inputs.get(k) is not None]
     if present:
         warnings.warn(f"torch_fce.integrations.trl: this batch has {present}: TRL's own "
-                      "loss computes it", stacklevel=3)
+                      "loss computes it", stacklevel=4)
+    return bool(present)
+
+
+def _grpo_loss(trainer, model, inputs, accumulator):
+    """GRPOTrainer._compute_loss, for the configurations _unsupported_grpo() lets through."""
+    if _multimodal(trainer, inputs):
         return type(trainer)._compute_loss(trainer, model, inputs)
     prompt_ids, completion_ids = inputs["prompt_ids"], inputs["completion_ids"]
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
@@ -304,8 +366,8 @@ def _grpo_loss(trainer, model, inputs, accumulator):
     if trainer.aux_loss_enabled:
         kwargs["output_router_logits"] = True
     with trainer.accelerator.autocast():
-        hidden, weight, bias, softcap, out = _head_inputs(model, input_ids, attention_mask,
-                                                          K, **kwargs)
+        hidden, weight, bias, softcap, out = _head_inputs(
+            model, K, input_ids=input_ids, attention_mask=attention_mask, **kwargs)
     mode = "train" if trainer.model.training else "eval"
     ga = trainer.current_gradient_accumulation_steps if mode == "train" else 1.0
     dt = torch.float64 if hidden.dtype == torch.float64 else torch.float32
@@ -404,3 +466,74 @@ def _log_metrics(trainer, metrics, stats, mask, advantages):
     elif trainer.loss_type == "cispo":
         clipped = ((ratio > trainer.epsilon_high) & (advantages > 0)).float()
         metrics["cispo_clip_ratio"].append(global_masked_mean(clipped))
+
+
+# ----------------------------------------------------------------------------------------
+# SFTTrainer's loss through linear_cross_entropy
+
+def _sft_loss(trainer, model, inputs, return_outputs, num_items_in_batch, accumulator):
+    """SFTTrainer.compute_loss, for the configurations _unsupported_sft() lets through:
+    one forward with the head capturing its input, then the cross entropy in three
+    GEMMs, its token statistics giving TRL's metrics."""
+    if return_outputs or "shift_labels" in inputs:
+        why = ("return_outputs=True (the logits are asked for)" if return_outputs else
+               "pre-shifted labels (shift_labels)")
+        warnings.warn(f"torch_fce.integrations.trl: TRL's own loss computes this batch: "
+                      f"{why}", stacklevel=3)
+    if return_outputs or "shift_labels" in inputs or _multimodal(trainer, inputs):
+        return type(trainer).compute_loss(trainer, model, inputs, return_outputs,
+                                          num_items_in_batch)
+    args = trainer.args
+    mode = "train" if trainer.model.training else "eval"
+    # TRL's forward arguments, without editing the caller's batch
+    kwargs = {k: v for k, v in inputs.items() if k != "labels"}
+    kwargs["use_cache"] = False
+    if trainer.aux_loss_enabled:
+        kwargs["output_router_logits"] = True
+    hidden, weight, bias, softcap, out = _head_inputs(model, **kwargs)
+    labels = inputs["labels"].to(hidden.device)
+    dft = args.loss_type == "dft"
+    # TRL smooths the nll loss only (its dft ignores label_smoothing_factor)
+    eps = args.label_smoothing_factor if trainer.label_smoother is not None and not dft \
+        else 0.0
+    loss, stats = linear_cross_entropy(
+        hidden, weight, labels, bias, softcap=softcap, shift=True, reduction="sum",
+        label_smoothing=eps, dft=dft, return_stats=True, accumulator=accumulator)
+    mask = shift_targets(labels, -100) != -100
+    if eps > 0.0:  # transformers' LabelSmoother: its denominator is not clamped
+        den = mask.sum() if num_items_in_batch is None else num_items_in_batch
+    else:  # TRL's: clamped, so a batch without trainable tokens gives 0
+        den = torch.as_tensor(mask.sum() if num_items_in_batch is None
+                              else num_items_in_batch).clamp(min=1)
+    loss = loss / (den.to(loss.device) if isinstance(den, torch.Tensor) else den)
+    if args.average_tokens_across_devices and num_items_in_batch is not None:
+        loss = loss * (trainer.accelerator.num_processes // trainer.get_tp_size())
+    if trainer.aux_loss_enabled and eps == 0.0:  # TRL's smoothed loss has no aux loss
+        steps = trainer.current_gradient_accumulation_steps \
+            if num_items_in_batch is not None else 1
+        loss = loss + trainer.router_aux_loss_coef * out.aux_loss.to(loss.device) / steps
+    _log_sft_metrics(trainer, mode, inputs, mask, stats, shift_targets(labels, -100), out)
+    return loss
+
+
+def _log_sft_metrics(trainer, mode, inputs, mask, stats, target, out):
+    """The metrics SFTTrainer.compute_loss logs, from the loss's token statistics."""
+    acc, metrics = trainer.accelerator, trainer._metrics[mode]
+    num_valid = acc.gather_for_metrics(mask.sum()).sum()
+    entropy_sum = acc.gather_for_metrics(torch.where(mask, stats.entropy, 0.0).sum()).sum()
+    num_correct = acc.gather_for_metrics(((stats.argmax == target) & mask).sum()).sum()
+    metrics["entropy"].append((entropy_sum / num_valid).item() if num_valid > 0 else 0.0)
+    metrics["mean_token_accuracy"].append(
+        (num_correct / num_valid).item() if num_valid > 0 else 0.0)
+    if mode == "train":  # TRL's token count: the attention mask's, or the packed row's
+        if "attention_mask" in inputs:
+            n = acc.gather_for_metrics(inputs["attention_mask"].sum()).sum().item()
+        elif "position_ids" in inputs:
+            ids = inputs["position_ids"]
+            n = acc.gather_for_metrics(torch.tensor(ids.size(1), device=ids.device)).sum().item()
+        else:
+            raise ValueError("Expected 'attention_mask' or 'position_ids' in inputs.")
+        trainer._total_train_tokens += n // trainer._tp_size
+    metrics["num_tokens"] = [trainer._total_train_tokens]
+    if trainer.aux_loss_enabled:
+        metrics["aux_loss"].append(acc.gather_for_metrics(out.aux_loss).mean().item())
