@@ -18,7 +18,7 @@ def _run(*args):
 def test_bench_lists_its_subcommands():
     out = _run("torch_fce.bench")
     assert out.returncode == 2
-    for sub in ("shapes", "lowering", "transformers", "distributed", "grpo"):
+    for sub in ("shapes", "lowering", "transformers", "distributed", "grpo", "sft"):
         assert sub in out.stdout
     assert _run("torch_fce.bench", "nope").returncode == 2
 
@@ -40,7 +40,7 @@ def _parser_of(main, monkeypatch):
 
 
 @pytest.mark.parametrize("sub", ["shapes", "lowering", "transformers", "distributed",
-                                 "grpo", "main job"])
+                                 "grpo", "sft", "main job"])
 def test_every_option_with_a_default_names_it_in_its_help(sub, monkeypatch):
     import importlib
 
@@ -130,6 +130,25 @@ def test_bench_grpo_tiny_runs_both_losses_and_they_agree():
     assert float(last.split("head gradient ")[1]) < 1e-5  # float32 on the CPU
 
 
+def test_bench_sft_tiny_runs_every_loss_and_they_agree():
+    pytest.importorskip("trl")
+    out = _run("torch_fce.bench", "sft", "--device", "cpu", "--V", "512", "--D", "64",
+               "--B", "2", "--T", "32", "--P", "4", "--reps", "1")
+    assert out.returncode == 0, out.stderr[-4000:]
+    lines = [ln for ln in out.stdout.splitlines() if "torch_fce / trl time" in ln]
+    assert [ln.split()[0] for ln in lines] == ["nll", "dft", "smooth"]
+    for line in lines:  # float32 on the CPU
+        assert float(line.split("loss difference ")[1].split()[0]) < 1e-5, line
+        assert float(line.split("head gradient ")[1]) < 1e-5, line
+
+
+def test_bench_sft_names_bad_flags():
+    for flags, named in ((["--losses", "nll,kl"], "--losses"), (["--P", "32"], "--P"),
+                         (["--reps", "0"], "--reps")):
+        out = _run("torch_fce.bench", "sft", "--device", "cpu", "--T", "32", *flags)
+        assert out.returncode == 2 and named in out.stderr, (flags, out.stderr)
+
+
 def test_bench_shapes_fails_when_torch_fce_fails(tmp_path, monkeypatch):
     import torch_fce
     from torch_fce.bench import shapes
@@ -186,6 +205,8 @@ CUDA_TOOLS = {
                            "8192", "--T", "256"),
     "bench grpo": ("torch_fce.bench", "grpo", "--device", "cuda", "--V", "4096", "--D",
                    "256", "--B", "4", "--P", "16", "--K", "128", "--reps", "1"),
+    "bench sft": ("torch_fce.bench", "sft", "--device", "cuda", "--V", "4096", "--D", "256",
+                  "--B", "2", "--T", "128", "--reps", "1"),
     # one GPU: NCCL with one rank (two ranks: tests/distributed/test_vocab_parallel_nccl.py)
     "bench distributed": ("torch_fce.bench", "distributed", "--world", "1", "--device",
                           "cuda", "--shapes", "tiny", "--reps", "1"),

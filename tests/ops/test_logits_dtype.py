@@ -122,8 +122,11 @@ def test_float32_logits_as_exact_as_the_float32_composition(monkeypatch, backend
         assert a.dtype == rd.dtype, name
         err, bar = rel_err(a.double(), r), rel_err(c.double(), r)
         assert err <= room * bar + floor, (name, err, bar)
-    # the value itself: far more exact than from logits rounded to the inputs' dtype
-    assert rel_err(ours[0].double(), truth[0]) < rel_err(rounded[0].double(), truth[0]) / 4
+    # the value itself: far more exact than from logits rounded to the inputs' dtype, down
+    # to the float32 floor (a mean of few rounded tokens can cancel to 4e-7 relative, which
+    # the GPU's float32 value, at 1.2e-7 measured, cannot beat fourfold)
+    assert rel_err(ours[0].double(), truth[0]) < (rel_err(rounded[0].double(), truth[0])
+                                                  + floor) / 4
 
 
 def test_float32_logits_compile_and_leave_wide_inputs_alone():

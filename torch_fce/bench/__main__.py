@@ -10,6 +10,7 @@ SUBCOMMANDS = {
     "transformers": ("hf", "a transformers llama training step, patched and not"),
     "distributed": ("distributed", "the vocab-parallel loss on 2+ GPUs against one GPU"),
     "grpo": ("grpo", "a TRL GRPOTrainer's loss step, TRL's own and through torch_fce"),
+    "sft": ("sft", "a TRL SFTTrainer's loss step (nll, dft, label smoothing), both ways"),
 }
 
 
