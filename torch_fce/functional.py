@@ -5,10 +5,11 @@ import torch
 from .ops.checks import check_inputs
 from .ops.entry import int64_if_needed
 from .ops.linear_ce import CEOptions
+from .ops.linear_distillation import DistillOptions
 from .ops.linear_logprobs import LogProbOptions
 from .ops.linear_policy_loss import PolicyOptions
 from .ops.tokens import advantages_tensor, temperature_tensor
-from .results import LogProbs, LossStats, PolicyStats
+from .results import DistillationStats, LogProbs, LossStats, PolicyStats
 
 
 def shift_targets(target, ignore_index):
@@ -188,6 +189,62 @@ def linear_policy_loss(hidden, weight, target, advantages, bias=None, *, old_log
     out = torch.ops.fce.linear_policy_loss(hidden, weight, target, advantages, bias,
                                            *per_token, **opts._asdict())
     return out[0], PolicyStats(*out[1:])
+
+
+def linear_distillation_loss(hidden, weight, teacher_hidden, teacher_weight, target=None,
+                             bias=None, teacher_bias=None, *, beta=0.0, temperature=1.0,
+                             hard_weight=0.0, token_weights=None, logit_scale=1.0,
+                             teacher_logit_scale=1.0, softcap=None, teacher_softcap=None,
+                             ignore_index=-100, shift=False, accumulator="fp32",
+                             logits_dtype=torch.float32):
+    """The divergence of a student's next-token distribution from a teacher's, from
+    their heads' inputs, without either's logits: four GEMMs (docs/distillation.md).
+
+    loss = sum over the tokens counted (every token; with a target, those whose target
+    is not ignore_index) of token_weights * (divergence + hard_weight * the student's
+    cross entropy at target, temperature 1). The divergence is TRL's generalized JSD
+    between softmax(z_s / T) and softmax(z_t / T), z = softcap(logit_scale * logits):
+    beta 0 is KL(teacher || student), beta 1 KL(student || teacher), between beta *
+    KL(teacher || m) + (1 - beta) * KL(student || m), m = beta teacher + (1 - beta)
+    student.
+
+    Args:
+        hidden: (*, D) bfloat16 or float32 (float64 for gradcheck). weight: (V, D).
+        teacher_hidden: (*, D_t) of hidden's leading shape; teacher_weight: (V, D_t),
+            the same V. Neither receives a gradient.
+        target: None or (*) labels (ignore_index to skip), needed by hard_weight > 0.
+        bias, teacher_bias: optional (V,).
+        temperature: a float > 0 or a tensor of the tokens' shape.
+        token_weights: None (1 / the number of tokens counted) or the tokens' shape.
+        shift: pair hidden[..., t, :] (and teacher_hidden's) with target[..., t + 1].
+        logits_dtype: torch.float32 (default: both heads' GEMMs keep their float32
+            sums) or None (the logits rounded to the inputs' dtypes).
+
+    Returns:
+        (loss, DistillationStats): the float32 scalar loss (differentiable w.r.t.
+        hidden, weight and bias) and the detached per-token statistics.
+    """
+    opts = DistillOptions(beta, hard_weight, logit_scale, teacher_logit_scale, softcap,
+                          teacher_softcap, ignore_index, accumulator, logits_dtype)
+    if not torch.compiler.is_compiling():  # as linear_cross_entropy
+        opts.check()
+    for name, t in (("hidden", hidden), ("weight", weight), ("teacher_hidden", teacher_hidden),
+                    ("teacher_weight", teacher_weight)):
+        if not isinstance(t, torch.Tensor):  # named here, before the schema's cast error
+            raise TypeError(f"{name} must be a Tensor, got {type(t).__name__}")
+    if target is None:
+        if shift:
+            raise ValueError("shift=True needs a target (it pairs position t with target "
+                             "t + 1)")
+        tokens = hidden[..., 0]
+    else:
+        target = _shifted(hidden, weight, target, bias, None, ignore_index, shift)
+        tokens = target
+    temperature = temperature_tensor(temperature, tokens)
+    out = torch.ops.fce.linear_distillation_loss(
+        hidden, weight, teacher_hidden, teacher_weight, target, bias, teacher_bias,
+        token_weights, temperature, **opts._asdict())
+    return out[0], DistillationStats(*out[1:])
 
 
 def _is_dtensor(t):

@@ -39,3 +39,11 @@ class PolicyStats(NamedTuple):
     ratio: torch.Tensor
     clipped: torch.Tensor
     kl: torch.Tensor
+
+
+class DistillationStats(NamedTuple):
+    """linear_distillation_loss' per-token statistics, each of the tokens' shape, float32
+    (float64 for float64 inputs), detached, 0 at tokens not counted: the divergence
+    between student and teacher (beta's) and the student's entropy at the temperature."""
+    divergence: torch.Tensor
+    entropy: torch.Tensor

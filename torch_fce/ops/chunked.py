@@ -115,7 +115,7 @@ def run_chunks(hidden, weight, bias, row_fn, outputs, needs_grad, accumulator, c
     (token chunks) or a tensor in its output dtype (tiles); grad_hidden in hidden's
     dtype on one device with token chunks, else a float32 sum (the tiles' or the
     shards'), all-reduced across a shard group."""
-    gemm = _LogitsGemm(hidden, weight, bias, logits_dtype or hidden.dtype)
+    gemm = LogitsGemm(hidden, weight, bias, logits_dtype or hidden.dtype)
     if by_vocab:
         gh, gw, gb = _run_vocab_tiles(hidden, weight, bias, row_fn, needs_grad, chunk_rows,
                                       gemm)
@@ -128,7 +128,7 @@ def run_chunks(hidden, weight, bias, row_fn, outputs, needs_grad, accumulator, c
     return gh, gw, gb
 
 
-class _LogitsGemm:
+class LogitsGemm:
     """The chunks' logits GEMM. Products run in hidden's dtype (master weights and bias
     rounded to it, as autocast does); the logits are rounded to it as F.linear's, or
     kept as the GEMM's float32 sums (a wider `dtype`), the bias added in float32."""

@@ -35,6 +35,7 @@ from .dispatch import LIB, kernel
 from .logprob_rows import shard_stats
 from .entry import autocast_operands, flat, int64_if_needed, needs_grad, refuse_transforms, rows
 from .options import as_float, check_choice, got, schema_args, take
+from .tokens import token_weights
 
 LOSS_TYPES = ("clip", "cispo", "sapo", "reinforce")
 KL_ESTIMATORS = ("k1", "k2", "k3")
@@ -143,13 +144,6 @@ def _terms(logprob, entropy, valid, advantages, old, ref, weights, opts):
     return (torch.where(valid, loss_t.detach(), zero), torch.where(valid, g_lp, zero), g_h,
             torch.where(valid, r.detach(), zero), (clipped & valid).to(mdt),
             zero if kl is None else torch.where(valid, kl.detach(), zero))
-
-
-def token_weights(token_weights, valid, dtype):
-    """w_t: the given weights, or 1 / (number of tokens not ignored) (1 when none is)."""
-    if token_weights is not None:
-        return token_weights.to(dtype)
-    return valid.to(dtype) / valid.sum().clamp_min(1).to(dtype)
 
 
 # ---- schemas and the public op -----------------------------------------------------

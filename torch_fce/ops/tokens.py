@@ -17,6 +17,14 @@ def target_weights(target, class_weight, ignore_index, dtype):
     return valid, torch.where(valid, class_weight.to(dtype)[safe], 0.0)
 
 
+def token_weights(token_weights, valid, dtype):
+    """w_t of the scalar losses that weigh tokens (policy, distillation): the given
+    weights, or 1 / (number of tokens not ignored) (1 when none is)."""
+    if token_weights is not None:
+        return token_weights.to(dtype)
+    return valid.to(dtype) / valid.sum().clamp_min(1).to(dtype)
+
+
 def counted_target_weights(target, class_weight, ignore_index, V, dtype):
     """target_weights for the row math: NaN where a counted target is outside [0, V).
 

@@ -1,0 +1,258 @@
+"""The distillation loss's room: fce::linear_distillation_loss, whole.
+
+Its options (DistillOptions), the schemas, the public op's entry, the fake kernel, the
+autograd formula and the implementation on the chunk loop.
+
+loss = sum over the tokens counted (all, or those whose target is not ignore_index) of
+w_t * (divergence_t + hard_weight * CE_t): the divergence between the student's and the
+teacher's next-token distributions at temperature T (TRL's generalized JSD, beta 0:
+KL(teacher || student), 1: KL(student || teacher)) and the student's cross entropy at the
+target (temperature 1), each head's logits after its scale and softcap
+(distill_rows.py has the formulas). The loss is a scalar, so the forward forms the
+student's gradients for a unit upstream gradient in four GEMMs: per chunk the teacher's
+logits (no gradient), the student's (the loop's), and the two gradient GEMMs; the
+backward scales them. The teacher receives no gradient.
+"""
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from . import checks, grads
+from .chunked import (LogitsGemm, grad_outputs, inverse_temperature, logits_dtype_for,
+                      math_dtype_for, no_autocast, run_chunks)
+from .dispatch import LIB, kernel
+from .distill_rows import divergence_rows
+from .entry import autocast_operands, flat, int64_if_needed, needs_grad, refuse_transforms, rows
+from .options import as_float, got, schema_args, take, value
+from .tokens import token_weights
+from .workspace import chunk_rows
+
+# bytes per logit a chunk holds beyond its own logits: the teacher's logits and the
+# row math's float32 temporaries (six of them at most)
+_ROW_TEMPORARIES = 6
+
+
+class DistillOptions(NamedTuple):
+    """linear_distillation_loss' options (docs/distillation.md), in the schemas' order."""
+    beta: float = 0.0
+    hard_weight: float = 0.0
+    logit_scale: float = 1.0
+    teacher_logit_scale: float = 1.0
+    softcap: Optional[float] = None
+    teacher_softcap: Optional[float] = None
+    ignore_index: int = -100
+    accumulator: str = "fp32"
+    logits_dtype: Optional[torch.dtype] = None  # torch.float32: the GEMMs' float32 sums
+
+    def check(self):
+        """Raises naming the option; returns the record."""
+        checks.check_common(self)
+        if not 0.0 <= as_float("beta", self.beta) <= 1.0:
+            raise ValueError(f"beta must be a float in [0, 1]{got(self.beta)}")
+        if not 0.0 <= as_float("hard_weight", self.hard_weight) < float("inf"):
+            raise ValueError(f"hard_weight must be a finite float >= 0{got(self.hard_weight)}")
+        for name in ("logit_scale", "teacher_logit_scale"):
+            if not 0.0 < as_float(name, getattr(self, name)) < float("inf"):
+                raise ValueError(f"{name} must be a finite float > 0{got(getattr(self, name))}")
+        cap = self.teacher_softcap
+        if cap is not None and not 0.0 < as_float("teacher_softcap", cap) < float("inf"):
+            raise ValueError(f"teacher_softcap must be None or a finite float > 0{got(cap)}")
+        return self
+
+
+# ---- schemas and the public op -----------------------------------------------------
+
+_OPTS = schema_args(DistillOptions)
+_TENSORS = ("target", "bias", "teacher_bias", "token_weights", "temperature")
+LIB.define(
+    "linear_distillation_loss(Tensor hidden, Tensor weight, Tensor teacher_hidden, "
+    "Tensor teacher_weight, " + ", ".join(f"Tensor? {n}=None" for n in _TENSORS) +
+    f", *, {schema_args(DistillOptions, True)}) -> (Tensor loss, Tensor divergence, "
+    "Tensor entropy)")
+# hidden (N, D), teacher_hidden (N, D_t), the per-token tensors (N,).
+LIB.define(
+    "linear_distillation_loss_fwd(Tensor hidden, Tensor weight, Tensor teacher_hidden, "
+    "Tensor teacher_weight, " + ", ".join(f"Tensor? {n}" for n in _TENSORS) +
+    f", {_OPTS}, bool[3] needs_grad) -> (Tensor loss, Tensor grad_hidden, "
+    "Tensor grad_weight, Tensor grad_bias, Tensor divergence, Tensor entropy)")
+
+
+def _tokens(hidden, target):
+    """A tensor of the tokens' shape on hidden's device: target, or a stand-in for the
+    per-token checks when there is none."""
+    if target is not None:
+        return target
+    return hidden.new_empty(hidden.shape[:-1], dtype=torch.int64)
+
+
+def check_inputs(hidden, weight, teacher_hidden, teacher_weight, target, bias, teacher_bias,
+                 token_weights_, temperature, opts):
+    """The tensors' checks, in eager mode and in the fake kernel (under torch.compile)."""
+    if target is None and opts.hard_weight != 0.0:
+        raise ValueError("hard_weight > 0 needs a target (the hard loss's labels)")
+    checks.check_inputs(hidden, weight, _tokens(hidden, target), bias, None)
+    if hidden.dtype == torch.float16:
+        raise TypeError("hidden must be bfloat16, float32 or float64 for "
+                        "linear_distillation_loss, got torch.float16 (its gradient is formed "
+                        "in the forward, where a GradScaler's scale could not keep it from "
+                        "underflowing)")
+    for name, t in (("teacher_hidden", teacher_hidden), ("teacher_weight", teacher_weight)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a Tensor, got {type(t).__name__}")
+        if t.dtype not in checks.FLOAT_DTYPES:
+            raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
+        if t.device != hidden.device:
+            raise ValueError(f"{name} is on {t.device} but hidden is on {hidden.device}")
+    if teacher_weight.dtype not in (teacher_hidden.dtype, torch.float32):
+        raise TypeError(f"teacher_weight must have teacher_hidden's dtype "
+                        f"({teacher_hidden.dtype}) or float32, got {teacher_weight.dtype}")
+    if teacher_hidden.dim() != hidden.dim():
+        raise ValueError(f"teacher_hidden must have hidden's leading shape "
+                         f"{tuple(hidden.shape[:-1])}, got {tuple(teacher_hidden.shape)}")
+    for a, b in zip(teacher_hidden.shape[:-1], hidden.shape[:-1]):
+        value(a == b, f"teacher_hidden must have hidden's leading shape "
+                      f"{tuple(hidden.shape[:-1])}, got {tuple(teacher_hidden.shape)}")
+    if teacher_weight.dim() != 2:
+        raise ValueError(f"teacher_weight must have shape (V, D_t), got "
+                         f"{tuple(teacher_weight.shape)}")
+    value(teacher_weight.shape[1] == teacher_hidden.shape[-1],
+          f"teacher_weight must have shape (V, D_t) with D_t = teacher_hidden.shape[-1] = "
+          f"{teacher_hidden.shape[-1]}, got {tuple(teacher_weight.shape)}")
+    value(teacher_weight.shape[0] == weight.shape[0],
+          f"teacher_weight has {teacher_weight.shape[0]} classes and weight "
+          f"{weight.shape[0]}: the two heads must share the vocabulary (slice a padded "
+          f"head to the tokenizer's classes)")
+    if teacher_bias is not None:
+        if not isinstance(teacher_bias, torch.Tensor):
+            raise TypeError(f"teacher_bias must be a Tensor, got {type(teacher_bias).__name__}")
+        if teacher_bias.dtype not in (teacher_hidden.dtype, teacher_weight.dtype):
+            raise TypeError(f"teacher_bias must have dtype in {(teacher_hidden.dtype,)}, got "
+                            f"{teacher_bias.dtype}")
+        if teacher_bias.dim() != 1 or teacher_bias.device != hidden.device:
+            raise ValueError(f"teacher_bias must be a ({weight.shape[0]},) tensor on "
+                             f"{hidden.device}, got {tuple(teacher_bias.shape)} on "
+                             f"{teacher_bias.device}")
+        value(teacher_bias.shape[0] == weight.shape[0],
+              f"teacher_bias must have shape ({weight.shape[0]},), got "
+              f"{tuple(teacher_bias.shape)}")
+    ref = _tokens(hidden, target)
+    checks.check_per_token("token_weights", token_weights_, ref)
+    checks.check_temperature(temperature, ref)
+
+
+def forward(hidden, weight, teacher_hidden, teacher_weight, tensors, opts):
+    """(loss, divergence, entropy) for checked options; tensors: target, bias,
+    teacher_bias, token_weights, temperature."""
+    target, bias, teacher_bias, token_weights_, temperature = tensors
+    refuse_transforms((hidden, weight, bias))
+    hidden, weight, bias = autocast_operands(hidden, weight, bias)  # dtypes checked after
+    teacher_hidden, teacher_weight, teacher_bias = autocast_operands(
+        teacher_hidden, teacher_weight, teacher_bias)
+    check_inputs(hidden, weight, teacher_hidden, teacher_weight, target, bias, teacher_bias,
+                 token_weights_, temperature, opts)
+    target = int64_if_needed(target, opts.ignore_index)
+    shape = hidden.shape[:-1]
+    teacher = (rows(teacher_hidden).detach(), teacher_weight.detach(),  # no gradient
+               None if teacher_bias is None else teacher_bias.detach())
+    loss, _, _, _, div, ent = torch.ops.fce.linear_distillation_loss_fwd(
+        rows(hidden), weight, *teacher[:2], flat(target), bias, teacher[2],
+        flat(token_weights_), flat(temperature), *opts, needs_grad(hidden, weight, bias))
+    return loss, div.reshape(shape), ent.reshape(shape)
+
+
+@torch.library.impl(LIB, "linear_distillation_loss", "CompositeImplicitAutograd")
+def _linear_distillation_loss(hidden, weight, teacher_hidden, teacher_weight, target=None,
+                              bias=None, teacher_bias=None, token_weights=None,
+                              temperature=None, **options):
+    return forward(hidden, weight, teacher_hidden, teacher_weight,
+                   (target, bias, teacher_bias, token_weights, temperature),
+                   DistillOptions(**options).check())
+
+
+@torch.library.register_fake("fce::linear_distillation_loss_fwd")
+def _fwd_fake(hidden, weight, teacher_hidden, teacher_weight, target, bias, teacher_bias,
+              token_weights_, temperature, *args):
+    opts, (needs,) = take(DistillOptions, args)
+    opts = opts.check()
+    check_inputs(hidden, weight, teacher_hidden, teacher_weight, target, bias, teacher_bias,
+                 token_weights_, temperature, opts)
+    mdt = torch.promote_types(hidden.dtype, torch.float32)
+    N = hidden.shape[0]
+    return (hidden.new_empty((), dtype=mdt),
+            *grads.fake_grads(hidden, weight, bias, needs, opts.accumulator == "fp32"),
+            hidden.new_empty(N, dtype=mdt), hidden.new_empty(N, dtype=mdt))
+
+
+# ---- autograd ----------------------------------------------------------------------
+
+_AT = (0, 1, 5)  # hidden, weight and bias among linear_distillation_loss_fwd's arguments
+
+
+def _setup(ctx, inputs, output):
+    hidden, weight, bias = (inputs[i] for i in _AT)
+    ctx.mark_non_differentiable(*output[1:])
+    ctx.set_materialize_grads(False)
+    ctx.dtypes = grads.dtypes(hidden, weight, bias)
+    # the forward's gradients (for a unit upstream gradient), and the inputs, so that
+    # editing one in place before the backward raises
+    ctx.save_for_backward(hidden, weight, bias, *output[1:4])
+
+
+def _backward(ctx, grad_loss, *_):
+    """The forward's gradients scaled by the upstream gradient, rounded once."""
+    if grad_loss is None:
+        return grads.input_grads(ctx, _AT, ())
+    *inputs, gh, gw, gb = ctx.saved_tensors
+    create_graph = torch.is_grad_enabled()
+    with torch.no_grad():
+        out = grads.scaled((gh, gw, gb), grad_loss, ctx.dtypes, grads.needs(ctx, _AT))
+    if create_graph:
+        out = grads.first_order(out, (grad_loss, *inputs))
+    return grads.input_grads(ctx, _AT, out)
+
+
+torch.library.register_autograd("fce::linear_distillation_loss_fwd", _backward,
+                                setup_context=_setup)
+
+
+# ---- the implementation, on the chunk loop -----------------------------------------
+
+@kernel("linear_distillation_loss_fwd")
+def fwd(hidden, weight, teacher_hidden, teacher_weight, target, bias, teacher_bias,
+        token_weights_, temperature, *args, backend):
+    """(loss, grad_hidden, grad_weight, grad_bias, divergence, entropy): per chunk the
+    teacher's logits, then the row math on both (distill_rows.py) over the student's."""
+    opts, (needs,) = take(DistillOptions, args)
+    opts = opts.check()
+    V = weight.shape[0]
+    if backend.check_values:
+        if target is not None:
+            checks.check_target_range(target, V, opts.ignore_index)
+        checks.check_temperature_values(temperature)
+    (N, D), mdt = hidden.shape, math_dtype_for(hidden.dtype)
+    out = [hidden.new_empty(N, dtype=mdt) for _ in range(3)]  # loss_t, divergence, entropy
+    want = any(needs)
+    valid = torch.ones(N, dtype=torch.bool, device=hidden.device) if target is None \
+        else target != opts.ignore_index
+    inv_t = inverse_temperature(temperature, N, hidden.device, mdt)
+    weights = token_weights(token_weights_, valid, mdt)
+
+    with no_autocast(hidden):
+        ldt = logits_dtype_for(hidden, opts)
+        teacher = LogitsGemm(teacher_hidden, teacher_weight, teacher_bias,
+                             logits_dtype_for(teacher_hidden, opts))
+
+        def row_fn(logits, s, e):
+            loss_t, div, ent, dz = divergence_rows(
+                logits, teacher(teacher_hidden[s:e]), None if target is None else target[s:e],
+                valid[s:e], inv_t[s:e], weights[s:e], opts, mdt, hidden.dtype, want)
+            return (loss_t, div, ent), dz
+
+        per_logit = ldt.itemsize + teacher.dtype.itemsize + _ROW_TEMPORARIES * mdt.itemsize
+        gradients = run_chunks(hidden, weight, bias, row_fn, out, needs, opts.accumulator,
+                               chunk_rows(N, max(1, V), D, hidden.dtype, hidden.device,
+                                          per_logit), logits_dtype=ldt)
+    loss_t, div, ent = out
+    return (loss_t.sum(), *grad_outputs(hidden, weight, bias, gradients,
+                                        opts.accumulator == "fp32"), div, ent)
