@@ -14,7 +14,8 @@ from .chunked import grad_dtype
 from .dispatch import HAS_TRITON, LIB
 
 _NO_DOUBLE = (
-    "torch_fce's ops (fce::linear_ce, fce::linear_logprobs, fce::linear_policy_loss) do "
+    "torch_fce's ops (fce::linear_ce, fce::linear_logprobs, fce::linear_policy_loss, "
+    "fce::linear_distillation_loss) do "
     "not support double backward: their gradients are first order (create_graph=True "
     "gives usable gradients that cannot be differentiated again)"
 )
@@ -99,3 +100,32 @@ def fake_grads(hidden, weight, bias, needs_grad, keep_f32, hidden_f32=False):
         bias.new_empty(bias.shape, dtype=grad_dtype(bias.dtype, keep_f32))
         if needs_grad[2] else hidden.new_empty(0),
     )
+
+
+def register_forward_grads_autograd(name, at):
+    """The autograd formula of an op whose outputs are (loss, grad_hidden, grad_weight,
+    grad_bias, *statistics): a scalar loss whose forward formed the gradients for a unit
+    upstream gradient (policy loss, distillation); at: the positions of hidden, weight
+    and bias among its arguments. The backward scales those gradients by the upstream
+    gradient, rounded once."""
+    def setup(ctx, inputs, output):
+        hidden, weight, bias = (inputs[i] for i in at)
+        ctx.mark_non_differentiable(*output[1:])
+        ctx.set_materialize_grads(False)
+        ctx.dtypes = dtypes(hidden, weight, bias)
+        # the gradients the forward formed, and the inputs, so that editing one in
+        # place before the backward raises
+        ctx.save_for_backward(hidden, weight, bias, *output[1:4])
+
+    def backward(ctx, grad_loss, *_):
+        if grad_loss is None:
+            return input_grads(ctx, at, ())
+        *inputs, gh, gw, gb = ctx.saved_tensors
+        create_graph = torch.is_grad_enabled()
+        with torch.no_grad():
+            out = scaled((gh, gw, gb), grad_loss, ctx.dtypes, needs(ctx, at))
+        if create_graph:
+            out = first_order(out, (grad_loss, *inputs))
+        return input_grads(ctx, at, out)
+
+    torch.library.register_autograd(f"fce::{name}", backward, setup_context=setup)

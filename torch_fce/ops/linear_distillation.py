@@ -19,8 +19,8 @@ from typing import NamedTuple, Optional
 import torch
 
 from . import checks, grads
-from .chunked import (LogitsGemm, grad_outputs, inverse_temperature, logits_dtype_for,
-                      math_dtype_for, no_autocast, run_chunks)
+from .chunked import (LogitsGemm, after_first_gemm, grad_outputs, inverse_temperature,
+                      logits_dtype_for, math_dtype_for, no_autocast, run_chunks)
 from .dispatch import LIB, kernel
 from .distill_rows import divergence_rows
 from .entry import autocast_operands, flat, int64_if_needed, needs_grad, refuse_transforms, rows
@@ -28,8 +28,8 @@ from .options import as_float, got, schema_args, take, value
 from .tokens import token_weights
 from .workspace import chunk_rows
 
-# bytes per logit a chunk holds beyond its own logits: the teacher's logits and the
-# row math's float32 temporaries (six of them at most)
+# a chunk's float32 (n, V) temporaries of the row math beyond both heads' logits, about
+# this many (the workspace's bytes per logit count them)
 _ROW_TEMPORARIES = 6
 
 
@@ -91,7 +91,8 @@ def check_inputs(hidden, weight, teacher_hidden, teacher_weight, target, bias, t
     """The tensors' checks, in eager mode and in the fake kernel (under torch.compile)."""
     if target is None and opts.hard_weight != 0.0:
         raise ValueError("hard_weight > 0 needs a target (the hard loss's labels)")
-    checks.check_inputs(hidden, weight, _tokens(hidden, target), bias, None)
+    tokens = _tokens(hidden, target)
+    checks.check_inputs(hidden, weight, tokens, bias, None)
     if hidden.dtype == torch.float16:
         raise TypeError("hidden must be bfloat16, float32 or float64 for "
                         "linear_distillation_loss, got torch.float16 (its gradient is formed "
@@ -127,7 +128,8 @@ def check_inputs(hidden, weight, teacher_hidden, teacher_weight, target, bias, t
         if not isinstance(teacher_bias, torch.Tensor):
             raise TypeError(f"teacher_bias must be a Tensor, got {type(teacher_bias).__name__}")
         if teacher_bias.dtype not in (teacher_hidden.dtype, teacher_weight.dtype):
-            raise TypeError(f"teacher_bias must have dtype in {(teacher_hidden.dtype,)}, got "
+            raise TypeError(f"teacher_bias must have dtype in "
+                            f"{(teacher_hidden.dtype, teacher_weight.dtype)}, got "
                             f"{teacher_bias.dtype}")
         if teacher_bias.dim() != 1 or teacher_bias.device != hidden.device:
             raise ValueError(f"teacher_bias must be a ({weight.shape[0]},) tensor on "
@@ -136,9 +138,8 @@ def check_inputs(hidden, weight, teacher_hidden, teacher_weight, target, bias, t
         value(teacher_bias.shape[0] == weight.shape[0],
               f"teacher_bias must have shape ({weight.shape[0]},), got "
               f"{tuple(teacher_bias.shape)}")
-    ref = _tokens(hidden, target)
-    checks.check_per_token("token_weights", token_weights_, ref)
-    checks.check_temperature(temperature, ref)
+    checks.check_per_token("token_weights", token_weights_, tokens)
+    checks.check_temperature(temperature, tokens)
 
 
 def forward(hidden, weight, teacher_hidden, teacher_weight, tensors, opts):
@@ -184,36 +185,10 @@ def _fwd_fake(hidden, weight, teacher_hidden, teacher_weight, target, bias, teac
             hidden.new_empty(N, dtype=mdt), hidden.new_empty(N, dtype=mdt))
 
 
-# ---- autograd ----------------------------------------------------------------------
+# ---- autograd: the forward's gradients scaled by the upstream gradient -------------
 
-_AT = (0, 1, 5)  # hidden, weight and bias among linear_distillation_loss_fwd's arguments
-
-
-def _setup(ctx, inputs, output):
-    hidden, weight, bias = (inputs[i] for i in _AT)
-    ctx.mark_non_differentiable(*output[1:])
-    ctx.set_materialize_grads(False)
-    ctx.dtypes = grads.dtypes(hidden, weight, bias)
-    # the forward's gradients (for a unit upstream gradient), and the inputs, so that
-    # editing one in place before the backward raises
-    ctx.save_for_backward(hidden, weight, bias, *output[1:4])
-
-
-def _backward(ctx, grad_loss, *_):
-    """The forward's gradients scaled by the upstream gradient, rounded once."""
-    if grad_loss is None:
-        return grads.input_grads(ctx, _AT, ())
-    *inputs, gh, gw, gb = ctx.saved_tensors
-    create_graph = torch.is_grad_enabled()
-    with torch.no_grad():
-        out = grads.scaled((gh, gw, gb), grad_loss, ctx.dtypes, grads.needs(ctx, _AT))
-    if create_graph:
-        out = grads.first_order(out, (grad_loss, *inputs))
-    return grads.input_grads(ctx, _AT, out)
-
-
-torch.library.register_autograd("fce::linear_distillation_loss_fwd", _backward,
-                                setup_context=_setup)
+# hidden, weight and bias among linear_distillation_loss_fwd's arguments
+grads.register_forward_grads_autograd("linear_distillation_loss_fwd", (0, 1, 5))
 
 
 # ---- the implementation, on the chunk loop -----------------------------------------
@@ -233,10 +208,13 @@ def fwd(hidden, weight, teacher_hidden, teacher_weight, target, bias, teacher_bi
     (N, D), mdt = hidden.shape, math_dtype_for(hidden.dtype)
     out = [hidden.new_empty(N, dtype=mdt) for _ in range(3)]  # loss_t, divergence, entropy
     want = any(needs)
-    valid = torch.ones(N, dtype=torch.bool, device=hidden.device) if target is None \
-        else target != opts.ignore_index
-    inv_t = inverse_temperature(temperature, N, hidden.device, mdt)
-    weights = token_weights(token_weights_, valid, mdt)
+
+    @after_first_gemm
+    def per_token():  # whether counted, 1 / T, w_t
+        valid = torch.ones(N, dtype=torch.bool, device=hidden.device) if target is None \
+            else target != opts.ignore_index
+        return (valid, inverse_temperature(temperature, N, hidden.device, mdt),
+                token_weights(token_weights_, valid, mdt))
 
     with no_autocast(hidden):
         ldt = logits_dtype_for(hidden, opts)
@@ -244,6 +222,7 @@ def fwd(hidden, weight, teacher_hidden, teacher_weight, target, bias, teacher_bi
                              logits_dtype_for(teacher_hidden, opts))
 
         def row_fn(logits, s, e):
+            valid, inv_t, weights = per_token()
             loss_t, div, ent, dz = divergence_rows(
                 logits, teacher(teacher_hidden[s:e]), None if target is None else target[s:e],
                 valid[s:e], inv_t[s:e], weights[s:e], opts, mdt, hidden.dtype, want)

@@ -216,36 +216,10 @@ def _fwd_fake(hidden, weight, target, advantages, bias, *args):
             *(hidden.new_empty(target.shape[0], dtype=mdt) for _ in range(5)))
 
 
-# ---- autograd ----------------------------------------------------------------------
+# ---- autograd: the forward's gradients scaled by the upstream gradient -------------
 
-_AT = (0, 1, 4)  # hidden, weight and bias among linear_policy_loss_fwd's arguments
-
-
-def _setup(ctx, inputs, output):
-    hidden, weight, bias = (inputs[i] for i in _AT)
-    ctx.mark_non_differentiable(*output[1:])
-    ctx.set_materialize_grads(False)
-    ctx.dtypes = grads.dtypes(hidden, weight, bias)
-    # The gradients the forward formed (for a unit upstream gradient), and the inputs, so
-    # that editing one in place before the backward raises.
-    ctx.save_for_backward(hidden, weight, bias, *output[1:4])
-
-
-def _backward(ctx, grad_loss, *_):
-    """The forward's gradients scaled by the upstream gradient, rounded once."""
-    if grad_loss is None:
-        return grads.input_grads(ctx, _AT, ())
-    *inputs, gh, gw, gb = ctx.saved_tensors
-    create_graph = torch.is_grad_enabled()
-    with torch.no_grad():
-        out = grads.scaled((gh, gw, gb), grad_loss, ctx.dtypes, grads.needs(ctx, _AT))
-    if create_graph:
-        out = grads.first_order(out, (grad_loss, *inputs))
-    return grads.input_grads(ctx, _AT, out)
-
-
-torch.library.register_autograd("fce::linear_policy_loss_fwd", _backward,
-                                setup_context=_setup)
+# hidden, weight and bias among linear_policy_loss_fwd's arguments
+grads.register_forward_grads_autograd("linear_policy_loss_fwd", (0, 1, 4))
 
 
 # ---- the implementation, on the chunk loop -----------------------------------------
