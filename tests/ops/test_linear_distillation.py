@@ -13,7 +13,10 @@ import torch.nn.functional as F
 from hypothesis import given, strategies as st
 
 import torch_fce
+from torch_fce.ops import linear_distillation
 from torch_fce.testing import rel_err
+
+from .impl import TRITON, chunks
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -135,6 +138,41 @@ def test_linear_distillation_loss_matches_the_float64_reference(problem):
     for got, ref in zip(grads, want_grads):
         if ref is not None:
             assert torch.allclose(got, ref, rtol=1e-9, atol=1e-12)
+
+
+@given(problems(), st.sampled_from([1, 3, 64]), st.sampled_from([torch.float32, None]))
+def test_triton_rows_match_the_float64_reference(problem, rows, logits_dtype):
+    # The Triton row kernel on the loop (the interpreter off the GPU), float32 inputs:
+    # loss, statistics and every gradient within float32 rounding of float64 on the
+    # same inputs; None: the logits in the inputs' dtype, dz written over them.
+    x, target, opts = problem
+    x = {k: None if v is None else v.float().to(DEVICE) for k, v in x.items()}
+    target = None if target is None else target.to(DEVICE)
+    opts = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in opts.items()}
+    N, V = x["h"].shape[0], x["w"].shape[0]
+    T = opts.pop("temperature", None)
+    T = None if T is None else torch.as_tensor(T, dtype=torch.float32, device=DEVICE
+                                               ).expand(N).contiguous()
+    tw = opts.pop("token_weights", None)
+    tw = None if tw is None else tw.float()
+    rec = linear_distillation.DistillOptions(**opts, logits_dtype=logits_dtype)
+    needs = [True, True, x["b"] is not None]
+    with chunks(rows, x["h"], x["w"]):
+        loss, gh, gw, gb, div, ent = linear_distillation.fwd(
+            x["h"], x["w"], x["ht"], x["wt"], target, x["b"], x["bt"], tw, T, *rec, needs,
+            backend=TRITON)
+    leaves = [None if t is None else t.double().requires_grad_()
+              for t in (x["h"], x["w"], x["b"])]
+    wide = {k: None if v is None else v.double() for k, v in x.items()}
+    want, want_div, want_ent = reference(*leaves[:2], leaves[2], wide["ht"], wide["wt"],
+                                         wide["bt"], target, temperature=1.0 if T is None
+                                         else T.double(), token_weights=tw, **opts)
+    want_grads = _grads(want, leaves)
+    assert abs(loss.item() - want.item()) <= 1e-5 * max(1.0, abs(want.item()))
+    assert rel_err(div, want_div) <= 1e-5 and rel_err(ent, want_ent) <= 1e-5
+    for got, ref in zip((gh, gw, gb), want_grads):
+        if ref is not None:
+            assert rel_err(got, ref) <= 1e-5, rel_err(got, ref)
 
 
 def test_linear_distillation_loss_gradcheck_float64():

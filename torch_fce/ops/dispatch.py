@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 import torch
 
 from . import checks
+from .distill_rows import TORCH_DISTILL_ROWS
 from .logprob_rows import TORCH_LOGPROB_ROWS
 from .rows import TORCH_CE_ROWS
 
@@ -23,20 +24,23 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
 class Backend(NamedTuple):
-    """A device's row functions (rows.CERows, logprob_rows.LogProbRows) and whether its
-    kernels check target and temperature values (a host sync: always on the CPU,
-    opt-in elsewhere with TORCH_FCE_CHECK_TARGETS=1, docs/api.md)."""
+    """A device's row functions (rows.CERows, logprob_rows.LogProbRows,
+    distill_rows.DistillRows) and whether its kernels check target and temperature
+    values (a host sync: always on the CPU, opt-in elsewhere with
+    TORCH_FCE_CHECK_TARGETS=1, docs/api.md)."""
     ce: Any
     logprobs: Any
+    distill: Any
     check_values: bool
 
 
 @functools.cache
 def _triton_rows():
+    from .triton.distill_rows import TRITON_DISTILL_ROWS
     from .triton.logprob_rows import TRITON_LOGPROB_ROWS
     from .triton.rows import TRITON_CE_ROWS
 
-    return TRITON_CE_ROWS, TRITON_LOGPROB_ROWS
+    return TRITON_CE_ROWS, TRITON_LOGPROB_ROWS, TRITON_DISTILL_ROWS
 
 
 def backend_for(hidden):
@@ -44,7 +48,7 @@ def backend_for(hidden):
     check = hidden.device.type == "cpu" or checks.CHECK_TARGETS
     if hidden.device.type == "cuda" and HAS_TRITON and hidden.dtype != torch.float64:
         return Backend(*_triton_rows(), check)
-    return Backend(TORCH_CE_ROWS, TORCH_LOGPROB_ROWS, check)
+    return Backend(TORCH_CE_ROWS, TORCH_LOGPROB_ROWS, TORCH_DISTILL_ROWS, check)
 
 
 def kernel(name, hidden=0):

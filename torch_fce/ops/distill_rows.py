@@ -15,8 +15,19 @@ rows' own log-sum-exp (log_softmax), in float32 (float64 for float64 inputs).
 """
 
 import math
+from typing import Callable, NamedTuple
 
 import torch
+
+
+class DistillRows(NamedTuple):
+    """The distillation's row function on one backend: rows(z_s, z_t, target, valid,
+    inv_t, weights, opts, math_dtype, dz_dtype, want_grad) -> (loss_t, divergence,
+    entropy, dz) (divergence_rows' contract), and how many float32 (n, V) temporaries
+    it allocates beyond both heads' logits and dz (for the workspace's bytes per
+    logit)."""
+    rows: Callable
+    temporaries: int
 
 
 def _capped(z, scale, cap, mdt):
@@ -86,3 +97,6 @@ def divergence_rows(z_s, z_t, target, valid, inv_t, weights, opts, mdt, dz_dtype
         # ignored tokens: 0, also where their logits are not finite
         dz = torch.where(valid[:, None], grad, 0.0).to(dz_dtype)
     return (loss_t, torch.where(valid, div, zero), torch.where(valid, entropy, zero), dz)
+
+
+TORCH_DISTILL_ROWS = DistillRows(divergence_rows, temporaries=6)

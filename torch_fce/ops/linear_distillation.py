@@ -22,16 +22,10 @@ from . import checks, grads
 from .chunked import (LogitsGemm, after_first_gemm, grad_outputs, inverse_temperature,
                       logits_dtype_for, math_dtype_for, no_autocast, run_chunks)
 from .dispatch import LIB, kernel
-from .distill_rows import divergence_rows
 from .entry import autocast_operands, flat, int64_if_needed, needs_grad, refuse_transforms, rows
 from .options import as_float, got, schema_args, take, value
 from .tokens import token_weights
 from .workspace import chunk_rows
-
-# a chunk's float32 (n, V) temporaries of the row math beyond both heads' logits, about
-# this many (the workspace's bytes per logit count them)
-_ROW_TEMPORARIES = 6
-
 
 class DistillOptions(NamedTuple):
     """linear_distillation_loss' options (docs/distillation.md), in the schemas' order."""
@@ -223,12 +217,15 @@ def fwd(hidden, weight, teacher_hidden, teacher_weight, target, bias, teacher_bi
 
         def row_fn(logits, s, e):
             valid, inv_t, weights = per_token()
-            loss_t, div, ent, dz = divergence_rows(
+            loss_t, div, ent, dz = backend.distill.rows(
                 logits, teacher(teacher_hidden[s:e]), None if target is None else target[s:e],
                 valid[s:e], inv_t[s:e], weights[s:e], opts, mdt, hidden.dtype, want)
             return (loss_t, div, ent), dz
 
-        per_logit = ldt.itemsize + teacher.dtype.itemsize + _ROW_TEMPORARIES * mdt.itemsize
+        # both heads' logits, the row math's temporaries and dz when it has a buffer
+        per_logit = ldt.itemsize + teacher.dtype.itemsize + \
+            backend.distill.temporaries * mdt.itemsize + \
+            (hidden.dtype.itemsize if ldt != hidden.dtype else 0)
         gradients = run_chunks(hidden, weight, bias, row_fn, out, needs, opts.accumulator,
                                chunk_rows(N, max(1, V), D, hidden.dtype, hidden.device,
                                           per_logit), logits_dtype=ldt)
