@@ -11,6 +11,7 @@ SUBCOMMANDS = {
     "distributed": ("distributed", "the vocab-parallel loss on 2+ GPUs against one GPU"),
     "grpo": ("grpo", "a TRL GRPOTrainer's loss step, TRL's own and through torch_fce"),
     "sft": ("sft", "a TRL SFTTrainer's loss step (nll, dft, label smoothing), both ways"),
+    "distill": ("distill", "the student-teacher divergence against TRL's, Liger's, compile"),
 }
 
 
