@@ -26,6 +26,9 @@ from .entry import autocast_operands, flat, int64_if_needed, needs_grad, refuse_
 from .options import as_float, got, schema_args, take, value
 from .tokens import token_weights
 from .workspace import chunk_rows
+# the CUDA default workspace as a multiple of the loop's (workspace.py says why)
+_WORKSPACE_SCALE = 1.5
+
 
 class DistillOptions(NamedTuple):
     """linear_distillation_loss' options (docs/distillation.md), in the schemas' order."""
@@ -226,9 +229,10 @@ def fwd(hidden, weight, teacher_hidden, teacher_weight, target, bias, teacher_bi
         per_logit = ldt.itemsize + teacher.dtype.itemsize + \
             backend.distill.temporaries * mdt.itemsize + \
             (hidden.dtype.itemsize if ldt != hidden.dtype else 0)
+        rows = chunk_rows(N, max(1, V), D, hidden.dtype, hidden.device, per_logit,
+                          scale=_WORKSPACE_SCALE)
         gradients = run_chunks(hidden, weight, bias, row_fn, out, needs, opts.accumulator,
-                               chunk_rows(N, max(1, V), D, hidden.dtype, hidden.device,
-                                          per_logit), logits_dtype=ldt)
+                               rows, logits_dtype=ldt)
     loss_t, div, ent = out
     return (loss_t.sum(), *grad_outputs(hidden, weight, bias, gradients,
                                         opts.accumulator == "fp32"), div, ent)

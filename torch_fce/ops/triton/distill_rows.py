@@ -18,6 +18,8 @@ import triton.language as tl
 from ..distill_rows import DistillRows
 from .rows import _NEG_BIG, _block_v, _tanh, dz_buffer
 
+_WARPS = 8  # the launch's warps (benchmarks/probes/distill_profile.py measures others)
+
 
 @triton.jit
 def _load_a(ptrs, mask, scale, cap, HAS_CAP: tl.constexpr):
@@ -210,7 +212,7 @@ def triton_divergence_rows(z_s, z_t, target, valid, inv_t, weights, opts, mdt, d
         float(opts.teacher_softcap or 1.0), z_s.stride(0), z_t.stride(0), dz.stride(0),
         KIND=kind, HAS_TARGET=target is not None, HARD=opts.hard_weight != 0.0,
         HAS_GRAD=want_grad, HAS_CAP_S=opts.softcap is not None,
-        HAS_CAP_T=opts.teacher_softcap is not None, BLOCK_V=_block_v(V), num_warps=8)
+        HAS_CAP_T=opts.teacher_softcap is not None, BLOCK_V=_block_v(V), num_warps=_WARPS)
     return loss_t, div, ent, dz if want_grad else None
 
 
