@@ -1,9 +1,10 @@
 """TRL 1.16: GRPOTrainer's loss through torch_fce.linear_policy_loss, SFTTrainer's
-through torch_fce.linear_cross_entropy, and torch_fce's log-probs inside TRL's fused LM
-head.
+through torch_fce.linear_cross_entropy, DistillationTrainer's through
+torch_fce.linear_distillation_loss, torch_fce's log-probs inside TRL's fused LM head, and
+drop-ins for TRL's fused kernels (ChunkedLogProbFunction, ChunkedDivergenceFunction).
 
     from torch_fce.integrations import trl as fce_trl
-    trainer = GRPOTrainer(model=policy, ...)   # or SFTTrainer(...)
+    trainer = GRPOTrainer(model=policy, ...)   # or SFTTrainer, DistillationTrainer
     fce_trl.apply(trainer)        # the loss in three GEMMs, or a warning saying why not
     trainer.train()
     fce_trl.revert(trainer)
@@ -14,7 +15,8 @@ head.
 apply() replaces the trainer's loss method (on the instance: GRPOTrainer's
 `_compute_loss`, SFTTrainer's `compute_loss`) by one that runs the model's forward with
 its head capturing the hidden states and forms TRL's loss, its normalisation and its
-metrics from the fused op; for a configuration whose loss it cannot reproduce exactly it
+metrics from the fused op (DistillationTrainer's `_compute_loss` runs TRL's own, which
+already works from the hidden states, with its divergence call served by torch_fce); for a configuration whose loss it cannot reproduce exactly it
 warns, naming the reason, and leaves TRL's own. docs/rl.md lists what is served.
 """
 
@@ -23,7 +25,8 @@ import warnings
 
 import torch
 
-from ..functional import linear_cross_entropy, linear_logprobs, linear_policy_loss, shift_targets
+from ..functional import (linear_cross_entropy, linear_distillation_loss, linear_logprobs,
+                          linear_policy_loss, shift_targets)
 from ..ops.entry import autocast_operands
 from ..ops.linear_logprobs import LogProbOptions
 from . import transformers as fce_hf
@@ -206,7 +209,7 @@ def _unsupported_trainer(trainer):
     """(the loss method apply() replaces, None) for a trainer whose loss torch_fce
     reproduces exactly, else (None, why not)."""
     import trl
-    from trl import GRPOTrainer, SFTTrainer
+    from trl import DistillationTrainer, GRPOTrainer, SFTTrainer
 
     if trl.__version__.rsplit(".", 1)[0] != TRL_VERSION:
         return None, (f"it reproduces TRL {TRL_VERSION}'s trainer losses, and TRL "
@@ -215,7 +218,10 @@ def _unsupported_trainer(trainer):
         return "_compute_loss", _unsupported_grpo(trainer)
     if isinstance(trainer, SFTTrainer):
         return "compute_loss", _unsupported_sft(trainer)
-    return None, f"it serves GRPOTrainer and SFTTrainer, got a {type(trainer).__name__}"
+    if isinstance(trainer, DistillationTrainer):
+        return "_compute_loss", _unsupported_distill(trainer)
+    return None, (f"it serves GRPOTrainer, SFTTrainer and DistillationTrainer, got a "
+                  f"{type(trainer).__name__}")
 
 
 def _zero3(trainer):
@@ -279,6 +285,22 @@ def _unsupported_sft(trainer):
     return None
 
 
+def _unsupported_distill(trainer):
+    """Why torch_fce cannot reproduce this DistillationTrainer's loss exactly, or None."""
+    from trl import DistillationTrainer
+
+    for method in ("compute_loss", "_compute_loss"):
+        if getattr(type(trainer), method) is not getattr(DistillationTrainer, method):
+            return f"{type(trainer).__name__} overrides {method}"
+    if trainer.args.fp16 or _base_model(trainer.model).dtype == torch.float16:
+        return ("float16 (linear_distillation_loss forms its gradient in the forward, where "
+                "a GradScaler's scale could not keep it from underflowing: use bf16)")
+    if _zero3(trainer):
+        return ("DeepSpeed ZeRO-3 (the heads' weights are gathered only inside their "
+                "forwards)")
+    return None
+
+
 def _base_model(model):
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
@@ -297,12 +319,17 @@ def apply(trainer, *, accumulator="fp32"):
     padding-free batches, the MoE router aux loss, num_items_in_batch and
     average_tokens_across_devices, train and eval, and the metrics it logs (entropy,
     mean_token_accuracy, num_tokens, aux_loss) from the same pass.
-    Both: the same loss, gradients and logged metrics as TRL's. Anything else (GRPO's
+    DistillationTrainer, through linear_distillation_loss in four GEMMs (TRL's kernel
+    runs six, eight for the JSD): any beta and temperature, both models' logit scales,
+    softcaps and head biases, completion and tool masks, num_items_in_batch, FSDP2
+    (DTensor) heads gathered as TRL does, train and eval, the entropy metric, and no
+    host sync (TRL's compacts the masked tokens).
+    All: the same loss, gradients and logged metrics as TRL's. Anything else (GRPO's
     sequence-level importance sampling, entropy or off-policy masking, adaptive entropy,
     loss types vespo and luspo, float16; SFT's compute_loss_func, sequence, context or
     tensor parallelism; DeepSpeed ZeRO-3, a head or family torch_fce does not reproduce,
-    a subclass overriding the loss, a TRL release other than 1.16): one warning naming
-    the reason, and TRL's own loss. A batch apply() does not reproduce (vision inputs;
+    a subclass overriding the loss, a TRL release other than 1.16; a logit scale that is
+    not > 0): one warning naming the reason, and TRL's own loss. A batch apply() does not reproduce (vision inputs;
     SFT's return_outputs=True, which asks for the logits) runs TRL's loss, with a
     warning.
     """
@@ -310,7 +337,8 @@ def apply(trainer, *, accumulator="fp32"):
         raise ValueError("torch_fce is already applied to this trainer")
     LogProbOptions(accumulator=accumulator).check()
     method, why = _unsupported_trainer(trainer)
-    if why is None:
+    distill = _is_distill(trainer)
+    if why is None and not distill:  # the distillation reads the heads' inputs itself
         try:
             fce_hf.attach(_base_model(trainer.model))
         except ValueError as e:
@@ -320,7 +348,11 @@ def apply(trainer, *, accumulator="fp32"):
                       f"{why}", stacklevel=2)
         return trainer
 
-    if method == "_compute_loss":
+    if distill:
+        def loss(unwrapped_student, inputs, num_items_in_batch):
+            return _distill_loss(trainer, unwrapped_student, inputs, num_items_in_batch,
+                                 accumulator)
+    elif method == "_compute_loss":
         def loss(model, inputs):
             return _grpo_loss(trainer, model, inputs, accumulator)
     else:
@@ -338,8 +370,17 @@ def revert(trainer):
     if not hasattr(trainer, _APPLIED):
         raise ValueError("torch_fce is not applied to this trainer")
     delattr(trainer, vars(trainer).pop(_APPLIED))
-    fce_hf.detach(_base_model(trainer.model))
+    if not _is_distill(trainer):
+        fce_hf.detach(_base_model(trainer.model))
     return trainer
+
+
+def _is_distill(trainer):
+    try:
+        from trl import DistillationTrainer
+    except ImportError:
+        return False
+    return isinstance(trainer, DistillationTrainer)
 
 
 def _multimodal(trainer, inputs):
@@ -537,3 +578,132 @@ def _log_sft_metrics(trainer, mode, inputs, mask, stats, target, out):
     metrics["num_tokens"] = [trainer._total_train_tokens]
     if trainer.aux_loss_enabled:
         metrics["aux_loss"].append(acc.gather_for_metrics(out.aux_loss).mean().item())
+
+
+# ----------------------------------------------------------------------------------------
+# DistillationTrainer and TRL's chunked divergence
+
+def _distill_loss(trainer, unwrapped_student, inputs, num_items_in_batch, accumulator):
+    """DistillationTrainer._compute_loss, TRL's own (hidden states, heads, scales,
+    softcaps, masks), with its module's divergence call served by
+    chunked_divergence_loss for the length of the call."""
+    from trl.trainer import distillation_trainer as module
+
+    trl_fn = module._chunked_divergence_loss
+
+    def served(*args, **kwargs):
+        return chunked_divergence_loss(*args, **kwargs, accumulator=accumulator,
+                                       fallback=trl_fn)
+
+    module._chunked_divergence_loss = served
+    try:
+        return type(trainer)._compute_loss(trainer, unwrapped_student, inputs,
+                                           num_items_in_batch)
+    finally:
+        module._chunked_divergence_loss = trl_fn
+
+
+def _full(t, dtype):
+    """A DTensor head gathered as TRL's divergence does (FSDP2), else t."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor().to(dtype) if isinstance(t, DTensor) else t
+
+
+def chunked_divergence_loss(student_hidden_states, teacher_hidden_states,
+                            student_lm_head_weight, teacher_lm_head_weight, completion_mask,
+                            beta, num_items_in_batch=None, student_lm_head_bias=None,
+                            teacher_lm_head_bias=None, student_logit_scale=1.0,
+                            teacher_logit_scale=1.0, student_final_logit_softcapping=None,
+                            teacher_final_logit_softcapping=None, temperature=1.0, *,
+                            accumulator="fp32", fallback=None):
+    """A drop-in for TRL 1.16's `trl.trainer.distillation_trainer._chunked_divergence_loss`:
+    (loss, entropy sum, valid-token count) of the generalized JSD over the tokens whose
+    completion_mask is not 0, summed over num_items_in_batch (or the local mean), from
+    linear_distillation_loss in four GEMMs with no host sync (the masked tokens weigh 0
+    instead of being compacted). A logit scale that is not > 0 (TRL keeps a 0) goes to
+    `fallback` (TRL's function) with a warning, or raises without one."""
+    scales = (("student_logit_scale", student_logit_scale),
+              ("teacher_logit_scale", teacher_logit_scale))
+    for name, scale in scales:
+        if not scale > 0:
+            why = f"{name}={scale!r} (linear_distillation_loss takes scales > 0)"
+            if fallback is None:
+                raise ValueError(f"torch_fce does not serve {why}")
+            warnings.warn(f"torch_fce.integrations.trl: TRL's own divergence computes this "
+                          f"batch: {why}", stacklevel=3)
+            return fallback(student_hidden_states, teacher_hidden_states,
+                            student_lm_head_weight, teacher_lm_head_weight, completion_mask,
+                            beta, num_items_in_batch, student_lm_head_bias,
+                            teacher_lm_head_bias, student_logit_scale, teacher_logit_scale,
+                            student_final_logit_softcapping,
+                            teacher_final_logit_softcapping, temperature)
+    hs, ht = student_hidden_states, teacher_hidden_states
+    ws, bs = (None if t is None else _full(t, hs.dtype)
+              for t in (student_lm_head_weight, student_lm_head_bias))
+    wt, bt = (None if t is None else _full(t, ht.dtype)
+              for t in (teacher_lm_head_weight, teacher_lm_head_bias))
+    valid = completion_mask.reshape(hs.shape[:-1]) != 0
+    n_valid = valid.sum()
+    den = n_valid.clamp(min=1) if num_items_in_batch is None else num_items_in_batch
+    if isinstance(den, torch.Tensor):
+        den = den.to(hs.device)
+    weights = valid.to(torch.float64 if hs.dtype == torch.float64 else torch.float32) / den
+    loss, stats = linear_distillation_loss(
+        hs, ws, ht, wt, None, bs, bt, beta=beta, temperature=temperature,
+        token_weights=weights, logit_scale=student_logit_scale,
+        teacher_logit_scale=teacher_logit_scale, softcap=student_final_logit_softcapping,
+        teacher_softcap=teacher_final_logit_softcapping, accumulator=accumulator)
+    return loss, torch.where(valid, stats.entropy, 0.0).sum(), n_valid
+
+
+class ChunkedDivergenceFunction:
+    """A drop-in for `trl.kernels.chunked_divergence.ChunkedDivergenceFunction`: the same
+    `apply` arguments and outputs, the per-token divergence (differentiable w.r.t. the
+    student's hidden states, weight and bias) and the student's entropy (no gradient),
+    float32 logits as TRL's. The forward runs linear_distillation_loss's two forward
+    GEMMs; the backward runs it again with the upstream gradient as token weights (four
+    GEMMs: six in all, where TRL's kernel runs six, or eight for the JSD). A loss whose
+    upstream gradient is a scalar is cheaper through linear_distillation_loss itself
+    (four GEMMs, token_weights for the reduction)."""
+
+    @staticmethod
+    def apply(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight,
+              teacher_bias, beta, temperature=1.0, student_logit_scale=1.0,
+              student_final_logit_softcapping=None, teacher_logit_scale=1.0,
+              teacher_final_logit_softcapping=None, accumulator="fp32"):
+        opts = dict(beta=beta, temperature=temperature, logit_scale=student_logit_scale,
+                    teacher_logit_scale=teacher_logit_scale,
+                    softcap=student_final_logit_softcapping,
+                    teacher_softcap=teacher_final_logit_softcapping, accumulator=accumulator)
+        return _Divergence.apply(student_hidden, student_weight, student_bias,
+                                 teacher_hidden, teacher_weight, teacher_bias, opts)
+
+
+class _Divergence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, w, b, ht, wt, bt, opts):
+        with torch.no_grad():
+            _, stats = linear_distillation_loss(h, w, ht, wt, None, b, bt, **opts)
+        ctx.save_for_backward(h, w, b, ht, wt, bt)
+        ctx.opts = opts
+        entropy = stats.entropy.float()  # float32, as TRL's
+        ctx.mark_non_differentiable(entropy)
+        return stats.divergence.float(), entropy
+
+    @staticmethod
+    def backward(ctx, grad_divergence, _):
+        h, w, b, ht, wt, bt = ctx.saved_tensors
+        wanted = ctx.needs_input_grad[:3]
+        if grad_divergence is None or not any(wanted):
+            return (None,) * 7
+        leaves = [None if t is None else t.detach().requires_grad_(need)
+                  for t, need in zip((h, w, b), wanted)]
+        weights = grad_divergence.to(torch.float64 if h.dtype == torch.float64
+                                     else torch.float32)
+        with torch.enable_grad():
+            loss, _ = linear_distillation_loss(leaves[0], leaves[1], ht, wt, None, leaves[2],
+                                               bt, token_weights=weights, **ctx.opts)
+            asked = [t for t, need in zip(leaves, wanted) if need]
+            got = iter(torch.autograd.grad(loss, asked))
+        return (*(next(got) if need else None for need in wanted), None, None, None, None)
