@@ -18,7 +18,7 @@ def _run(*args):
 def test_bench_lists_its_subcommands():
     out = _run("torch_fce.bench")
     assert out.returncode == 2
-    for sub in ("shapes", "lowering", "transformers", "distributed", "grpo", "sft"):
+    for sub in ("shapes", "lowering", "transformers", "distributed", "grpo", "sft", "distill"):
         assert sub in out.stdout
     assert _run("torch_fce.bench", "nope").returncode == 2
 
@@ -40,7 +40,7 @@ def _parser_of(main, monkeypatch):
 
 
 @pytest.mark.parametrize("sub", ["shapes", "lowering", "transformers", "distributed",
-                                 "grpo", "sft", "main job"])
+                                 "grpo", "sft", "distill", "main job"])
 def test_every_option_with_a_default_names_it_in_its_help(sub, monkeypatch):
     import importlib
 
@@ -142,6 +142,27 @@ def test_bench_sft_tiny_runs_every_loss_and_they_agree():
         assert float(line.split("head gradient ")[1]) < 1e-5, line
 
 
+def test_bench_distill_tiny_runs_and_agrees_with_trl():
+    pytest.importorskip("trl")
+    out = _run("torch_fce.bench", "distill", "--device", "cpu", "--N", "64", "--V", "300",
+               "--Dt", "24", "--student-dims", "16", "--betas", "0,0.5", "--reps", "1",
+               "--methods", "fce,eager,trl")
+    assert out.returncode == 0, out.stderr[-4000:]
+    rows = [dict(kv.split("=") for kv in ln.split()) for ln in out.stdout.splitlines()
+            if ln.strip().startswith("method=")]
+    assert [(r["method"], r["beta"]) for r in rows] == [
+        (m, b) for b in ("0", "0.5") for m in ("fce", "eager", "trl")]
+    for r in rows:  # float32 on the CPU: every method's gradients on the reference's
+        assert float(r["dw_err"]) < 1e-4 and float(r["dh_err"]) < 1e-4, r
+
+
+def test_bench_distill_names_bad_flags():
+    for flags, named in ((["--methods", "fce,nope"], "--methods"), (["--betas", "2"], "--betas"),
+                         (["--reps", "0"], "--reps"), (["--student-dims", "x"], "--student")):
+        out = _run("torch_fce.bench", "distill", "--device", "cpu", *flags)
+        assert out.returncode == 2 and named in out.stderr, (flags, out.stderr)
+
+
 def test_bench_sft_names_bad_flags():
     for flags, named in ((["--losses", "nll,kl"], "--losses"), (["--P", "32"], "--P"),
                          (["--reps", "0"], "--reps")):
@@ -207,6 +228,9 @@ CUDA_TOOLS = {
                    "256", "--B", "4", "--P", "16", "--K", "128", "--reps", "1"),
     "bench sft": ("torch_fce.bench", "sft", "--device", "cuda", "--V", "4096", "--D", "256",
                   "--B", "2", "--T", "128", "--reps", "1"),
+    "bench distill": ("torch_fce.bench", "distill", "--device", "cuda", "--N", "512", "--V",
+                      "4096", "--Dt", "256", "--student-dims", "128", "--betas", "0,0.5",
+                      "--reps", "1", "--methods", "fce,fce-bf16logits,compile,trl"),
     # one GPU: NCCL with one rank (two ranks: tests/distributed/test_vocab_parallel_nccl.py)
     "bench distributed": ("torch_fce.bench", "distributed", "--world", "1", "--device",
                           "cuda", "--shapes", "tiny", "--reps", "1"),

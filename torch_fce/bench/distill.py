@@ -177,7 +177,8 @@ def main(argv=None):
                         help=f"comma-separated, of {', '.join(METHODS)} "
                              f"(default: {DEFAULT_METHODS})")
     parser.add_argument("--no-errors", dest="errors", action="store_false",
-                        help="skip the float32 reference (its gradients' errors)")
+                        help="skip the float32 reference and the gradients' errors "
+                             "(default: measured)")
     parser.add_argument("--json", help="write the rows and the environment here")
     args = parser.parse_args(argv)
     check_device(parser, args.device)
@@ -190,6 +191,9 @@ def main(argv=None):
         betas = [float(b) for b in args.betas.split(",")]
     except ValueError as e:
         parser.error(f"--student-dims / --betas: {e}")
+    for name in ("N", "V", "Dt", "reps"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
     if not all(0.0 <= b <= 1.0 for b in betas):
         parser.error(f"--betas must lie in [0, 1], got {args.betas}")
     env = environment()
