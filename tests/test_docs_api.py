@@ -23,7 +23,8 @@ def _sig(name, fn):
 def test_docs_api_schema_matches_the_registered_op():
     for op in (torch.ops.fce.linear_ce, torch.ops.fce.linear_ce_stats,
                torch.ops.fce.linear_logprobs, torch.ops.fce.linear_policy_loss,
-               torch.ops.fce.linear_distillation_loss):
+               torch.ops.fce.linear_distillation_loss,
+               torch.ops.fce.linear_soft_cross_entropy):
         assert str(op.default._schema) in API
 
 
@@ -33,6 +34,7 @@ def test_docs_api_python_signatures_match():
         "torch_fce.linear_logprobs": torch_fce.linear_logprobs,
         "torch_fce.linear_policy_loss": torch_fce.linear_policy_loss,
         "torch_fce.linear_distillation_loss": torch_fce.linear_distillation_loss,
+        "torch_fce.linear_soft_cross_entropy": torch_fce.linear_soft_cross_entropy,
         "torch_fce.set_workspace": torch_fce.set_workspace,
         "torch_fce.workspace": torch_fce.workspace,
         "torch_fce.integrations.trl.per_token_logps_and_entropies":
@@ -51,6 +53,10 @@ def test_docs_api_python_signatures_match():
         "torch_fce.integrations.trl.fused_lm_head": fce_trl.fused_lm_head,
         "torch_fce.integrations.trl.ChunkedLogProbFunction.apply":
             fce_trl.ChunkedLogProbFunction.apply,
+        "torch_fce.integrations.trl.ChunkedDivergenceFunction.apply":
+            fce_trl.ChunkedDivergenceFunction.apply,
+        "torch_fce.integrations.trl.chunked_divergence_loss":
+            fce_trl.chunked_divergence_loss,
         "torch_fce.integrations.verl.linear_cross_entropy": fce_verl.linear_cross_entropy,
         "torch_fce.integrations.verl.apply": fce_verl.apply,
         "torch_fce.integrations.verl.revert": fce_verl.revert,

@@ -8,6 +8,7 @@ from .ops.linear_ce import CEOptions
 from .ops.linear_distillation import DistillOptions
 from .ops.linear_logprobs import LogProbOptions
 from .ops.linear_policy_loss import PolicyOptions
+from .ops.linear_soft_ce import SoftCEOptions
 from .ops.tokens import advantages_tensor, temperature_tensor
 from .results import DistillationStats, LogProbs, LossStats, PolicyStats
 
@@ -245,6 +246,57 @@ def linear_distillation_loss(hidden, weight, teacher_hidden, teacher_weight, tar
         hidden, weight, teacher_hidden, teacher_weight, target, bias, teacher_bias,
         token_weights, temperature, **opts._asdict())
     return out[0], DistillationStats(*out[1:])
+
+
+def linear_soft_cross_entropy(hidden, weight, target_indices, target_probs, bias=None, *,
+                              temperature=1.0, ignore_index=-100, token_weights=None,
+                              shift=False, accumulator="fp32", logits_dtype=torch.float32):
+    """Cross entropy of the student's next-token distribution to sparse teacher targets
+    (a stored top-k), without the logits: three GEMMs (docs/distillation.md).
+
+    loss = sum over the tokens counted of token_weights * (-sum_k p_k log softmax(z /
+    T)[idx_k]), z = F.linear(hidden, weight, bias). An index equal to ignore_index is
+    skipped; a token whose indices are all skipped is not counted.
+
+    Args:
+        hidden: (*, D) bfloat16 or float32 (float64 for gradcheck). weight: (V, D).
+        target_indices: (*, k) int64/int32 classes; target_probs: (*, k) their
+            probabilities (any float dtype; not differentiated; they need not sum to 1).
+        bias: optional (V,).
+        temperature: a float > 0 or a tensor of the tokens' shape.
+        token_weights: None (1 / the number of tokens counted) or the tokens' shape.
+        shift: pair hidden[..., t, :] with the targets of position t + 1.
+        logits_dtype: torch.float32 (default: the GEMM's float32 sums) or None (the
+            logits rounded to the inputs' dtype).
+
+    Returns:
+        The float32 scalar loss (float64 for float64 inputs), differentiable w.r.t.
+        hidden, weight and bias.
+    """
+    opts = SoftCEOptions(ignore_index, accumulator, logits_dtype)
+    if not torch.compiler.is_compiling():  # as linear_cross_entropy
+        opts.check()
+    for name, t in (("hidden", hidden), ("weight", weight),
+                    ("target_indices", target_indices), ("target_probs", target_probs)):
+        if not isinstance(t, torch.Tensor):  # named here, before the schema's cast error
+            raise TypeError(f"{name} must be a Tensor, got {type(t).__name__}")
+    if not isinstance(shift, bool):
+        raise TypeError(f"shift must be a bool, got {type(shift).__name__}")
+    if shift:
+        if target_indices.dim() < 2 or target_probs.dim() != target_indices.dim():
+            raise ValueError(f"shift=True needs target_indices and target_probs of shape "
+                             f"(*, T, k) with a sequence dimension, got "
+                             f"{tuple(target_indices.shape)} and {tuple(target_probs.shape)}")
+        pad = target_indices.new_full((*target_indices.shape[:-2], 1,
+                                       target_indices.shape[-1]), ignore_index)
+        target_indices = torch.cat([target_indices[..., 1:, :], pad], dim=-2)
+        target_probs = torch.cat([target_probs[..., 1:, :],
+                                  torch.zeros_like(target_probs[..., :1, :])], dim=-2)
+    tokens = target_indices[..., 0] if target_indices.dim() > 0 else target_indices
+    temperature = temperature_tensor(temperature, tokens)
+    return torch.ops.fce.linear_soft_cross_entropy(
+        hidden, weight, target_indices, target_probs, bias, token_weights, temperature,
+        **opts._asdict())
 
 
 def _is_dtensor(t):

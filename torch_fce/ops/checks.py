@@ -21,15 +21,16 @@ ACCUMULATORS = ("fp32", "kahan", "input")
 
 
 def check_common(opts):
-    """The options every op's record has: ignore_index, softcap, accumulator,
-    logits_dtype."""
+    """The options every op's record has: ignore_index, accumulator, logits_dtype, and
+    softcap where it has one."""
     check_choice("accumulator", opts.accumulator, ACCUMULATORS)
     if opts.logits_dtype not in (None, torch.float32):
         raise ValueError(f"logits_dtype must be None (hidden's dtype) or torch.float32, "
                          f"got {opts.logits_dtype!r}")
     check_int("ignore_index", opts.ignore_index)
-    if opts.softcap is not None and not 0.0 < as_float("softcap", opts.softcap) < float("inf"):
-        raise ValueError(f"softcap must be None or a finite float > 0{got(opts.softcap)}")
+    cap = getattr(opts, "softcap", None)
+    if cap is not None and not 0.0 < as_float("softcap", cap) < float("inf"):
+        raise ValueError(f"softcap must be None or a finite float > 0{got(cap)}")
 
 
 def check_temperature(temperature, target):

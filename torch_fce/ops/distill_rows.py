@@ -1,6 +1,7 @@
-"""The distillation's row math: one chunk's divergence, student entropy, hard loss and
-the student's logits gradient, from the student's and the teacher's logits (PyTorch, on
-every device).
+"""The distillation's row math (PyTorch, on every device): one chunk's divergence,
+student entropy, hard loss and the student's logits gradient from the student's and the
+teacher's logits (divergence_rows), and the cross entropy to sparse teacher targets
+(soft_ce_rows, below).
 
 With a_s = softcap(logit_scale * z_s), u_s = a_s / T (the teacher's alike), q =
 softmax(u_s), p = softmax(u_t) and TRL's generalized JSD convention:
@@ -20,14 +21,23 @@ from typing import Callable, NamedTuple
 import torch
 
 
-class DistillRows(NamedTuple):
-    """The distillation's row function on one backend: rows(z_s, z_t, target, valid,
-    inv_t, weights, opts, math_dtype, dz_dtype, want_grad) -> (loss_t, divergence,
-    entropy, dz) (divergence_rows' contract), and how many float32 (n, V) temporaries
-    it allocates beyond both heads' logits and dz (for the workspace's bytes per
-    logit)."""
+class RowMath(NamedTuple):
+    """A row function on one backend and how many float32 (n, V) temporaries it
+    allocates beyond the chunk's logits and dz (the workspace's bytes per logit count
+    them)."""
     rows: Callable
     temporaries: int
+
+
+class DistillRows(NamedTuple):
+    """The distillation family on one backend:
+      divergence(z_s, z_t, target, valid, inv_t, weights, opts, math_dtype, dz_dtype,
+                 want_grad) -> (loss_t, divergence, entropy, dz): divergence_rows'
+      soft_ce(z, idx, probs, inv_t, weights, opts, math_dtype, dz_dtype, want_grad)
+                 -> (loss_t, dz): soft_ce_rows'
+    each a RowMath."""
+    divergence: RowMath
+    soft_ce: RowMath
 
 
 def _capped(z, scale, cap, mdt):
@@ -99,4 +109,36 @@ def divergence_rows(z_s, z_t, target, valid, inv_t, weights, opts, mdt, dz_dtype
     return (loss_t, torch.where(valid, div, zero), torch.where(valid, entropy, zero), dz)
 
 
-TORCH_DISTILL_ROWS = DistillRows(divergence_rows, temporaries=6)
+def soft_ce_rows(z, idx, probs, inv_t, weights, opts, mdt, dz_dtype, want_grad):
+    """(loss_t, dz) of a chunk's cross entropy to sparse targets: z (n, V) the logits,
+    idx and probs (n, k) the targets' classes and probabilities (an index equal to
+    opts.ignore_index is skipped, a token with every index skipped not counted), inv_t,
+    weights (n,) 1 / T and w_t. With u = z / T, log q = log_softmax(u) and P = sum_k
+    p_k: loss_t = -w_t sum_k p_k log q[idx_k], d loss_t / d z = w_t (P q -
+    scatter(p)) / T. An index outside [0, V) makes its token's loss NaN (nothing is
+    read out of bounds). Overwrites z where it can."""
+    skip = idx == opts.ignore_index
+    valid = ~skip.all(-1)
+    bad = ~skip & ((idx < 0) | (idx >= z.shape[1]))
+    safe = torch.where(skip | bad, 0, idx).long()
+    p = torch.where(skip, 0.0, torch.where(bad, float("nan"), probs.to(mdt)))
+    u = z.to(mdt).mul_(inv_t[:, None])
+    m = u.amax(-1, keepdim=True).clamp_min(torch.finfo(mdt).min)  # finite if all -inf
+    u_k = u.gather(1, safe)
+    e = u.sub_(m).exp_()  # u is consumed from here on
+    total = e.sum(-1, keepdim=True)
+    # log q relative to the max: a confident row keeps float32 precision (not lse's)
+    log_q = (u_k - m) - total.log()
+    w = torch.where(valid, weights, 0.0)
+    loss_t = -w * torch.where(skip, 0.0, p * log_q).sum(-1)
+    if not want_grad:
+        return loss_t, None
+    c = (w * inv_t)[:, None]
+    dz = e.mul_(p.sum(-1, keepdim=True) * c / total)
+    dz.scatter_add_(1, safe, -p * c)
+    # tokens not counted: exactly 0, also where their logits are not finite
+    return loss_t, dz.masked_fill_(~valid[:, None], 0.0).to(dz_dtype)
+
+
+TORCH_DISTILL_ROWS = DistillRows(RowMath(divergence_rows, temporaries=6),
+                                 RowMath(soft_ce_rows, temporaries=2))

@@ -220,14 +220,14 @@ def fwd(hidden, weight, teacher_hidden, teacher_weight, target, bias, teacher_bi
 
         def row_fn(logits, s, e):
             valid, inv_t, weights = per_token()
-            loss_t, div, ent, dz = backend.distill.rows(
+            loss_t, div, ent, dz = backend.distill.divergence.rows(
                 logits, teacher(teacher_hidden[s:e]), None if target is None else target[s:e],
                 valid[s:e], inv_t[s:e], weights[s:e], opts, mdt, hidden.dtype, want)
             return (loss_t, div, ent), dz
 
         # both heads' logits, the row math's temporaries and dz when it has a buffer
         per_logit = ldt.itemsize + teacher.dtype.itemsize + \
-            backend.distill.temporaries * mdt.itemsize + \
+            backend.distill.divergence.temporaries * mdt.itemsize + \
             (hidden.dtype.itemsize if ldt != hidden.dtype else 0)
         rows = chunk_rows(N, max(1, V), D, hidden.dtype, hidden.device, per_logit,
                           scale=_WORKSPACE_SCALE)

@@ -1,4 +1,5 @@
-"""Triton row kernel for the distillation: the twin of distill_rows.divergence_rows.
+"""Triton row kernels for the distillation family: the twins of
+distill_rows.divergence_rows and soft_ce_rows.
 
 One program per token row, sweeping both heads' logits rows (float32 by default, as
 the GEMMs summed them): sweep 1 forms both logsumexps at temperature (and the
@@ -7,6 +8,11 @@ each class's log q and log p exactly, summing the divergence, the entropy and (b
 0) G = sum q g; the gradient is written in sweep 2 for beta = 0 (q - p needs no row
 sum) and in a third sweep otherwise (q (g - G) needs G). So a chunk's two logits are
 read two or three times and the gradient written once, in the inputs' dtype.
+
+The sparse-target cross entropy's kernel sweeps a row twice, forming its logsumexp at T
+and writing P q / T w_t, q = softmax(z / T); the k target classes' exact values (P q -
+sum of their p) / T w_t are then written over theirs from the gathered logits, each
+rounded once.
 """
 
 import math
@@ -15,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..distill_rows import DistillRows
+from ..distill_rows import DistillRows, RowMath
 from .rows import _NEG_BIG, _block_v, _tanh, dz_buffer
 
 _WARPS = 8  # the launch's warps (benchmarks/probes/distill_profile.py measures others)
@@ -193,6 +199,63 @@ def _distill_rows_kernel(
     tl.store(ent_ptr + row, tl.where(valid, -tl.sum(ent, axis=0), 0.0))
 
 
+@triton.jit
+def _soft_ce_rows_kernel(z_ptr, dz_ptr, inv_t_ptr, a_ptr, m_ptr, ls_ptr, V, stride_z,
+                         stride_d, HAS_GRAD: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Logits rows (n, V) -> m, log s (n,) of u = z / T (lse = m + log s) and, with
+    HAS_GRAD, dz = a softmax(u) (a = P w_t / T: exactly 0 where a is)."""
+    row = tl.program_id(0).to(tl.int64)
+    z_row = z_ptr + row * stride_z
+    cols = tl.arange(0, BLOCK_V)
+    inv_t = tl.load(inv_t_ptr + row)
+    m, s = _start(BLOCK_V)
+    for v0 in range(0, V, BLOCK_V):
+        offs = v0 + cols
+        m, s = _online(m, s, _load_a(z_row + offs, offs < V, inv_t, 1.0, False))
+    ls = tl.log(s)
+    tl.store(m_ptr + row, m)
+    tl.store(ls_ptr + row, ls)
+    if HAS_GRAD:
+        a = tl.load(a_ptr + row)
+        for v0 in range(0, V, BLOCK_V):
+            offs = v0 + cols
+            mask = offs < V
+            u = _load_a(z_row + offs, mask, inv_t, 1.0, False)
+            d = tl.where(a != 0.0, tl.exp((u - m) - ls) * a, 0.0)
+            tl.store(dz_ptr + row * stride_d + offs, d.to(dz_ptr.dtype.element_ty), mask=mask)
+
+
+def triton_soft_ce_rows(z, idx, probs, inv_t, weights, opts, mdt, dz_dtype, want_grad):
+    """distill_rows.soft_ce_rows on the Triton kernel, the target classes' values
+    formed from their gathered logits."""
+    n, V = z.shape
+    assert mdt == torch.float32 and z.stride(1) == 1
+    skip = idx == opts.ignore_index
+    valid = ~skip.all(-1)
+    bad = ~skip & ((idx < 0) | (idx >= V))
+    safe = torch.where(skip | bad, 0, idx).long()
+    p = torch.where(skip, 0.0, torch.where(bad, float("nan"), probs.float()))
+    inv_t = inv_t.float().contiguous()
+    z_k = z.gather(1, safe).float() * inv_t[:, None]  # before dz may be written over z
+    w = torch.where(valid, weights.float(), 0.0)
+    c = w * inv_t
+    a = p.sum(-1) * c
+    m, ls = (z.new_empty(n, dtype=torch.float32) for _ in range(2))
+    dz = dz_buffer(z, dz_dtype) if want_grad else z
+    _soft_ce_rows_kernel[(n,)](z, dz, inv_t, a, m, ls, V, z.stride(0), dz.stride(0),
+                               HAS_GRAD=want_grad, BLOCK_V=_block_v(V), num_warps=_WARPS)
+    log_q = (z_k - m[:, None]) - ls[:, None]  # relative to the max, as the kernel's
+    loss_t = -w * torch.where(skip, 0.0, p * log_q).sum(-1)
+    if not want_grad:
+        return loss_t, None
+    # each target class's p summed over the entries naming it (duplicates; a skipped
+    # entry names column 0, whose value is then written exactly too)
+    same = (safe[:, :, None] == safe[:, None, :]) & ~skip[:, None, :]
+    p_sum = torch.where(same, p[:, None, :], 0.0).sum(-1)
+    exact = torch.where(valid[:, None], a[:, None] * log_q.exp() - c[:, None] * p_sum, 0.0)
+    return loss_t, dz.scatter_(1, safe, exact.to(dz.dtype))
+
+
 def triton_divergence_rows(z_s, z_t, target, valid, inv_t, weights, opts, mdt, dz_dtype,
                            want_grad):
     """distill_rows.divergence_rows on the Triton kernel (valid is read from target)."""
@@ -216,4 +279,5 @@ def triton_divergence_rows(z_s, z_t, target, valid, inv_t, weights, opts, mdt, d
     return loss_t, div, ent, dz if want_grad else None
 
 
-TRITON_DISTILL_ROWS = DistillRows(triton_divergence_rows, temporaries=0)
+TRITON_DISTILL_ROWS = DistillRows(RowMath(triton_divergence_rows, temporaries=0),
+                                  RowMath(triton_soft_ce_rows, temporaries=0))

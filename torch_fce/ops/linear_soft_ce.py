@@ -1,0 +1,165 @@
+"""The sparse-target cross entropy's room: fce::linear_soft_cross_entropy, whole.
+
+Its options (SoftCEOptions), the schemas, the public op's entry, the fake kernel, the
+autograd formula and the implementation on the chunk loop.
+
+loss = sum over the tokens counted of w_t * (-sum_k p_k log softmax(z / T)[idx_k]): the
+cross entropy of the student's next-token distribution at temperature T to a teacher's
+stored top-k (idx, p), (N, k) per token (offline distillation); an index equal to
+ignore_index is skipped, a token whose indices are all skipped is not counted; w_t the
+token weights, or 1 / the tokens counted (distill_rows.soft_ce_rows has the formulas).
+The loss is a scalar, so the forward forms the gradients for a unit upstream gradient
+in three GEMMs (the logits, dz @ W, dz.T @ h); the backward scales them.
+"""
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from . import checks, grads
+from .chunked import (after_first_gemm, grad_outputs, inverse_temperature, logits_dtype_for,
+                      math_dtype_for, no_autocast, run_chunks)
+from .dispatch import LIB, kernel
+from .entry import autocast_operands, flat, needs_grad, refuse_transforms, rows
+from .options import schema_args, take, value
+from .tokens import token_weights
+from .workspace import chunk_rows
+
+
+class SoftCEOptions(NamedTuple):
+    """linear_soft_cross_entropy's options (docs/distillation.md), in the schemas' order."""
+    ignore_index: int = -100
+    accumulator: str = "fp32"
+    logits_dtype: Optional[torch.dtype] = None  # torch.float32: the GEMM's float32 sums
+
+    def check(self):
+        """Raises naming the option; returns the record."""
+        checks.check_common(self)
+        return self
+
+
+# ---- schemas and the public op -----------------------------------------------------
+
+_TENSORS = ("bias", "token_weights", "temperature")
+LIB.define(
+    "linear_soft_cross_entropy(Tensor hidden, Tensor weight, Tensor target_indices, "
+    "Tensor target_probs, " + ", ".join(f"Tensor? {n}=None" for n in _TENSORS) +
+    f", *, {schema_args(SoftCEOptions, True)}) -> Tensor")
+# hidden (N, D), target_indices and target_probs (N, k), the per-token tensors (N,).
+LIB.define(
+    "linear_soft_cross_entropy_fwd(Tensor hidden, Tensor weight, Tensor target_indices, "
+    "Tensor target_probs, " + ", ".join(f"Tensor? {n}" for n in _TENSORS) +
+    f", {schema_args(SoftCEOptions)}, bool[3] needs_grad) -> (Tensor loss, "
+    "Tensor grad_hidden, Tensor grad_weight, Tensor grad_bias)")
+
+
+def check_inputs(hidden, weight, idx, probs, bias, token_weights_, temperature):
+    """The tensors' checks, in eager mode and in the fake kernel (under torch.compile)."""
+    for name, t in (("target_indices", idx), ("target_probs", probs)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a Tensor, got {type(t).__name__}")
+    if idx.dtype not in checks.TARGET_DTYPES:
+        raise TypeError(f"target_indices must be int64 or int32 class indices, got "
+                        f"{idx.dtype}")
+    if probs.dtype not in checks.FLOAT_DTYPES:
+        raise TypeError(f"target_probs must be a floating-point tensor, got {probs.dtype}")
+    if idx.dim() < 1 or idx.dim() != hidden.dim():
+        raise ValueError(f"target_indices must have shape (*, k) with * hidden's leading "
+                         f"shape {tuple(hidden.shape[:-1])}, got {tuple(idx.shape)}")
+    tokens = idx[..., 0]  # a view of the tokens' shape for the shared checks
+    checks.check_inputs(hidden, weight, tokens, bias, None)
+    if probs.dim() != idx.dim():
+        raise ValueError(f"target_probs must have target_indices' shape "
+                         f"{tuple(idx.shape)}, got {tuple(probs.shape)}")
+    for a, b in zip(probs.shape, idx.shape):
+        value(a == b, f"target_probs must have target_indices' shape {tuple(idx.shape)}, "
+                      f"got {tuple(probs.shape)}")
+    if probs.device != idx.device:
+        raise ValueError(f"target_probs is on {probs.device} but target_indices is on "
+                         f"{idx.device}")
+    if probs.requires_grad and torch.is_grad_enabled():
+        raise ValueError("target_probs must not require grad: it is not differentiated; "
+                         "pass target_probs.detach()")
+    checks.check_per_token("token_weights", token_weights_, tokens)
+    checks.check_temperature(temperature, tokens)
+
+
+def forward(hidden, weight, idx, probs, tensors, opts):
+    """The loss for checked options; tensors: bias, token_weights, temperature."""
+    bias, token_weights_, temperature = tensors
+    refuse_transforms((hidden, weight, bias))
+    hidden, weight, bias = autocast_operands(hidden, weight, bias)  # dtypes checked after
+    check_inputs(hidden, weight, idx, probs, bias, token_weights_, temperature)
+    k = idx.shape[-1]
+    loss, _, _, _ = torch.ops.fce.linear_soft_cross_entropy_fwd(
+        rows(hidden), weight, idx.reshape(-1, k), probs.detach().reshape(-1, k), bias,
+        flat(token_weights_), flat(temperature), *opts, needs_grad(hidden, weight, bias))
+    return loss
+
+
+@torch.library.impl(LIB, "linear_soft_cross_entropy", "CompositeImplicitAutograd")
+def _linear_soft_cross_entropy(hidden, weight, target_indices, target_probs, bias=None,
+                               token_weights=None, temperature=None, **options):
+    return forward(hidden, weight, target_indices, target_probs,
+                   (bias, token_weights, temperature), SoftCEOptions(**options).check())
+
+
+@torch.library.register_fake("fce::linear_soft_cross_entropy_fwd")
+def _fwd_fake(hidden, weight, idx, probs, bias, token_weights_, temperature, *args):
+    opts, (needs,) = take(SoftCEOptions, args)
+    opts = opts.check()
+    check_inputs(hidden, weight, idx, probs, bias, token_weights_, temperature)
+    mdt = torch.promote_types(hidden.dtype, torch.float32)
+    return (hidden.new_empty((), dtype=mdt),
+            *grads.fake_grads(hidden, weight, bias, needs, opts.accumulator == "fp32"))
+
+
+# ---- autograd: the forward's gradients scaled by the upstream gradient -------------
+
+# hidden, weight and bias among linear_soft_cross_entropy_fwd's arguments
+grads.register_forward_grads_autograd("linear_soft_cross_entropy_fwd", (0, 1, 4))
+
+
+# ---- the implementation, on the chunk loop -----------------------------------------
+
+@kernel("linear_soft_cross_entropy_fwd")
+def fwd(hidden, weight, idx, probs, bias, token_weights_, temperature, *args, backend):
+    """(loss, grad_hidden, grad_weight, grad_bias): per chunk the logits, then the
+    backend's soft_ce rows (distill_rows.py) over them."""
+    opts, (needs,) = take(SoftCEOptions, args)
+    opts = opts.check()
+    V = weight.shape[0]
+    if backend.check_values:
+        bad = (idx != opts.ignore_index) & ((idx < 0) | (idx >= V))
+        if bad.any():
+            raise IndexError(f"target_indices holds {int(idx[bad][0])}, outside [0, V) = "
+                             f"[0, {V}) and not ignore_index ({opts.ignore_index})")
+        checks.check_temperature_values(temperature)
+    (N, D), mdt = hidden.shape, math_dtype_for(hidden.dtype)
+    loss_t = hidden.new_empty(N, dtype=mdt)
+    row_math = backend.distill.soft_ce
+
+    @after_first_gemm
+    def per_token():  # 1 / T, w_t
+        valid = (idx != opts.ignore_index).any(-1)
+        return (inverse_temperature(temperature, N, hidden.device, mdt),
+                token_weights(token_weights_, valid, mdt))
+
+    with no_autocast(hidden):
+        ldt = logits_dtype_for(hidden, opts)
+
+        def row_fn(logits, s, e):
+            inv_t, weights = per_token()
+            lt, dz = row_math.rows(logits, idx[s:e], probs[s:e], inv_t[s:e], weights[s:e],
+                                   opts, mdt, hidden.dtype, any(needs))
+            return (lt,), dz
+
+        # the logits, the row math's temporaries and dz when it has a buffer
+        per_logit = ldt.itemsize + row_math.temporaries * mdt.itemsize + \
+            (hidden.dtype.itemsize if ldt != hidden.dtype else 0)
+        gradients = run_chunks(hidden, weight, bias, row_fn, [loss_t], needs,
+                               opts.accumulator,
+                               chunk_rows(N, max(1, V), D, hidden.dtype, hidden.device,
+                                          per_logit), logits_dtype=ldt)
+    return (loss_t.sum(), *grad_outputs(hidden, weight, bias, gradients,
+                                        opts.accumulator == "fp32"))
