@@ -242,6 +242,12 @@ def linear_distillation_loss(hidden, weight, teacher_hidden, teacher_weight, tar
         target = _shifted(hidden, weight, target, bias, None, ignore_index, shift)
         tokens = target
     temperature = temperature_tensor(temperature, tokens)
+    if _is_dtensor(weight):  # sharded by vocabulary: the vocab-parallel distillation
+        from .distributed.dtensor import dtensor_linear_distillation_loss
+
+        return dtensor_linear_distillation_loss(
+            hidden, weight, teacher_hidden, teacher_weight,
+            (target, bias, teacher_bias, token_weights, temperature), opts)
     out = torch.ops.fce.linear_distillation_loss(
         hidden, weight, teacher_hidden, teacher_weight, target, bias, teacher_bias,
         token_weights, temperature, **opts._asdict())

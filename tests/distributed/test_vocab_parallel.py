@@ -11,6 +11,7 @@ import torch.multiprocessing as mp
 
 import torch_fce
 from torch_fce.distributed import (vocab_parallel_linear_cross_entropy,
+                                   vocab_parallel_linear_distillation_loss,
                                    vocab_parallel_linear_policy_loss,
                                    vocab_parallel_linear_logprobs)
 from torch_fce.testing import make_inputs, rel_err
@@ -316,6 +317,62 @@ def _check_policy_loss(rank, world):
     assert rel_err(got[2][1].full_tensor(), want[2][1]) <= grad_tol(torch.float32, V)
 
 
+def _check_distillation(rank, world):
+    # linear_distillation_loss over uneven shards of both heads and many chunks (3-row
+    # workspace), per beta with every option, without a target, and through Shard(0)
+    # DTensor heads, against one process: the loss, both statistics, the gradients.
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+
+    x = make_inputs(24, 8, V, ignore_frac=0.2, bias=True, seed=17, weight_scale=2.0)
+    t = make_inputs(24, 12, V, bias=True, seed=18, weight_scale=2.0)
+    g = torch.Generator().manual_seed(5)
+    T = torch.rand(24, generator=g) + 0.5
+    tw = torch.rand(24, generator=g)
+    start, end = SPLITS[world][rank], SPLITS[world][rank + 1]
+    cases = [dict(beta=0.0, hard_weight=0.3, temperature=T, token_weights=tw),
+             dict(beta=0.5, softcap=5.0, teacher_softcap=7.0, logit_scale=0.8,
+                  temperature=0.9, hard_weight=0.2),
+             dict(beta=1.0, teacher_logit_scale=1.3), dict(beta=0.3, target=None)]
+
+    def run(fn, weight, bias, tw_, tb, opts, **extra):
+        opts = dict(opts)
+        target = opts.pop("target", x["target"])
+        h = x["hidden"].clone().requires_grad_()
+        loss, stats = fn(h, weight, t["hidden"], tw_, target, bias, tb, **opts, **extra)
+        return loss, stats, torch.autograd.grad(loss * 0.5, [h, weight, bias])
+
+    for opts in cases:
+        full = [x[k].clone().requires_grad_() for k in ("weight", "bias")]
+        want = run(torch_fce.linear_distillation_loss, full[0], full[1], t["weight"],
+                   t["bias"], opts)
+        mine = [x[k][start:end].clone().requires_grad_() for k in ("weight", "bias")]
+        with torch_fce.workspace(3 * -(-V // world) * 4 * 10):
+            got = run(vocab_parallel_linear_distillation_loss, mine[0], mine[1],
+                      t["weight"][start:end], t["bias"][start:end], opts,
+                      vocab_start=start, vocab_size=V)
+        name = str(sorted(opts))
+        assert rel_err(got[0], want[0]) <= LOSS_TOL, name
+        for a, b in zip(got[1], want[1]):
+            assert rel_err(a, b) <= LOSS_TOL, name
+        tol = grad_tol(torch.float32, V)
+        assert rel_err(got[2][0], want[2][0]) <= tol, name
+        assert rel_err(got[2][1], want[2][1][start:end]) <= tol, name
+        assert rel_err(got[2][2], want[2][2][start:end]) <= tol, name
+
+    mesh = init_device_mesh("cpu", (world,))
+    w, b, w_t, b_t = (distribute_tensor(v, mesh, [Shard(0)]) for v in
+                      (x["weight"], x["bias"], t["weight"], t["bias"]))
+    w.requires_grad_()
+    b.requires_grad_()
+    full = [x[k].clone().requires_grad_() for k in ("weight", "bias")]
+    want = run(torch_fce.linear_distillation_loss, *full, t["weight"], t["bias"], cases[1])
+    got = run(torch_fce.linear_distillation_loss, w, b, w_t, b_t, cases[1])
+    assert rel_err(got[0], want[0]) <= LOSS_TOL
+    assert rel_err(got[2][1].full_tensor(), want[2][1]) <= grad_tol(torch.float32, V)
+    with pytest.raises(ValueError, match="teacher_weight must be a DTensor"):
+        run(torch_fce.linear_distillation_loss, w, b, t["weight"], None, cases[2])
+
+
 def _check_verl(rank, world):
     # verl's call with its tensor-parallel group: equal contiguous shards, the same
     # values and gradients as one process.
@@ -352,6 +409,7 @@ def _worker(rank, world, path):
         _check_logprobs(rank, world)
         _check_logprob_edges(rank, world)
         _check_policy_loss(rank, world)
+        _check_distillation(rank, world)
         _check_verl(rank, world)
         _check_fsdp2(rank, world)
         # Shards that do not tile V: every rank raises the same clear error, none hangs.

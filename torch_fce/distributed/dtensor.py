@@ -1,11 +1,12 @@
 """DTensor entry: a weight sharded by vocabulary (Shard(0)) runs the vocab-parallel loss,
-log-probs and policy loss."""
+log-probs, policy loss and distillation."""
 
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from .vocab_parallel import (vocab_parallel_linear_cross_entropy, vocab_parallel_linear_logprobs,
-                             vocab_parallel_linear_policy_loss)
+from .vocab_parallel import (vocab_parallel_linear_cross_entropy,
+                             vocab_parallel_linear_distillation_loss,
+                             vocab_parallel_linear_logprobs, vocab_parallel_linear_policy_loss)
 
 
 def _local(t):
@@ -64,3 +65,26 @@ def dtensor_linear_policy_loss(hidden, weight, target, advantages, bias, per_tok
             ("old_logprobs", "ref_logprobs", "token_weights", "temperature"), per_token)},
         vocab_start=start, vocab_size=V, group=group, **opts._asdict())
 
+
+
+def dtensor_linear_distillation_loss(hidden, weight, teacher_hidden, teacher_weight, tensors,
+                                     opts):
+    """linear_distillation_loss for vocab-sharded DTensor heads (both sharded alike;
+    tensors: target, bias, teacher_bias, token_weights, temperature): (loss,
+    DistillationStats), plain tensors, the same on every rank."""
+    target, bias, teacher_bias, token_weights, temperature = tensors
+    group, start, V = _vocab_shard(weight, bias)
+    if not isinstance(teacher_weight, DTensor) or \
+            tuple(teacher_weight.placements) != tuple(weight.placements) or \
+            teacher_weight.device_mesh != weight.device_mesh:
+        raise ValueError("teacher_weight must be a DTensor with weight's mesh and "
+                         "placements (both heads sharded alike by vocabulary)")
+    if teacher_bias is not None and (not isinstance(teacher_bias, DTensor) or tuple(
+            teacher_bias.placements) != tuple(weight.placements)):
+        raise ValueError("teacher_bias must be a DTensor with weight's placements")
+    return vocab_parallel_linear_distillation_loss(
+        _local(hidden), weight.to_local(), _local(teacher_hidden), teacher_weight.to_local(),
+        _local(target), None if bias is None else bias.to_local(),
+        None if teacher_bias is None else teacher_bias.to_local(),
+        token_weights=_local(token_weights), temperature=_local(temperature),
+        vocab_start=start, vocab_size=V, group=group, **opts._asdict())

@@ -15,10 +15,10 @@ import torch
 import torch.distributed as dist
 
 from ..ops import checks
-from ..ops import linear_ce, linear_logprobs, linear_policy_loss
+from ..ops import linear_ce, linear_distillation, linear_logprobs, linear_policy_loss
 from ..ops.chunked import Shard, chunk_rows_for
 from ..ops.tokens import advantages_tensor, temperature_tensor
-from ..results import LogProbs, PolicyStats
+from ..results import DistillationStats, LogProbs, PolicyStats
 
 
 def _check_tiling(hidden, weight, target, vocab_start, vocab_size, group):
@@ -117,3 +117,31 @@ def vocab_parallel_linear_policy_loss(hidden, weight, target, advantages, bias=N
         hidden, weight, target, advantages, bias,
         (old_logprobs, ref_logprobs, token_weights, temperature), opts, shard)
     return loss, PolicyStats(*stats)
+
+
+def vocab_parallel_linear_distillation_loss(hidden, weight, teacher_hidden, teacher_weight,
+                                            target=None, bias=None, teacher_bias=None, *,
+                                            vocab_start, vocab_size, group=None,
+                                            temperature=1.0, token_weights=None, **options):
+    """torch_fce.linear_distillation_loss with both heads' rows split alike across
+    `group`.
+
+    Args:
+        hidden, teacher_hidden, target and the per-token tensors: the same on every rank.
+        weight (Vs, D), teacher_weight (Vs, D_t): this rank's rows [vocab_start,
+        vocab_start + Vs) of each head; bias, teacher_bias: their slices, or None.
+        options: as linear_distillation_loss' (beta, hard_weight, scales, softcaps, ...;
+        no shift: shift the target first).
+
+    Returns:
+        (loss, DistillationStats), identical on every rank.
+    """
+    opts = linear_distillation.DistillOptions(**options).check()
+    tokens = target if target is not None else \
+        hidden.new_empty(hidden.shape[:-1], dtype=torch.int64)
+    temperature = temperature_tensor(1.0 if temperature is None else temperature, tokens)
+    shard = _shard(hidden, weight, tokens, vocab_start, vocab_size, group)
+    loss, *stats = linear_distillation.forward(
+        hidden, weight, teacher_hidden, teacher_weight,
+        (target, bias, teacher_bias, token_weights, temperature), opts, shard)
+    return loss, DistillationStats(*stats)

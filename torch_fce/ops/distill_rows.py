@@ -20,6 +20,8 @@ from typing import Callable, NamedTuple
 
 import torch
 
+from .chunked import ONE_DEVICE
+
 
 class RowMath(NamedTuple):
     """A row function on one backend and how many float32 (n, V) temporaries it
@@ -49,48 +51,64 @@ def _capped(z, scale, cap, mdt):
     return a, (1.0 - (a / cap) ** 2) * scale
 
 
+def _log_softmax(a, shard):
+    """log softmax of the rows of a (n, Vs), relative to the row max, across the shard
+    group's classes (the max and the sum of exps all-reduced; one device: as they are)."""
+    m = shard.all_reduce(a.amax(-1, keepdim=True), "max").clamp_min(torch.finfo(a.dtype).min)
+    a = a - m
+    return a.sub_(shard.all_reduce(a.exp().sum(-1, keepdim=True), "sum").log())
+
+
 def divergence_rows(z_s, z_t, target, valid, inv_t, weights, opts, mdt, dz_dtype,
-                    want_grad):
-    """(loss_t, divergence, entropy, dz) of a chunk: z_s, z_t (n, V) the student's and
-    teacher's logits; target (n,) or None; valid (n,) the tokens counted; inv_t, weights
-    (n,) 1 / T and w_t. loss_t = w_t (divergence + hard_weight * CE), 0 where not
-    counted; divergence and entropy 0 there too; dz (n, V) in dz_dtype, d sum(loss_t) /
-    d z_s, or None."""
+                    want_grad, shard=ONE_DEVICE):
+    """(loss_t, divergence, entropy, dz) of a chunk: z_s, z_t (n, Vs) the student's and
+    teacher's logits (of a vocabulary shard's classes: the row sums are all-reduced
+    across its group); target (n,) or None; valid (n,) the tokens counted; inv_t,
+    weights (n,) 1 / T and w_t. loss_t = w_t (divergence + hard_weight * CE), 0 where
+    not counted; divergence and entropy 0 there too; dz (n, Vs) in dz_dtype, d
+    sum(loss_t) / d z_s, or None. A counted target outside the vocabulary makes its
+    token's loss NaN (nothing is read out of bounds)."""
+    def total(x):  # a row sum over the whole vocabulary
+        return shard.all_reduce(x.sum(-1), "sum")
+
     a_s, da_s = _capped(z_s, opts.logit_scale, opts.softcap, mdt)
     a_t, _ = _capped(z_t, opts.teacher_logit_scale, opts.teacher_softcap, mdt)
     del z_t
     inv = inv_t[:, None]
-    log_q = torch.log_softmax(a_s * inv, -1)
-    log_p = torch.log_softmax(a_t.mul_(inv), -1)
+    log_q = _log_softmax(a_s * inv, shard)
+    log_p = _log_softmax(a_t.mul_(inv), shard)
     del a_t
     q = log_q.exp()
-    entropy = -(q * log_q).sum(-1)
+    entropy = -total(q * log_q)
     beta = opts.beta
     if beta == 0.0:
         p = log_p.exp()
-        div = (p * (log_p - log_q)).sum(-1)
+        div = total(p * (log_p - log_q))
         grad = (q - p) if want_grad else None
     elif beta == 1.0:
         diff = log_q - log_p
-        div = (q * diff).sum(-1)
+        div = total(q * diff)
         grad = q * (diff - div[:, None]) if want_grad else None
     else:
         log_m = torch.logaddexp(log_q + math.log(1.0 - beta), log_p + math.log(beta))
         p = log_p.exp()
-        div = beta * (p * (log_p - log_m)).sum(-1) + \
-            (1.0 - beta) * (q * (log_q - log_m)).sum(-1)
+        div = beta * total(p * (log_p - log_m)) + (1.0 - beta) * total(q * (log_q - log_m))
         if want_grad:
             g = (log_q - log_m).mul_(1.0 - beta)
-            grad = q * (g - (q * g).sum(-1, keepdim=True))
+            grad = q * (g - total(q * g)[:, None])
         else:
             grad = None
     zero = torch.zeros_like(div)
     loss_t = div
     ce = None
     if opts.hard_weight != 0.0:
-        lq1 = torch.log_softmax(a_s, -1)
-        safe = torch.where(valid, target, 0).long().unsqueeze(1)
-        ce = -lq1.gather(1, safe).squeeze(1)
+        lq1 = _log_softmax(a_s, shard)
+        V = z_s.shape[1] if shard.group is None else shard.vocab_size
+        col = target - shard.vocab_start  # the target's column in this shard
+        here = valid & (col >= 0) & (col < z_s.shape[1])
+        safe = torch.where(here, col, 0).long().unsqueeze(1)
+        ce = -shard.all_reduce(torch.where(here, lq1.gather(1, safe).squeeze(1), 0.0), "sum")
+        ce = torch.where(valid & ((target < 0) | (target >= V)), float("nan"), ce)
         loss_t = div + opts.hard_weight * ce
     loss_t = torch.where(valid, weights * loss_t, zero)
     if not want_grad:
@@ -100,7 +118,7 @@ def divergence_rows(z_s, z_t, target, valid, inv_t, weights, opts, mdt, dz_dtype
         grad = grad.mul_(inv)  # d / d a_s of the divergence
         if ce is not None:
             hard = lq1.exp_()
-            hard.scatter_add_(1, safe, torch.full_like(safe, -1, dtype=hard.dtype))
+            hard.scatter_add_(1, safe, torch.where(here, -1.0, 0.0).to(hard.dtype)[:, None])
             grad = grad.add_(hard, alpha=opts.hard_weight)
         grad = grad.mul_(w)
         grad = grad.mul_(da_s) if da_s is not None else grad.mul_(opts.logit_scale)

@@ -19,8 +19,10 @@ from typing import NamedTuple, Optional
 import torch
 
 from . import checks, grads
-from .chunked import (LogitsGemm, after_first_gemm, grad_outputs, inverse_temperature,
-                      logits_dtype_for, math_dtype_for, no_autocast, run_chunks)
+from .chunked import (ONE_DEVICE, LogitsGemm, Shard, after_first_gemm, grad_outputs,
+                      inverse_temperature, logits_dtype_for, math_dtype_for, no_autocast,
+                      run_chunks)
+from .distill_rows import TORCH_DISTILL_ROWS
 from .dispatch import LIB, kernel
 from .entry import autocast_operands, flat, int64_if_needed, needs_grad, refuse_transforms, rows
 from .options import as_float, got, schema_args, take, value
@@ -60,7 +62,7 @@ class DistillOptions(NamedTuple):
 
 # ---- schemas and the public op -----------------------------------------------------
 
-_OPTS = schema_args(DistillOptions)
+_OPTS, _SHARD = schema_args(DistillOptions), schema_args(Shard)
 _TENSORS = ("target", "bias", "teacher_bias", "token_weights", "temperature")
 LIB.define(
     "linear_distillation_loss(Tensor hidden, Tensor weight, Tensor teacher_hidden, "
@@ -71,7 +73,7 @@ LIB.define(
 LIB.define(
     "linear_distillation_loss_fwd(Tensor hidden, Tensor weight, Tensor teacher_hidden, "
     "Tensor teacher_weight, " + ", ".join(f"Tensor? {n}" for n in _TENSORS) +
-    f", {_OPTS}, bool[3] needs_grad) -> (Tensor loss, Tensor grad_hidden, "
+    f", {_OPTS}, {_SHARD}, bool[3] needs_grad) -> (Tensor loss, Tensor grad_hidden, "
     "Tensor grad_weight, Tensor grad_bias, Tensor divergence, Tensor entropy)")
 
 
@@ -139,9 +141,10 @@ def check_inputs(hidden, weight, teacher_hidden, teacher_weight, target, bias, t
     checks.check_temperature(temperature, tokens)
 
 
-def forward(hidden, weight, teacher_hidden, teacher_weight, tensors, opts):
+def forward(hidden, weight, teacher_hidden, teacher_weight, tensors, opts, shard=ONE_DEVICE):
     """(loss, divergence, entropy) for checked options; tensors: target, bias,
-    teacher_bias, token_weights, temperature."""
+    teacher_bias, token_weights, temperature; also the vocab-parallel entry (both heads'
+    weights and biases then this rank's rows of the shard)."""
     target, bias, teacher_bias, token_weights_, temperature = tensors
     refuse_transforms((hidden, weight, bias))
     hidden, weight, bias = autocast_operands(hidden, weight, bias)  # dtypes checked after
@@ -155,7 +158,8 @@ def forward(hidden, weight, teacher_hidden, teacher_weight, tensors, opts):
                None if teacher_bias is None else teacher_bias.detach())
     loss, _, _, _, div, ent = torch.ops.fce.linear_distillation_loss_fwd(
         rows(hidden), weight, *teacher[:2], flat(target), bias, teacher[2],
-        flat(token_weights_), flat(temperature), *opts, needs_grad(hidden, weight, bias))
+        flat(token_weights_), flat(temperature), *opts, *shard,
+        needs_grad(hidden, weight, bias))
     return loss, div.reshape(shape), ent.reshape(shape)
 
 
@@ -171,14 +175,16 @@ def _linear_distillation_loss(hidden, weight, teacher_hidden, teacher_weight, ta
 @torch.library.register_fake("fce::linear_distillation_loss_fwd")
 def _fwd_fake(hidden, weight, teacher_hidden, teacher_weight, target, bias, teacher_bias,
               token_weights_, temperature, *args):
-    opts, (needs,) = take(DistillOptions, args)
+    opts, rest = take(DistillOptions, args)
     opts = opts.check()
+    shard, (needs,) = take(Shard, rest)
     check_inputs(hidden, weight, teacher_hidden, teacher_weight, target, bias, teacher_bias,
                  token_weights_, temperature, opts)
     mdt = torch.promote_types(hidden.dtype, torch.float32)
     N = hidden.shape[0]
     return (hidden.new_empty((), dtype=mdt),
-            *grads.fake_grads(hidden, weight, bias, needs, opts.accumulator == "fp32"),
+            *grads.fake_grads(hidden, weight, bias, needs, opts.accumulator == "fp32",
+                              shard.group is not None),
             hidden.new_empty(N, dtype=mdt), hidden.new_empty(N, dtype=mdt))
 
 
@@ -194,17 +200,23 @@ grads.register_forward_grads_autograd("linear_distillation_loss_fwd", (0, 1, 5))
 def fwd(hidden, weight, teacher_hidden, teacher_weight, target, bias, teacher_bias,
         token_weights_, temperature, *args, backend):
     """(loss, grad_hidden, grad_weight, grad_bias, divergence, entropy): per chunk the
-    teacher's logits, then the row math on both (distill_rows.py) over the student's."""
-    opts, (needs,) = take(DistillOptions, args)
+    teacher's logits, then the row math on both (distill_rows.py) over the student's.
+    With a Shard, both heads' logits are this rank's classes and the row math's sums
+    are all-reduced (the PyTorch rows on every device: the Triton kernel sweeps whole
+    rows)."""
+    opts, rest = take(DistillOptions, args)
     opts = opts.check()
+    shard, (needs,) = take(Shard, rest)
     V = weight.shape[0]
     if backend.check_values:
         if target is not None:
-            checks.check_target_range(target, V, opts.ignore_index)
+            checks.check_target_range(target, shard.vocab(weight), opts.ignore_index)
         checks.check_temperature_values(temperature)
     (N, D), mdt = hidden.shape, math_dtype_for(hidden.dtype)
     out = [hidden.new_empty(N, dtype=mdt) for _ in range(3)]  # loss_t, divergence, entropy
     want = any(needs)
+    row_math, extra = (backend.distill.divergence, {}) if shard.group is None else \
+        (TORCH_DISTILL_ROWS.divergence, dict(shard=shard))
 
     @after_first_gemm
     def per_token():  # whether counted, 1 / T, w_t
@@ -220,19 +232,23 @@ def fwd(hidden, weight, teacher_hidden, teacher_weight, target, bias, teacher_bi
 
         def row_fn(logits, s, e):
             valid, inv_t, weights = per_token()
-            loss_t, div, ent, dz = backend.distill.divergence.rows(
+            loss_t, div, ent, dz = row_math.rows(
                 logits, teacher(teacher_hidden[s:e]), None if target is None else target[s:e],
-                valid[s:e], inv_t[s:e], weights[s:e], opts, mdt, hidden.dtype, want)
+                valid[s:e], inv_t[s:e], weights[s:e], opts, mdt, hidden.dtype, want,
+                **extra)
             return (loss_t, div, ent), dz
 
         # both heads' logits, the row math's temporaries and dz when it has a buffer
         per_logit = ldt.itemsize + teacher.dtype.itemsize + \
-            backend.distill.divergence.temporaries * mdt.itemsize + \
+            row_math.temporaries * mdt.itemsize + \
             (hidden.dtype.itemsize if ldt != hidden.dtype else 0)
-        rows = chunk_rows(N, max(1, V), D, hidden.dtype, hidden.device, per_logit,
+        # every rank of a shard group cuts the same chunks (V / world size classes)
+        Vc = V if shard.group is None else -(-shard.vocab_size // shard.world_size)
+        rows = chunk_rows(N, max(1, Vc), D, hidden.dtype, hidden.device, per_logit,
                           scale=_WORKSPACE_SCALE)
         gradients = run_chunks(hidden, weight, bias, row_fn, out, needs, opts.accumulator,
-                               rows, logits_dtype=ldt)
+                               rows, shard=shard, logits_dtype=ldt)
     loss_t, div, ent = out
     return (loss_t.sum(), *grad_outputs(hidden, weight, bias, gradients,
-                                        opts.accumulator == "fp32"), div, ent)
+                                        opts.accumulator == "fp32", shard.group is not None),
+            div, ent)
