@@ -8,6 +8,7 @@ import torch
 import torch_fce
 import torch_fce.lowering
 from torch_fce.distributed import (vocab_parallel_linear_cross_entropy,
+                                   vocab_parallel_linear_distillation_loss,
                                    vocab_parallel_linear_policy_loss)
 from torch_fce.integrations import transformers as fce_hf
 from torch_fce.integrations import trl as fce_trl
@@ -64,5 +65,7 @@ def test_docs_api_python_signatures_match():
             vocab_parallel_linear_cross_entropy,
         "torch_fce.distributed.vocab_parallel_linear_policy_loss":
             vocab_parallel_linear_policy_loss,
+        "torch_fce.distributed.vocab_parallel_linear_distillation_loss":
+            vocab_parallel_linear_distillation_loss,
     }.items():
         assert _sig(name, fn) in API, _sig(name, fn)

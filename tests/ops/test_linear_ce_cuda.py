@@ -87,8 +87,8 @@ def test_cuda_graph_capture_forward_backward():
 
 def _every_entry(h, w, t, b):
     """One step through every entry: the loss with stats, per-token losses, the module,
-    the log-probs with entropy at a temperature and the policy loss, each with a
-    gradient."""
+    the log-probs with entropy at a temperature, the policy loss, the distillation and
+    the sparse-target cross entropy, each with a gradient."""
     loss, stats = torch_fce.linear_cross_entropy(h, w, t, b, return_stats=True, z_loss=1e-4,
                                                  label_smoothing=0.1, softcap=30.0)
     per_token = torch_fce.linear_cross_entropy(h, w, t, b, reduction="none")
@@ -99,7 +99,17 @@ def _every_entry(h, w, t, b):
         h, w, t, torch.ones_like(old), b, old_logprobs=old, ref_logprobs=old, beta=0.04,
         entropy_coef=0.01, temperature=0.7, loss_type=loss_type, epsilon_high=1.5)[0]
         for loss_type in ("clip", "cispo", "sapo", "reinforce"))
-    total = loss + per_token.mean() + module + lp.logprob.mean() + lp.entropy.mean() + policy
+    # the distillation (a teacher made from the inputs, without gradient) at each beta,
+    # and the sparse-target cross entropy to a top-4
+    ht, wt = torch.sin(h.detach() * 1.3), torch.cos(w.detach() * 0.7)
+    distill = sum(torch_fce.linear_distillation_loss(
+        h, w, ht, wt, t, b, beta=beta, hard_weight=0.1, temperature=0.9)[0]
+        for beta in (0.0, 0.5, 1.0))
+    idx = (t.clamp(min=0)[:, None] + torch.arange(4, device=t.device)) % w.shape[0]
+    probs = torch.softmax(torch.arange(4.0, device=t.device).expand(t.shape[0], 4), -1)
+    soft = torch_fce.linear_soft_cross_entropy(h, w, idx, probs, b, temperature=0.8)
+    total = loss + per_token.mean() + module + lp.logprob.mean() + lp.entropy.mean() + \
+        policy + distill + soft
     return total, torch.stack([stats.lse.sum(), stats.argmax.sum().float(),
                                stats.entropy.sum()])
 
