@@ -226,9 +226,11 @@ def test_bad_input_is_named():
     out_of_range = idx.clone()
     out_of_range[1, 2, 3] = 37
     cases = [
-        ((h, w, idx, probs[..., :4]), {}, ValueError, "target_probs must have"),
+        ((h, w, idx, probs[..., :4]), {}, ValueError, "target_probs must have "
+                                                       "target_indices' shape"),
+        ((h, w, idx, "p"), {}, TypeError, "target_probs must be a Tensor"),
         ((h, w, idx.float(), probs), {}, TypeError, "target_indices must be int64"),
-        ((h, w, idx, probs.long()), {}, TypeError, "target_probs must be a floating"),
+        ((h, w, idx, probs.long()), {}, TypeError, "target_probs must be a float"),
         ((h, w, idx[0], probs[0]), {}, ValueError, "target_indices must have shape"),
         ((h, w, idx, probs.clone().requires_grad_()), {}, ValueError, "target_probs must "
                                                                        "not require grad"),

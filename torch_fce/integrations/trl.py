@@ -229,19 +229,31 @@ def _zero3(trainer):
     return plugin is not None and plugin.zero_stage == 3
 
 
+def _forward_grads_refusal(trainer, base, methods, op):
+    """Why a trainer whose loss `op` serves (a loss forming its gradients in the
+    forward) cannot be served, as far as every such trainer goes, or None: a subclass
+    overriding one of `methods` of `base`, float16, ZeRO-3."""
+    for method in methods:
+        if getattr(type(trainer), method) is not getattr(base, method):
+            return f"{type(trainer).__name__} overrides {method}"
+    if trainer.args.fp16 or _base_model(trainer.model).dtype == torch.float16:
+        return (f"float16 ({op} forms its gradient in the forward, where a GradScaler's "
+                f"scale could not keep it from underflowing: use bf16)")
+    if _zero3(trainer):
+        return ("DeepSpeed ZeRO-3 (the head's weight is gathered only inside its forward, "
+                "and the loss reads it after)")
+    return None
+
+
 def _unsupported_grpo(trainer):
     """Why torch_fce cannot reproduce this GRPOTrainer's loss exactly, or None."""
     from trl import GRPOTrainer
 
-    for method in ("_compute_loss", "_get_per_token_logps_and_entropies"):
-        if getattr(type(trainer), method) is not getattr(GRPOTrainer, method):
-            return f"{type(trainer).__name__} overrides {method}"
-    if trainer.args.fp16 or _base_model(trainer.model).dtype == torch.float16:
-        return ("float16 (linear_policy_loss forms its gradient in the forward, where a "
-                "GradScaler's scale could not keep it from underflowing: use bf16)")
-    if _zero3(trainer):
-        return ("DeepSpeed ZeRO-3 (the head's weight is gathered only inside its forward, "
-                "and the loss reads it after)")
+    why = _forward_grads_refusal(trainer, GRPOTrainer, ("_compute_loss",
+                                                        "_get_per_token_logps_and_entropies"),
+                                 "linear_policy_loss")
+    if why is not None:
+        return why
     if trainer.loss_type not in _LOSS_TYPES:
         return f"loss_type={trainer.loss_type!r} (served: {', '.join(_LOSS_TYPES)})"
     if trainer.importance_sampling_level != "token":
@@ -289,16 +301,9 @@ def _unsupported_distill(trainer):
     """Why torch_fce cannot reproduce this DistillationTrainer's loss exactly, or None."""
     from trl import DistillationTrainer
 
-    for method in ("compute_loss", "_compute_loss"):
-        if getattr(type(trainer), method) is not getattr(DistillationTrainer, method):
-            return f"{type(trainer).__name__} overrides {method}"
-    if trainer.args.fp16 or _base_model(trainer.model).dtype == torch.float16:
-        return ("float16 (linear_distillation_loss forms its gradient in the forward, where "
-                "a GradScaler's scale could not keep it from underflowing: use bf16)")
-    if _zero3(trainer):
-        return ("DeepSpeed ZeRO-3 (the heads' weights are gathered only inside their "
-                "forwards)")
-    return None
+    return _forward_grads_refusal(trainer, DistillationTrainer,
+                                  ("compute_loss", "_compute_loss"),
+                                  "linear_distillation_loss")
 
 
 def _base_model(model):

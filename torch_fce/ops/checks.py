@@ -39,22 +39,24 @@ def check_temperature(temperature, target):
     check_per_token("temperature", temperature, target)
 
 
-def check_per_token(name, t, target):
+def check_per_token(name, t, target, like="target"):
     """None, or a float tensor of target's shape on its device that does not require
-    grad (a per-token input that is not differentiated)."""
+    grad (a per-token input that is not differentiated); `like` names target in the
+    messages."""
+    whose = f"{like}'" if like.endswith("s") else f"{like}'s"
     if t is None:
         return
     _check_tensor(name, t)
     if t.dtype not in FLOAT_DTYPES:
         raise TypeError(f"{name} must be a float tensor, got {t.dtype}")
     if t.dim() != target.dim():
-        raise ValueError(f"{name} must have target's shape {tuple(target.shape)}, "
+        raise ValueError(f"{name} must have {whose} shape {tuple(target.shape)}, "
                          f"got {tuple(t.shape)}")
     for a, b in zip(t.shape, target.shape):
-        _value(a == b, f"{name} must have target's shape {tuple(target.shape)}, "
+        _value(a == b, f"{name} must have {whose} shape {tuple(target.shape)}, "
                        f"got {tuple(t.shape)}")
     if t.device != target.device:
-        raise ValueError(f"{name} is on {t.device} but target is on {target.device}")
+        raise ValueError(f"{name} is on {t.device} but {like} is on {target.device}")
     if t.requires_grad and torch.is_grad_enabled():
         raise ValueError(f"{name} must not require grad: it is not differentiated; "
                          f"pass {name}.detach()")

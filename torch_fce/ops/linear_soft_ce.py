@@ -21,7 +21,7 @@ from .chunked import (after_first_gemm, grad_outputs, inverse_temperature, logit
                       math_dtype_for, no_autocast, run_chunks)
 from .dispatch import LIB, kernel
 from .entry import autocast_operands, flat, needs_grad, refuse_transforms, rows
-from .options import schema_args, take, value
+from .options import schema_args, take
 from .tokens import token_weights
 from .workspace import chunk_rows
 
@@ -55,31 +55,18 @@ LIB.define(
 
 def check_inputs(hidden, weight, idx, probs, bias, token_weights_, temperature):
     """The tensors' checks, in eager mode and in the fake kernel (under torch.compile)."""
-    for name, t in (("target_indices", idx), ("target_probs", probs)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a Tensor, got {type(t).__name__}")
+    if not isinstance(idx, torch.Tensor):
+        raise TypeError(f"target_indices must be a Tensor, got {type(idx).__name__}")
     if idx.dtype not in checks.TARGET_DTYPES:
         raise TypeError(f"target_indices must be int64 or int32 class indices, got "
                         f"{idx.dtype}")
-    if probs.dtype not in checks.FLOAT_DTYPES:
-        raise TypeError(f"target_probs must be a floating-point tensor, got {probs.dtype}")
     if idx.dim() < 1 or idx.dim() != hidden.dim():
         raise ValueError(f"target_indices must have shape (*, k) with * hidden's leading "
                          f"shape {tuple(hidden.shape[:-1])}, got {tuple(idx.shape)}")
     tokens = idx[..., 0]  # a view of the tokens' shape for the shared checks
     checks.check_inputs(hidden, weight, tokens, bias, None)
-    if probs.dim() != idx.dim():
-        raise ValueError(f"target_probs must have target_indices' shape "
-                         f"{tuple(idx.shape)}, got {tuple(probs.shape)}")
-    for a, b in zip(probs.shape, idx.shape):
-        value(a == b, f"target_probs must have target_indices' shape {tuple(idx.shape)}, "
-                      f"got {tuple(probs.shape)}")
-    if probs.device != idx.device:
-        raise ValueError(f"target_probs is on {probs.device} but target_indices is on "
-                         f"{idx.device}")
-    if probs.requires_grad and torch.is_grad_enabled():
-        raise ValueError("target_probs must not require grad: it is not differentiated; "
-                         "pass target_probs.detach()")
+    # not differentiated (a teacher's), of target_indices' shape
+    checks.check_per_token("target_probs", probs, idx, like="target_indices")
     checks.check_per_token("token_weights", token_weights_, tokens)
     checks.check_temperature(temperature, tokens)
 
