@@ -170,7 +170,8 @@ def test_triton_rows_match_the_float64_reference(problem, rows, logits_dtype):
                                          else T.double(), token_weights=tw, **opts)
     want_grads = _grads(want, leaves)
     def err(a, b, floor):  # relative, but absolute below floor (a divergence of 0)
-        return float((a.double() - b.double()).norm() / max(float(b.norm()), floor))
+        a, b = a.detach().double(), b.detach().double()
+        return float((a - b).norm() / max(float(b.norm()), floor))
 
     assert abs(loss.item() - want.item()) <= 1e-5 * max(1.0, abs(want.item()))
     assert err(div, want_div, 1.0) <= 1e-5 and err(ent, want_ent, 1.0) <= 1e-5
