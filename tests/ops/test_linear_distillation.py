@@ -169,6 +169,7 @@ def test_triton_rows_match_the_float64_reference(problem, rows, logits_dtype):
                                          wide["bt"], target, temperature=1.0 if T is None
                                          else T.double(), token_weights=tw, **opts)
     want_grads = _grads(want, leaves)
+
     def err(a, b, floor):  # relative, but absolute below floor (a divergence of 0)
         a, b = a.detach().double(), b.detach().double()
         return float((a - b).norm() / max(float(b.norm()), floor))
