@@ -111,13 +111,14 @@ def test_triton_rows_match_the_float64_reference(problem, rows, logits_dtype):
     want = reference(leaves[0], leaves[1], leaves[2], idx, probs,
                      temperature=1.0 if T is None else T.double(), token_weights=tw)
     assert abs(loss.item() - want.item()) <= 1e-5 * max(1.0, abs(want.item()))
-    # relative, but against the size of the terms that cancel where the gradient does
-    # (V = 1: P q - p is 0 for terms of |w| or |h| each, float32 noise remains)
-    floor = 1e-3 * float(x["h"].norm() * x["w"].norm())
+    # V = 1: the gradient is 0, P q - p cancelling terms of the size of |h| |w|, whose
+    # float32 rounding remains (1e-6 absolute measured on the H200): compared absolutely
+    scale = float((x["h"].norm() + 1) * (x["w"].norm() + 1)) if x["w"].shape[0] == 1 \
+        else None
     for got, ref in zip((gh, gw, gb), _grads(want, leaves)):
         if ref is not None:
-            err = float((got.double() - ref.detach()).norm()) / max(float(ref.norm()), floor)
-            assert err <= 1e-5, err
+            err = float((got.double() - ref.detach()).norm())
+            assert err <= 1e-5 * (scale or float(ref.norm())), (err, scale)
 
 
 def test_gradcheck_float64():
