@@ -130,15 +130,14 @@ def vocab_parallel_linear_distillation_loss(hidden, weight, teacher_hidden, teac
         hidden, teacher_hidden, target and the per-token tensors: the same on every rank.
         weight (Vs, D), teacher_weight (Vs, D_t): this rank's rows [vocab_start,
         vocab_start + Vs) of each head; bias, teacher_bias: their slices, or None.
-        options: as linear_distillation_loss' (beta, hard_weight, scales, softcaps, ...;
-        no shift: shift the target first).
+        options: as linear_distillation_loss' keywords but shift (shift the target
+        first).
 
     Returns:
         (loss, DistillationStats), identical on every rank.
     """
     opts = linear_distillation.DistillOptions(**options).check()
-    tokens = target if target is not None else \
-        hidden.new_empty(hidden.shape[:-1], dtype=torch.int64)
+    tokens = linear_distillation.tokens_of(hidden, target)
     temperature = temperature_tensor(1.0 if temperature is None else temperature, tokens)
     shard = _shard(hidden, weight, tokens, vocab_start, vocab_size, group)
     loss, *stats = linear_distillation.forward(

@@ -27,6 +27,7 @@ import torch
 
 from ..functional import (linear_cross_entropy, linear_distillation_loss, linear_logprobs,
                           linear_policy_loss, shift_targets)
+from ..ops.chunked import math_dtype_for
 from ..ops.entry import autocast_operands
 from ..ops.linear_logprobs import LogProbOptions
 from . import transformers as fce_hf
@@ -653,7 +654,7 @@ def chunked_divergence_loss(student_hidden_states, teacher_hidden_states,
     den = n_valid.clamp(min=1) if num_items_in_batch is None else num_items_in_batch
     if isinstance(den, torch.Tensor):
         den = den.to(hs.device)
-    weights = valid.to(torch.float64 if hs.dtype == torch.float64 else torch.float32) / den
+    weights = valid.to(math_dtype_for(hs.dtype)) / den
     loss, stats = linear_distillation_loss(
         hs, ws, ht, wt, None, bs, bt, beta=beta, temperature=temperature,
         token_weights=weights, logit_scale=student_logit_scale,
@@ -704,8 +705,7 @@ class _Divergence(torch.autograd.Function):
             return (None,) * 7
         leaves = [None if t is None else t.detach().requires_grad_(need)
                   for t, need in zip((h, w, b), wanted)]
-        weights = grad_divergence.to(torch.float64 if h.dtype == torch.float64
-                                     else torch.float32)
+        weights = grad_divergence.to(math_dtype_for(h.dtype))
         with torch.enable_grad():
             loss, _ = linear_distillation_loss(leaves[0], leaves[1], ht, wt, None, leaves[2],
                                                bt, token_weights=weights, **ctx.opts)

@@ -132,11 +132,12 @@ def check_inputs(hidden, weight, target, bias, class_weight, vocab=None):
             raise ValueError(f"{name} is on {t.device} but hidden is on {hidden.device}")
 
 
-def check_target_range(target, V, ignore_index):
-    """Raises IndexError for a target outside [0, V) that is not ignore_index (syncs)."""
+def check_target_range(target, V, ignore_index, name="target"):
+    """Raises IndexError for a target (class indices called `name`) outside [0, V) that
+    is not ignore_index (syncs)."""
     bad = (target != ignore_index) & ((target < 0) | (target >= V))
     if bad.any():
         raise IndexError(
-            f"target holds {int(target[bad][0])}, outside [0, V) = [0, {V}) and not "
+            f"{name} holds {int(target[bad][0])}, outside [0, V) = [0, {V}) and not "
             f"ignore_index ({ignore_index})"
         )

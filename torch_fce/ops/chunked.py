@@ -86,7 +86,8 @@ def logits_dtype_for(hidden, opts):
     return torch.promote_types(hidden.dtype, opts.logits_dtype)
 
 
-def chunk_rows_for(hidden, weight, shard=ONE_DEVICE, logits_dtype=None, log_prob_tiles=None):
+def chunk_rows_for(hidden, weight, shard=ONE_DEVICE, logits_dtype=None, log_prob_tiles=None,
+                   per_logit=None, scale=1.0):
     """Token rows per chunk (logits_dtype: the loop's, when wider than hidden's: the
     chunk then holds those logits and a dz of hidden's dtype beside them). Every rank
     of a shard group must cut the same chunks (each chunk's statistics are
@@ -94,16 +95,18 @@ def chunk_rows_for(hidden, weight, shard=ONE_DEVICE, logits_dtype=None, log_prob
     rows: with uneven shards a larger shard's chunk exceeds the workspace by its share
     over V / world size. log_prob_tiles: None for the cross-entropy; for the log-prob
     family whether it cuts vocabulary tiles (its default is then bounded by the float32
-    sums it keeps, see workspace)."""
+    sums it keeps, see workspace). per_logit: the chunk's bytes per logit where the row
+    function holds more than the logits and dz (the distillation family's, RowMath's);
+    scale: the op's CUDA default workspace as a multiple of the loop's."""
     V = weight.shape[0] if shard.group is None else -(-shard.vocab_size // shard.world_size)
     N, D = hidden.shape
-    per_logit = None
-    if logits_dtype is not None and logits_dtype != hidden.dtype:
+    if per_logit is None and logits_dtype is not None and logits_dtype != hidden.dtype:
         per_logit = logits_dtype.itemsize + hidden.dtype.itemsize
     held = None
     if log_prob_tiles is not None:  # float32 sums beyond the gradient of their shape
         held = (N if log_prob_tiles else V) * D * (4 - min(4, hidden.dtype.itemsize))
-    return _workspace_rows(N, max(1, V), D, hidden.dtype, hidden.device, per_logit, held)
+    return _workspace_rows(N, max(1, V), D, hidden.dtype, hidden.device, per_logit, held,
+                           scale)
 
 
 def run_chunks(hidden, weight, bias, row_fn, outputs, needs_grad, accumulator, chunk_rows,

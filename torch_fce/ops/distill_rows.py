@@ -20,7 +20,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from .chunked import ONE_DEVICE
+from .chunked import ONE_DEVICE, math_dtype_for
 
 
 class RowMath(NamedTuple):
@@ -29,6 +29,12 @@ class RowMath(NamedTuple):
     them)."""
     rows: Callable
     temporaries: int
+
+    def per_logit(self, logits_dtype, dtype):
+        """A chunk's bytes per logit: the logits, the temporaries and dz (in the inputs'
+        dtype) where it has a buffer of its own (logits wider than the inputs)."""
+        return logits_dtype.itemsize + self.temporaries * math_dtype_for(dtype).itemsize + \
+            (dtype.itemsize if logits_dtype != dtype else 0)
 
 
 class DistillRows(NamedTuple):
@@ -127,6 +133,17 @@ def divergence_rows(z_s, z_t, target, valid, inv_t, weights, opts, mdt, dz_dtype
     return (loss_t, torch.where(valid, div, zero), torch.where(valid, entropy, zero), dz)
 
 
+def sparse_targets(idx, probs, V, ignore_index, mdt):
+    """(skip, valid, safe, p) of a chunk's sparse targets, both row backends': the
+    entries skipped, the tokens counted, the indices made safe to read (skipped and
+    out-of-range ones at 0) and the probabilities in mdt (0 where skipped, NaN where the
+    index is outside [0, V): that token's loss is NaN)."""
+    skip = idx == ignore_index
+    bad = ~skip & ((idx < 0) | (idx >= V))
+    p = torch.where(skip, 0.0, torch.where(bad, float("nan"), probs.to(mdt)))
+    return skip, ~skip.all(-1), torch.where(skip | bad, 0, idx).long(), p
+
+
 def soft_ce_rows(z, idx, probs, inv_t, weights, opts, mdt, dz_dtype, want_grad):
     """(loss_t, dz) of a chunk's cross entropy to sparse targets: z (n, V) the logits,
     idx and probs (n, k) the targets' classes and probabilities (an index equal to
@@ -135,11 +152,7 @@ def soft_ce_rows(z, idx, probs, inv_t, weights, opts, mdt, dz_dtype, want_grad):
     p_k: loss_t = -w_t sum_k p_k log q[idx_k], d loss_t / d z = w_t (P q -
     scatter(p)) / T. An index outside [0, V) makes its token's loss NaN (nothing is
     read out of bounds). Overwrites z where it can."""
-    skip = idx == opts.ignore_index
-    valid = ~skip.all(-1)
-    bad = ~skip & ((idx < 0) | (idx >= z.shape[1]))
-    safe = torch.where(skip | bad, 0, idx).long()
-    p = torch.where(skip, 0.0, torch.where(bad, float("nan"), probs.to(mdt)))
+    skip, valid, safe, p = sparse_targets(idx, probs, z.shape[1], opts.ignore_index, mdt)
     u = z.to(mdt).mul_(inv_t[:, None])
     m = u.amax(-1, keepdim=True).clamp_min(torch.finfo(mdt).min)  # finite if all -inf
     u_k = u.gather(1, safe)

@@ -19,15 +19,15 @@ from typing import NamedTuple, Optional
 import torch
 
 from . import checks, grads
-from .chunked import (ONE_DEVICE, LogitsGemm, Shard, after_first_gemm, grad_outputs,
-                      inverse_temperature, logits_dtype_for, math_dtype_for, no_autocast,
-                      run_chunks)
+from .chunked import (ONE_DEVICE, LogitsGemm, Shard, after_first_gemm, chunk_rows_for,
+                      grad_outputs, inverse_temperature, logits_dtype_for, math_dtype_for,
+                      no_autocast, run_chunks)
 from .distill_rows import TORCH_DISTILL_ROWS
 from .dispatch import LIB, kernel
 from .entry import autocast_operands, flat, int64_if_needed, needs_grad, refuse_transforms, rows
 from .options import as_float, got, schema_args, take, value
 from .tokens import token_weights
-from .workspace import chunk_rows
+
 # the CUDA default workspace as a multiple of the loop's (workspace.py says why)
 _WORKSPACE_SCALE = 1.5
 
@@ -77,7 +77,7 @@ LIB.define(
     "Tensor grad_weight, Tensor grad_bias, Tensor divergence, Tensor entropy)")
 
 
-def _tokens(hidden, target):
+def tokens_of(hidden, target):
     """A tensor of the tokens' shape on hidden's device: target, or a stand-in for the
     per-token checks when there is none."""
     if target is not None:
@@ -90,7 +90,7 @@ def check_inputs(hidden, weight, teacher_hidden, teacher_weight, target, bias, t
     """The tensors' checks, in eager mode and in the fake kernel (under torch.compile)."""
     if target is None and opts.hard_weight != 0.0:
         raise ValueError("hard_weight > 0 needs a target (the hard loss's labels)")
-    tokens = _tokens(hidden, target)
+    tokens = tokens_of(hidden, target)
     checks.check_inputs(hidden, weight, tokens, bias, None)
     if hidden.dtype == torch.float16:
         raise TypeError("hidden must be bfloat16, float32 or float64 for "
@@ -207,12 +207,11 @@ def fwd(hidden, weight, teacher_hidden, teacher_weight, target, bias, teacher_bi
     opts, rest = take(DistillOptions, args)
     opts = opts.check()
     shard, (needs,) = take(Shard, rest)
-    V = weight.shape[0]
     if backend.check_values:
         if target is not None:
             checks.check_target_range(target, shard.vocab(weight), opts.ignore_index)
         checks.check_temperature_values(temperature)
-    (N, D), mdt = hidden.shape, math_dtype_for(hidden.dtype)
+    N, mdt = hidden.shape[0], math_dtype_for(hidden.dtype)
     out = [hidden.new_empty(N, dtype=mdt) for _ in range(3)]  # loss_t, divergence, entropy
     want = any(needs)
     row_math, extra = (backend.distill.divergence, {}) if shard.group is None else \
@@ -238,16 +237,12 @@ def fwd(hidden, weight, teacher_hidden, teacher_weight, target, bias, teacher_bi
                 **extra)
             return (loss_t, div, ent), dz
 
-        # both heads' logits, the row math's temporaries and dz when it has a buffer
-        per_logit = ldt.itemsize + teacher.dtype.itemsize + \
-            row_math.temporaries * mdt.itemsize + \
-            (hidden.dtype.itemsize if ldt != hidden.dtype else 0)
-        # every rank of a shard group cuts the same chunks (V / world size classes)
-        Vc = V if shard.group is None else -(-shard.vocab_size // shard.world_size)
-        rows = chunk_rows(N, max(1, Vc), D, hidden.dtype, hidden.device, per_logit,
-                          scale=_WORKSPACE_SCALE)
+        # the teacher's logits beside the student's chunk
+        per_logit = teacher.dtype.itemsize + row_math.per_logit(ldt, hidden.dtype)
+        chunk = chunk_rows_for(hidden, weight, shard, per_logit=per_logit,
+                               scale=_WORKSPACE_SCALE)
         gradients = run_chunks(hidden, weight, bias, row_fn, out, needs, opts.accumulator,
-                               rows, shard=shard, logits_dtype=ldt)
+                               chunk, shard=shard, logits_dtype=ldt)
     loss_t, div, ent = out
     return (loss_t.sum(), *grad_outputs(hidden, weight, bias, gradients,
                                         opts.accumulator == "fp32", shard.group is not None),

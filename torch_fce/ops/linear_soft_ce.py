@@ -17,13 +17,12 @@ from typing import NamedTuple, Optional
 import torch
 
 from . import checks, grads
-from .chunked import (after_first_gemm, grad_outputs, inverse_temperature, logits_dtype_for,
-                      math_dtype_for, no_autocast, run_chunks)
+from .chunked import (after_first_gemm, chunk_rows_for, grad_outputs, inverse_temperature,
+                      logits_dtype_for, math_dtype_for, no_autocast, run_chunks)
 from .dispatch import LIB, kernel
 from .entry import autocast_operands, flat, needs_grad, refuse_transforms, rows
 from .options import schema_args, take
 from .tokens import token_weights
-from .workspace import chunk_rows
 
 
 class SoftCEOptions(NamedTuple):
@@ -117,12 +116,9 @@ def fwd(hidden, weight, idx, probs, bias, token_weights_, temperature, *args, ba
     opts = opts.check()
     V = weight.shape[0]
     if backend.check_values:
-        bad = (idx != opts.ignore_index) & ((idx < 0) | (idx >= V))
-        if bad.any():
-            raise IndexError(f"target_indices holds {int(idx[bad][0])}, outside [0, V) = "
-                             f"[0, {V}) and not ignore_index ({opts.ignore_index})")
+        checks.check_target_range(idx, V, opts.ignore_index, "target_indices")
         checks.check_temperature_values(temperature)
-    (N, D), mdt = hidden.shape, math_dtype_for(hidden.dtype)
+    N, mdt = hidden.shape[0], math_dtype_for(hidden.dtype)
     loss_t = hidden.new_empty(N, dtype=mdt)
     row_math = backend.distill.soft_ce
 
@@ -141,12 +137,9 @@ def fwd(hidden, weight, idx, probs, bias, token_weights_, temperature, *args, ba
                                    opts, mdt, hidden.dtype, any(needs))
             return (lt,), dz
 
-        # the logits, the row math's temporaries and dz when it has a buffer
-        per_logit = ldt.itemsize + row_math.temporaries * mdt.itemsize + \
-            (hidden.dtype.itemsize if ldt != hidden.dtype else 0)
+        chunk = chunk_rows_for(hidden, weight,
+                               per_logit=row_math.per_logit(ldt, hidden.dtype))
         gradients = run_chunks(hidden, weight, bias, row_fn, [loss_t], needs,
-                               opts.accumulator,
-                               chunk_rows(N, max(1, V), D, hidden.dtype, hidden.device,
-                                          per_logit), logits_dtype=ldt)
+                               opts.accumulator, chunk, logits_dtype=ldt)
     return (loss_t.sum(), *grad_outputs(hidden, weight, bias, gradients,
                                         opts.accumulator == "fp32"))

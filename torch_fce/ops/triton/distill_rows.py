@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..distill_rows import DistillRows, RowMath
+from ..distill_rows import DistillRows, RowMath, sparse_targets
 from .rows import _NEG_BIG, _block_v, _tanh, dz_buffer
 
 _WARPS = 8  # the launch's warps (benchmarks/probes/distill_profile.py measures others)
@@ -230,11 +230,7 @@ def triton_soft_ce_rows(z, idx, probs, inv_t, weights, opts, mdt, dz_dtype, want
     formed from their gathered logits."""
     n, V = z.shape
     assert mdt == torch.float32 and z.stride(1) == 1
-    skip = idx == opts.ignore_index
-    valid = ~skip.all(-1)
-    bad = ~skip & ((idx < 0) | (idx >= V))
-    safe = torch.where(skip | bad, 0, idx).long()
-    p = torch.where(skip, 0.0, torch.where(bad, float("nan"), probs.float()))
+    skip, valid, safe, p = sparse_targets(idx, probs, V, opts.ignore_index, torch.float32)
     inv_t = inv_t.float().contiguous()
     z_k = z.gather(1, safe).float() * inv_t[:, None]  # before dz may be written over z
     w = torch.where(valid, weights.float(), 0.0)
