@@ -4,8 +4,7 @@ model and batch, loss nll), and where the GPU waits for the host.
 Per path: the step's median time; when the host returns from compute_loss and from
 backward against when the GPU gets there (CUDA events); one profiled step's kernel time
 by kind, GPU busy time and its idle gaps (with the kernels around the longest); the
-same with TRL's metrics left out of torch_fce's step (no host sync in it); and the step
-at a few workspaces with balanced or the default's chunks.
+step at a few workspaces; and both paths on a batch whose every token has a label.
 
     PYTHONPATH=. python benchmarks/probes/sft_profile.py    # needs one CUDA GPU
 """
@@ -114,20 +113,27 @@ def main():
         fce_trl.apply(trainer)
         _profile(step, "torch_fce")
         _timeline(trainer, batch, num_items, "torch_fce")
-        log = fce_trl._log_sft_metrics
-        fce_trl._log_sft_metrics = lambda *a: None
-        try:
-            _profile(step, "torch_fce without metrics")
-            _timeline(trainer, batch, num_items, "torch_fce without metrics")
-        finally:
-            fce_trl._log_sft_metrics = log
-        for mib in (640, 704, 768, 832, 896):
+        for mib in (640, 704, 768, 896):
             with torch_fce.workspace(mib << 20):
                 ms = median_time(step, "cuda", reps=10) * 1e3
                 peak = peak_extra_bytes(step, "cuda") / 2**20
             print(f"torch_fce workspace {mib} MiB: {ms:.2f} ms, peak {peak:.1f} MiB")
+        # every position labelled but each sequence's last: no token for the head to skip
+        full = dict(batch, labels=batch["input_ids"].clone())
+        n_full = (full["labels"][:, 1:] != -100).sum()
+
+        def step_full():
+            loss = trainer.compute_loss(model, full, num_items_in_batch=n_full)
+            loss.backward()
+            model.zero_grad(set_to_none=True)
+
+        ms = median_time(step_full, "cuda", reps=10) * 1e3
+        peak = peak_extra_bytes(step_full, "cuda") / 2**20
+        print(f"torch_fce, every token labelled: {ms:.2f} ms, peak {peak:.1f} MiB")
         fce_trl.revert(trainer)
-        print(f"trl again: {median_time(step, 'cuda', reps=10) * 1e3:.2f} ms")
+        print(f"trl again: {median_time(step, 'cuda', reps=10) * 1e3:.2f} ms; every token "
+              f"labelled: {median_time(step_full, 'cuda', reps=10) * 1e3:.2f} ms, peak "
+              f"{peak_extra_bytes(step_full, 'cuda') / 2**20:.1f} MiB")
 
 
 if __name__ == "__main__":

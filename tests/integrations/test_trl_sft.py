@@ -171,6 +171,52 @@ def test_sft_trainer_loss_gradients_and_metrics_equal_trls(model_dirs, tmp_path,
     assert 0.0 < want_metrics["mean_token_accuracy"] < 1.0  # the metric can fail
 
 
+def test_sft_trainer_head_sees_only_labelled_tokens(model_dirs, tmp_path, monkeypatch):
+    # prompts, padding and each sequence's last position cost the head nothing
+    trainer = _trainer(model_dirs["llama"], tmp_path)
+    fce_trl.apply(trainer)
+    trainer.model.to(DEVICE)
+    inputs = _batch(trainer.model)
+    rows, op = [], fce_trl.linear_cross_entropy
+    monkeypatch.setattr(fce_trl, "linear_cross_entropy", lambda h, w, y, *a, **k:
+                        rows.append((h.shape[0], y)) or op(h, w, y, *a, **k))
+    trainer.compute_loss(trainer.model, inputs)
+    labels = inputs["labels"][:, 1:]
+    (n, y), = rows
+    assert n == int((labels != -100).sum()) < labels.numel()
+    assert torch.equal(y, labels[labels != -100])  # in the batch's order
+
+
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_sft_trainer_batch_without_labelled_tokens_equals_trls(model_dirs, tmp_path, mode,
+                                                                monkeypatch):
+    def run(fused):
+        trainer = _trainer(model_dirs["llama"], tmp_path)
+        trainer.model.train(mode == "train")
+        if fused:
+            fce_trl.apply(trainer)
+        else:
+            monkeypatch.setattr(trl_utils, "_ChunkedLogProbFunction", _ExactHead)
+        trainer.model.to(DEVICE)
+        inputs = _batch(trainer.model)
+        inputs["labels"] = torch.full_like(inputs["labels"], -100)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            loss = trainer.compute_loss(trainer.model, inputs)
+        loss.backward()
+        monkeypatch.undo()
+        return (loss.detach(), {n: p.grad for n, p in trainer.model.named_parameters()},
+                {k: v[-1] for k, v in trainer._metrics[mode].items()})
+
+    (want, want_grads, want_metrics), (got, got_grads, got_metrics) = run(False), run(True)
+    assert float(got) == float(want) == 0.0
+    for name, g in want_grads.items():
+        assert (g is None) == (got_grads[name] is None), name
+        if g is not None:
+            assert torch.equal(got_grads[name], g), name
+    assert got_metrics == want_metrics
+
+
 def test_sft_trainer_trains_a_step_through_torch_fce_and_reverts(model_dirs, tmp_path):
     trainer = _trainer(model_dirs["llama"], tmp_path, gradient_accumulation_steps=2,
                        per_device_train_batch_size=2)

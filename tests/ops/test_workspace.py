@@ -39,16 +39,28 @@ def test_cuda_default_rows(h200, N, V, D, dtype, rows):
 @pytest.mark.parametrize("V,rows", [(64, (1 << 22) // 64), (16384, 256), (32000, 256),
                                     (262144, 256)])
 def test_other_device_default_rows(V, rows):
-    # 2^22 logits, or 256 rows where that is more (any N: no half-the-logits cap here)
-    assert workspace.chunk_rows(10, V, 8, torch.float32, "cpu") == rows
+    # 2^22 logits, or 256 rows where that is more (no half-the-logits cap here)
+    assert workspace.chunk_rows(3 * rows, V, 8, torch.float32, "cpu") == rows
+
+
+@pytest.mark.parametrize("N,V,D,device,rows", [
+    # bench sft's head: the default's 3456 rows need 5 chunks: 5 of 3328 (whole tiles)
+    (16384, 151936, 1536, "cuda", 3328),
+    (15360, 151936, 1536, "cuda", 3072),
+    (1000, 16384, 8, "cpu", 250),  # 256 rows need 4 chunks: 4 of 250
+    (7, 16384, 8, "cpu", 7),  # one chunk of every token
+])
+def test_chunks_are_balanced(h200, N, V, D, device, rows):
+    # as many chunks as the workspace needs, of equal rows: no thin last chunk
+    assert workspace.chunk_rows(N, V, D, torch.bfloat16, device) == rows
 
 
 def test_set_workspace_replaces_the_default_and_is_restored(h200):
     with torch_fce.workspace(256 << 20):
         assert workspace.chunk_rows(16384, 128256, 4096, torch.bfloat16, "cuda") == 1024
-        assert workspace.chunk_rows(10, 64, 8, torch.float32, "cpu") == (256 << 20) // 256
+        assert workspace.chunk_rows(1 << 20, 64, 8, torch.float32, "cpu") == 1 << 20
     assert workspace.chunk_rows(16384, 128256, 4096, torch.bfloat16, "cuda") == 8192
-    assert workspace.chunk_rows(10, 64, 8, torch.float32, "cpu") == (1 << 22) // 64
+    assert workspace.chunk_rows(1 << 20, 64, 8, torch.float32, "cpu") == (1 << 22) // 64
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True, "1GB"])
@@ -75,16 +87,19 @@ def test_log_prob_family_default_within_a_float32_weight_sum_and_a_tile(h200, D,
     # The op's peak, its chunk plus the float32 sums it keeps beyond its gradients (token
     # chunks: the weight-gradient sum's excess over the bf16 gradient; tiles: the hidden
     # gradient's), within a float32 weight-gradient sum plus 256 MiB, as a
-    # vocabulary-tiled head holds; the rows the largest whole GEMM tiles that fit.
+    # vocabulary-tiled head holds; as few chunks as the largest whole GEMM tiles that fit.
     N = 16384
     held = (N if tiles else V) * D * 2
     rows = workspace.chunk_rows(N, V, D, torch.bfloat16, "cuda", held=held)
     bound = 4 * V * D + (256 << 20)
-    assert rows % 128 == 0 and rows * V * 2 + held <= bound < (rows + 128) * V * 2 + held \
-        or rows == workspace.chunk_rows(N, V, D, torch.bfloat16, "cuda")
-    assert rows <= workspace.chunk_rows(N, V, D, torch.bfloat16, "cuda")
+    fit = (bound - held) // (V * 2) // 128 * 128
+    default = workspace.chunk_rows(N, V, D, torch.bfloat16, "cuda")
+    assert rows % 128 == 0 and rows * V * 2 + held <= bound and -(-N // rows) == -(-N // fit) \
+        or rows == default
+    assert rows <= default
     if not tiles:  # the cross-entropy's default would exceed the bound on every shape here
-        assert rows < workspace.chunk_rows(N, V, D, torch.bfloat16, "cuda")
-    with torch_fce.workspace(256 << 20):  # a set workspace is taken as it is
-        assert workspace.chunk_rows(N, V, D, torch.bfloat16, "cuda", held=held) == \
-            (256 << 20) // (V * 2) // 128 * 128
+        assert rows < default
+    with torch_fce.workspace(256 << 20):  # a set workspace is taken as it is, balanced
+        fit = (256 << 20) // (V * 2) // 128 * 128
+        rows = workspace.chunk_rows(N, V, D, torch.bfloat16, "cuda", held=held)
+        assert rows <= fit and -(-N // rows) == -(-N // fit)

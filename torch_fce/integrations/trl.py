@@ -537,20 +537,27 @@ def _sft_loss(trainer, model, inputs, return_outputs, num_items_in_batch, accumu
     kwargs["use_cache"] = False
     if trainer.aux_loss_enabled:
         kwargs["output_router_logits"] = True
+    # Only the tokens with a label reach the head (prompts and padding cost no GEMM):
+    # their count is read on the host while the GPU runs the model's forward.
+    target = shift_targets(inputs["labels"], -100).flatten()
+    n, count = _count_on_host(target != -100)
     hidden, weight, bias, softcap, out = _head_inputs(model, **kwargs)
-    labels = inputs["labels"].to(hidden.device)
+    target, n = target.to(hidden.device), n.to(hidden.device)
+    kept = torch.argsort((target != -100).to(torch.uint8), descending=True,
+                         stable=True)[:count()]
+    hidden, target = hidden.flatten(0, -2).index_select(0, kept), target[kept]
     dft = args.loss_type == "dft"
     # TRL smooths the nll loss only (its dft ignores label_smoothing_factor)
     eps = args.label_smoothing_factor if trainer.label_smoother is not None and not dft \
         else 0.0
     loss, stats = linear_cross_entropy(
-        hidden, weight, labels, bias, softcap=softcap, shift=True, reduction="sum",
-        label_smoothing=eps, dft=dft, return_stats=True, accumulator=accumulator)
-    mask = shift_targets(labels, -100) != -100
+        hidden, weight, target, bias, softcap=softcap, reduction="sum", label_smoothing=eps,
+        dft=dft, return_stats=True, accumulator=accumulator)
+    del hidden  # the op keeps no operand for its backward
     if eps > 0.0:  # transformers' LabelSmoother: its denominator is not clamped
-        den = mask.sum() if num_items_in_batch is None else num_items_in_batch
+        den = n if num_items_in_batch is None else num_items_in_batch
     else:  # TRL's: clamped, so a batch without trainable tokens gives 0
-        den = torch.as_tensor(mask.sum() if num_items_in_batch is None
+        den = torch.as_tensor(n if num_items_in_batch is None
                               else num_items_in_batch).clamp(min=1)
     loss = loss / (den.to(loss.device) if isinstance(den, torch.Tensor) else den)
     if args.average_tokens_across_devices and num_items_in_batch is not None:
@@ -559,16 +566,34 @@ def _sft_loss(trainer, model, inputs, return_outputs, num_items_in_batch, accumu
         steps = trainer.current_gradient_accumulation_steps \
             if num_items_in_batch is not None else 1
         loss = loss + trainer.router_aux_loss_coef * out.aux_loss.to(loss.device) / steps
-    _log_sft_metrics(trainer, mode, inputs, mask, stats, shift_targets(labels, -100), out)
+    _log_sft_metrics(trainer, mode, inputs, n, stats, target, out)
     return loss
 
 
-def _log_sft_metrics(trainer, mode, inputs, mask, stats, target, out):
-    """The metrics SFTTrainer.compute_loss logs, from the loss's token statistics."""
+def _count_on_host(mask):
+    """(mask.sum(), count): count() gives the sum as a host int, its copy queued now (on
+    CUDA into pinned memory, so later work is queued before the host waits for it)."""
+    total = mask.sum()
+    if total.device.type != "cuda":
+        return total, lambda: int(total)
+    host = torch.empty((), dtype=total.dtype, pin_memory=True)
+    host.copy_(total, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+
+    def count():
+        done.synchronize()
+        return int(host)
+    return total, count
+
+
+def _log_sft_metrics(trainer, mode, inputs, n, stats, target, out):
+    """The metrics SFTTrainer.compute_loss logs, from the loss's token statistics (n
+    tokens, those with a label)."""
     acc, metrics = trainer.accelerator, trainer._metrics[mode]
-    num_valid = acc.gather_for_metrics(mask.sum()).sum()
-    entropy_sum = acc.gather_for_metrics(torch.where(mask, stats.entropy, 0.0).sum()).sum()
-    num_correct = acc.gather_for_metrics(((stats.argmax == target) & mask).sum()).sum()
+    num_valid = acc.gather_for_metrics(n).sum()
+    entropy_sum = acc.gather_for_metrics(stats.entropy.sum()).sum()
+    num_correct = acc.gather_for_metrics((stats.argmax == target).sum()).sum()
     metrics["entropy"].append((entropy_sum / num_valid).item() if num_valid > 0 else 0.0)
     metrics["mean_token_accuracy"].append(
         (num_correct / num_valid).item() if num_valid > 0 else 0.0)

@@ -99,8 +99,9 @@ def chunk_rows(N, V, D, dtype, device, per_logit=None, held=None, scale=1.0):
     dtype's; float32 logits of bfloat16 inputs hold 4 + 2 with their gradient); at
     least one row. held: the log-prob family's float32 sums beside the chunk, in bytes
     (None: not that family). scale: the op's CUDA default as a multiple of the loop's,
-    within the same cap. CUDA chunks are a multiple of 128 rows (GEMM tiles) unless that
-    is below one tile."""
+    within the same cap. Chunks are balanced (as many as the workspace needs, of equal
+    rows); CUDA chunks are a multiple of 128 rows (GEMM tiles) unless that is below one
+    tile."""
     device = torch.device(device)
     itemsize = torch.empty((), dtype=dtype).element_size()
     per_logit = per_logit or itemsize
@@ -116,4 +117,9 @@ def chunk_rows(N, V, D, dtype, device, per_logit=None, held=None, scale=1.0):
         rows = max(_OTHER_DEVICE_ELEMS * itemsize // (V * per_logit), _OTHER_DEVICE_ROWS)
     if cuda and rows >= 128:
         rows = rows // 128 * 128
-    return max(1, rows)
+    rows = max(1, rows)
+    if N:  # balanced: as many chunks as the workspace needs, of equal rows (a thin last
+        # one re-reads the float32 sum as a full one does, for few tokens)
+        even = -(-N // -(-N // rows))
+        rows = -(-even // 128) * 128 if cuda and rows >= 128 else even
+    return rows
