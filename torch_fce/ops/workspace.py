@@ -3,7 +3,8 @@
 Memory and time trade here. One chunk of n rows holds n x V logits (their gradient is
 written over them); every chunk after the first re-reads and re-writes the float32
 weight-gradient sum (8VD bytes) and launches its GEMMs again, so fewer, larger chunks
-are faster (docs/benchmarks.md has the measured curve).
+are faster (docs/benchmarks.md has the measured curve). The tokens are cut into as
+many chunks as the workspace needs, of equal rows.
 
 Default: on CUDA, twice the head's size in the input dtype (the float32 gradient sum is
 that size already), at least 1 GiB or 4096 rows, whichever is smaller (4096-row GEMMs
