@@ -103,3 +103,20 @@ def test_log_prob_family_default_within_a_float32_weight_sum_and_a_tile(h200, D,
         fit = (256 << 20) // (V * 2) // 128 * 128
         rows = workspace.chunk_rows(N, V, D, torch.bfloat16, "cuda", held=held)
         assert rows <= fit and -(-N // rows) == -(-N // fit)
+
+
+def test_head_bound_bounds_the_cross_entropy_as_the_log_prob_family(monkeypatch):
+    # the cross entropy's chunks under head_bound(): the family's rule for token chunks
+    from torch_fce.ops import linear_ce
+
+    asked = []
+    rows_for = linear_ce.chunk_rows_for
+    monkeypatch.setattr(linear_ce, "chunk_rows_for",
+                        lambda *a, **k: asked.append(k.get("log_prob_tiles")) or rows_for(*a, **k))
+    h, w, y = torch.randn(6, 4), torch.randn(10, 4), torch.randint(0, 10, (6,))
+    want = torch_fce.linear_cross_entropy(h, w, y)
+    with workspace.head_bound():
+        assert workspace.head_bounded()
+        got = torch_fce.linear_cross_entropy(h, w, y)
+    assert not workspace.head_bounded() and asked == [None, False]
+    assert torch.equal(got, want)

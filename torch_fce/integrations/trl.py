@@ -30,6 +30,7 @@ from ..functional import (linear_cross_entropy, linear_distillation_loss, linear
 from ..ops.chunked import math_dtype_for
 from ..ops.entry import autocast_operands
 from ..ops.linear_logprobs import LogProbOptions
+from ..ops.workspace import head_bound
 from . import transformers as fce_hf
 from .transformers import capture_of, head_operands, is_attached
 
@@ -550,9 +551,10 @@ def _sft_loss(trainer, model, inputs, return_outputs, num_items_in_batch, accumu
     # TRL smooths the nll loss only (its dft ignores label_smoothing_factor)
     eps = args.label_smoothing_factor if trainer.label_smoother is not None and not dft \
         else 0.0
-    loss, stats = linear_cross_entropy(
-        hidden, weight, target, bias, softcap=softcap, reduction="sum", label_smoothing=eps,
-        dft=dft, return_stats=True, accumulator=accumulator)
+    with head_bound():  # the peak of the head it replaces, TRL's, at most
+        loss, stats = linear_cross_entropy(
+            hidden, weight, target, bias, softcap=softcap, reduction="sum",
+            label_smoothing=eps, dft=dft, return_stats=True, accumulator=accumulator)
     del hidden  # the op keeps no operand for its backward
     if eps > 0.0:  # transformers' LabelSmoother: its denominator is not clamped
         den = n if num_items_in_batch is None else num_items_in_batch

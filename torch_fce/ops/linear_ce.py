@@ -23,6 +23,7 @@ from .entry import autocast_operands, flat, int64_if_needed, needs_grad, refuse_
 from .options import as_float, check_bool, check_choice, got, schema_args, take
 from .rows import CETerms, dft_weight, grad_coefficients
 from .tokens import counted_target_weights, grad_scales, reduce_loss
+from .workspace import head_bounded
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -270,9 +271,11 @@ def _chunks(hidden, weight, target, bias, class_weight, opts, shard, needs, scal
         row_fn = _shard_row_fn(hidden, weight, target, class_weight, opts, shard, scales,
                                backend)
     ldt = logits_dtype_for(hidden, opts)
+    # under workspace.head_bound(), the log-prob family's default (token chunks)
+    rows = chunk_rows_for(hidden, weight, shard, ldt, log_prob_tiles=False if head_bounded()
+                          else None)
     gradients = run_chunks(hidden, weight, bias, row_fn, terms, needs, opts.accumulator,
-                           chunk_rows_for(hidden, weight, shard, ldt), shard=shard,
-                           logits_dtype=ldt)
+                           rows, shard=shard, logits_dtype=ldt)
     return CETerms(*terms) if stats else CETerms(*terms, None, None), gradients
 
 
