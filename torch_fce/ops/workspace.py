@@ -74,6 +74,7 @@ def head_bound():
 
 
 def head_bounded():
+    """Whether the caller runs inside head_bound()."""
     return _head_bound
 
 
