@@ -29,7 +29,7 @@ def _kind(name):
     low = name.lower()
     if any(k in low for k in ("gemm", "sm90", "cutlass", "nvjet")):
         return "gemm"
-    if "ce_" in low or "stats" in low or "logprob" in low or "rows" in low:
+    if "rows_kernel" in low or low.startswith("_shard_"):  # torch_fce's Triton row kernels
         return "torch_fce rows"
     return name[:50]
 
