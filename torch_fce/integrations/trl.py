@@ -541,11 +541,11 @@ def _sft_loss(trainer, model, inputs, return_outputs, num_items_in_batch, accumu
     # Only the tokens with a label reach the head (prompts and padding cost no GEMM):
     # their count is read on the host while the GPU runs the model's forward.
     target = shift_targets(inputs["labels"], -100).flatten()
-    n, count = _count_on_host(target != -100)
+    labelled = target != -100
+    n, count = _count_on_host(labelled)
     hidden, weight, bias, softcap, out = _head_inputs(model, **kwargs)
-    target, n = target.to(hidden.device), n.to(hidden.device)
-    kept = torch.argsort((target != -100).to(torch.uint8), descending=True,
-                         stable=True)[:count()]
+    target, labelled, n = (t.to(hidden.device) for t in (target, labelled, n))
+    kept = torch.argsort(labelled.to(torch.uint8), descending=True, stable=True)[:count()]
     hidden, target = hidden.flatten(0, -2).index_select(0, kept), target[kept]
     dft = args.loss_type == "dft"
     # TRL smooths the nll loss only (its dft ignores label_smoothing_factor)
