@@ -94,15 +94,20 @@ def test_log_prob_family_default_within_a_float32_weight_sum_and_a_tile(h200, D,
     bound = 4 * V * D + (256 << 20)
     fit = (bound - held) // (V * 2) // 128 * 128
     default = workspace.chunk_rows(N, V, D, torch.bfloat16, "cuda")
-    assert rows % 128 == 0 and rows * V * 2 + held <= bound and -(-N // rows) == -(-N // fit) \
-        or rows == default
+    assert rows * V * 2 + held <= bound and rows == _balanced(N, fit) or rows == default
     assert rows <= default
     if not tiles:  # the cross-entropy's default would exceed the bound on every shape here
         assert rows < default
     with torch_fce.workspace(256 << 20):  # a set workspace is taken as it is, balanced
         fit = (256 << 20) // (V * 2) // 128 * 128
-        rows = workspace.chunk_rows(N, V, D, torch.bfloat16, "cuda", held=held)
-        assert rows <= fit and -(-N // rows) == -(-N // fit)
+        assert workspace.chunk_rows(N, V, D, torch.bfloat16, "cuda", held=held) == \
+            _balanced(N, fit)
+
+
+def _balanced(N, fit):
+    """The rows of as few chunks as fit-row ones (whole 128-row tiles), all of one size."""
+    chunks = -(-N // fit)
+    return -(-(-(-N // chunks)) // 128) * 128
 
 
 def test_head_bound_bounds_the_cross_entropy_as_the_log_prob_family(monkeypatch):
