@@ -232,3 +232,51 @@ def test_chunked_divergence_loss_equals_trls(beta):
             outs.append([loss.detach(), ent, n] + list(torch.autograd.grad(loss, leaves)))
         for a, b in zip(*outs):
             assert rel_err(b.double(), a.double()) <= 1e-5
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_chunked_divergence_drop_in_under_autocast_differentiates_its_forward(beta):
+    # Trainers call backward after the autocast block: the gradient must still be that
+    # of the bf16 forward, the same as casting the hidden states by hand (float32 weights
+    # are master weights, the products in bf16; float32 biases are added to float32
+    # logits, as TRL adds them).
+    hs, ws, bs, ht, wt, bt = _heads(torch.float32)
+    g = torch.randn(hs.shape[0], generator=torch.Generator().manual_seed(2))
+    outs = []
+    for autocast in (True, False):
+        leaves = [t.clone().requires_grad_() for t in (hs, ws, bs)]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            args = leaves + [ht, wt, bt] if autocast else \
+                [leaves[0].bfloat16(), leaves[1], leaves[2], ht.bfloat16(), wt, bt]
+            div, ent = fce_trl.ChunkedDivergenceFunction.apply(*args, beta, 1.5)
+        outs.append([div, ent] + list(torch.autograd.grad((div * g).sum(), leaves)))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("fn", ["divergence", "logprobs"])
+def test_drop_ins_take_a_float32_bias_beside_bf16_heads(fn):
+    # TRL's semantics: the divergence adds the float32 bias to float32 logits; the
+    # log-prob head rounds it to the logits' bf16.
+    from trl.kernels import ChunkedLogProbFunction
+
+    hs, ws, bs, ht, wt, bt = (t.float() for t in _heads())
+    hs, ws, ht, wt = (t.bfloat16() for t in (hs, ws, ht, wt))
+    leaves = [t.clone().requires_grad_() for t in (hs, ws, bs)]
+    y = torch.randint(0, V, (hs.shape[0],), generator=torch.Generator().manual_seed(3))
+    if fn == "divergence":
+        ours = fce_trl.ChunkedDivergenceFunction.apply(*leaves, ht, wt, bt, 0.5)[0]
+        exact = _ExactDivergence.apply(*leaves, ht, wt, bt, 0.5)[0]
+        theirs = ChunkedDivergenceFunction.apply(*leaves, ht, wt, bt, 0.5)[0]
+    else:
+        def call(f, b):
+            return f.apply(leaves[0], leaves[1], b, y, 1.0, 32, None, 1.0, ("log_probs",))[0]
+        ours, theirs = call(fce_trl.ChunkedLogProbFunction, leaves[2]), \
+            call(ChunkedLogProbFunction, leaves[2])
+        z = (F.linear(hs, ws) + bs.bfloat16()).double()  # rounded as TRL's tile
+        exact = z.log_softmax(-1).gather(-1, y[:, None])[:, 0]
+    bar = 1e-5 if fn == "divergence" else 2 ** -7  # float32 logits; bf16 ones
+    assert rel_err(ours.double(), exact.double()) <= bar
+    assert rel_err(theirs.double(), exact.double()) <= 2 ** -7
+    grad = torch.autograd.grad(ours.sum(), leaves)
+    assert [t.dtype for t in grad] == [torch.bfloat16, torch.bfloat16, torch.float32]

@@ -103,9 +103,10 @@ class ChunkedLogProbFunction:
     torch_fce.linear_logprobs. log_sum_sq_probs costs two more forward sweeps (no
     gradient): log s(2z) - 2 log s(z) of the temperature-scaled logits z, s(x) =
     sum_v exp(x_v - max x) (relative to the row max, as TRL's kernel).
-    Refused (ValueError): mean_logits with a softcap (it would need a pass of its own)
-    and a DeepSpeed ZeRO-3 weight (gathered only while TRL's head runs, so not there for
-    the gradients this forms)."""
+    mean_logits is exact: h . (sum_v w_v) for a linear head; with a softcap one more
+    forward sweep of the logits (no gradient). Refused (ValueError): a DeepSpeed ZeRO-3
+    weight (gathered only while TRL's head runs, so not there for the gradients this
+    forms)."""
 
     @staticmethod
     def apply(hidden, weight, bias, targets, temperature, chunk_size=None,
@@ -115,7 +116,7 @@ class ChunkedLogProbFunction:
         if unknown:
             raise ValueError(f"outputs must be among {('log_probs',) + _OPTIONAL_OUTPUTS}, "
                              f"got {sorted(unknown)}")
-        why = _unserved(weight, final_logit_softcapping, outputs)
+        why = _unserved(weight)
         if why:
             raise ValueError(f"torch_fce does not serve {why}")
         # TRL computes in autocast's dtype: cast before the logit scale, as it does
@@ -137,22 +138,36 @@ class ChunkedLogProbFunction:
                                            softcap=final_logit_softcapping).logprob
 
                 sq = 2 * top(temperature) - top(temperature / 2)
-            if "mean_logits" in outputs:  # mean_v (h . w_v + b_v) * scale / T, float32
-                with torch.autocast(hidden.device.type, enabled=False):
-                    w_sum = weight.sum(0, dtype=out.lse.dtype)
-                    mean = hidden.to(out.lse.dtype) @ w_sum
-                    if bias is not None:
-                        mean = mean + bias.sum(dtype=out.lse.dtype)
-                    mean = mean / (weight.shape[0] * temperature)
+            if "mean_logits" in outputs:  # mean_v softcap(scale (h . w_v + b_v)) / T
+                mean = _mean_logits(hidden, weight, bias, final_logit_softcapping,
+                                    out.lse.dtype) / temperature
         top1 = out.argmax == targets if "is_top1" in outputs else None
         return out.logprob, out.entropy, sq, mean, top1
 
 
-def _unserved(weight, softcap, outputs):
+def _mean_logits(hidden, weight, bias, softcap, dtype):
+    """Each row's mean logit over the classes, softcapped, in dtype (float32): without a
+    softcap the mean of a linear map, h . mean_v w_v (one GEMV); with one, the logits
+    themselves in chunks of at most 2^22, as the loop's workspace."""
+    with torch.autocast(hidden.device.type, enabled=False):
+        V = weight.shape[0]
+        if softcap is None:
+            mean = hidden.to(dtype) @ weight.sum(0, dtype=dtype)
+            return (mean if bias is None else mean + bias.sum(dtype=dtype)) / V
+        flat_h = hidden.reshape(-1, hidden.shape[-1])
+        w = weight.to(hidden.dtype)
+        b = None if bias is None else bias.to(hidden.dtype)
+        step = max(1, 2 ** 22 // V)
+        mean = torch.cat([
+            (softcap * torch.tanh(torch.nn.functional.linear(flat_h[s:s + step], w, b)
+                                  .to(dtype) / softcap)).mean(-1)
+            for s in range(0, flat_h.shape[0], step)]) if flat_h.shape[0] else \
+            flat_h.new_empty(0, dtype=dtype)
+        return mean.reshape(hidden.shape[:-1])
+
+
+def _unserved(weight):
     """What of a fused-head call the drop-in cannot serve exactly, or None."""
-    if "mean_logits" in outputs and softcap is not None:
-        return ("outputs mean_logits with final_logit_softcapping (the mean of softcapped "
-                "logits needs a pass of its own)")
     if hasattr(weight, "ds_id"):
         return "a DeepSpeed ZeRO-3 weight (gathered only while TRL's head runs)"
     return None
@@ -175,7 +190,7 @@ def fused_lm_head(accumulator="fp32"):
                   logit_scale=1.0, outputs=_OPTIONAL_OUTPUTS):
             args = (hidden, weight, bias, targets, temperature, chunk_size, softcap,
                     logit_scale, outputs)
-            why = _unserved(weight, softcap, outputs)
+            why = _unserved(weight)
             if why:
                 warnings.warn(f"torch_fce.integrations.trl.fused_lm_head: TRL's kernel "
                               f"serves this call: torch_fce does not serve {why}",
@@ -709,8 +724,12 @@ class ChunkedDivergenceFunction:
                     teacher_logit_scale=teacher_logit_scale,
                     softcap=student_final_logit_softcapping,
                     teacher_softcap=teacher_final_logit_softcapping, accumulator=accumulator)
-        return _Divergence.apply(student_hidden, student_weight, student_bias,
-                                 teacher_hidden, teacher_weight, teacher_bias, opts)
+        # TRL computes in autocast's dtype. Cast here, outside the recomputing backward
+        # (which runs where the caller calls backward, usually after autocast has
+        # exited): the backward then differentiates the loss the forward computed.
+        student = autocast_operands(student_hidden, student_weight, student_bias)
+        teacher = autocast_operands(teacher_hidden, teacher_weight, teacher_bias)
+        return _Divergence.apply(*student, *teacher, opts)
 
 
 class _Divergence(torch.autograd.Function):

@@ -111,7 +111,7 @@ def check_inputs(hidden, weight, target, bias, class_weight, vocab=None):
             f"got {tuple(target.shape)}",
         )
     for name, t, dtypes, V, what in (
-        ("bias", bias, (hidden.dtype, weight.dtype), weight.shape[0], "V"),
+        ("bias", bias, bias_dtypes(hidden, weight), weight.shape[0], "V"),
         ("class_weight", class_weight, FLOAT_DTYPES,
          weight.shape[0] if vocab is None else vocab, "V" if vocab is None else "vocab_size"),
     ):
@@ -130,6 +130,12 @@ def check_inputs(hidden, weight, target, bias, class_weight, vocab=None):
                     ("class_weight", class_weight)):
         if t is not None and t.device != hidden.device:
             raise ValueError(f"{name} is on {t.device} but hidden is on {hidden.device}")
+
+
+def bias_dtypes(hidden, weight):
+    """A head bias's dtypes: hidden's, weight's, or float32 (a master bias beside
+    low-precision weights, as TRL's heads take; chunked.LogitsGemm says how it adds)."""
+    return tuple(dict.fromkeys((hidden.dtype, weight.dtype, torch.float32)))
 
 
 def check_target_range(target, V, ignore_index, name="target"):

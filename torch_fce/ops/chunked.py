@@ -132,17 +132,19 @@ def run_chunks(hidden, weight, bias, row_fn, outputs, needs_grad, accumulator, c
 
 
 class LogitsGemm:
-    """The chunks' logits GEMM. Products run in hidden's dtype (master weights and bias
-    rounded to it, as autocast does); the logits are rounded to it as F.linear's, or
-    kept as the GEMM's float32 sums (a wider `dtype`), the bias added in float32."""
+    """The chunks' logits GEMM. Products run in hidden's dtype (master weights rounded
+    to it, as autocast does); the logits are rounded to it as F.linear's (the bias
+    rounded to it first, as TRL's log-prob head adds it), or kept as the GEMM's float32
+    sums (a wider `dtype`) with the bias added at that width (a float32 bias unrounded,
+    as TRL's divergence adds it)."""
 
     def __init__(self, hidden, weight, bias, dtype):
         self.dtype = dtype
         self.w = weight.to(hidden.dtype)  # also the gradient GEMMs' operand
-        self.b = None if bias is None else bias.to(hidden.dtype)
+        self.wide = dtype != hidden.dtype
+        self.b = None if bias is None else bias.to(dtype if self.wide else hidden.dtype)
         # Off CUDA no GEMM writes float32 sums of low-precision operands: it multiplies
         # their exact float32 upcasts instead (the weight's made once per call).
-        self.wide = dtype != hidden.dtype
         self.w_wide = self.w.to(dtype) if self.wide and hidden.device.type != "cuda" \
             else None
 

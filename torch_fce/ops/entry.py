@@ -42,7 +42,8 @@ def autocast_operands(hidden, weight, bias):
     """As F.linear under torch.autocast: products in the autocast dtype.
 
     A float32 weight stays float32 (master weights): the kernels run the products in
-    hidden's dtype and sum its gradient in float32; a bias stays float32 with it.
+    hidden's dtype and sum its gradient in float32; a float32 bias stays float32
+    (chunked.LogitsGemm adds it as TRL's heads do).
     """
     if not all(isinstance(t, torch.Tensor) for t in (hidden, weight, bias) if t is not None):
         return hidden, weight, bias  # check_inputs names the argument
@@ -52,7 +53,7 @@ def autocast_operands(hidden, weight, bias):
     dtype = torch.get_autocast_dtype(device)
     if weight.dtype != torch.float32:
         weight = weight.to(dtype)
-    if bias is not None and bias.dtype not in (dtype, weight.dtype):
+    if bias is not None and bias.dtype not in (dtype, weight.dtype, torch.float32):
         bias = bias.to(dtype)
     return hidden.to(dtype), weight, bias
 
@@ -61,6 +62,12 @@ def needs_grad(hidden, weight, bias, enabled=True):
     """[hidden, weight, bias] flags: which gradients the forward should form."""
     grad = enabled and torch.is_grad_enabled()
     return [grad and t is not None and t.requires_grad for t in (hidden, weight, bias)]
+
+
+def forward_needs_grad(hidden, weight, bias):
+    """needs_grad of a scalar loss whose forward forms its gradients: none for float16,
+    whose backward forms them with the upstream gradient (grads.py says why)."""
+    return needs_grad(hidden, weight, bias, hidden.dtype != torch.float16)
 
 
 def rows(hidden):

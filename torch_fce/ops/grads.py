@@ -102,17 +102,33 @@ def fake_grads(hidden, weight, bias, needs_grad, keep_f32, hidden_f32=False):
     )
 
 
-def register_forward_grads_autograd(name, at):
+_SAVED = object()  # an argument's place in the saved tensors
+
+
+def register_forward_grads_autograd(name, at, weights=None):
     """The autograd formula of an op whose outputs are (loss, grad_hidden, grad_weight,
-    grad_bias, *statistics): a scalar loss whose forward formed the gradients for a unit
-    upstream gradient (policy loss, distillation); at: the positions of hidden, weight
-    and bias among its arguments. The backward scales those gradients by the upstream
-    gradient, rounded once."""
+    grad_bias, *statistics): a scalar loss sum_t w_t * term_t whose forward formed the
+    gradients for a unit upstream gradient (policy loss, distillation, soft CE); at: the
+    positions of hidden, weight and bias among its arguments. The backward scales those
+    gradients by the upstream gradient, rounded once.
+
+    float16 inputs are the exception (the entries ask the forward for no gradient,
+    entry.forward_needs_grad): a logits gradient formed for a unit upstream gradient
+    would underflow float16 before a GradScaler's scale reached it. Their backward runs
+    the op again with the token weights times the upstream gradient (the loss is linear
+    in them), so the scale reaches the logits gradient before its rounding, as it
+    reaches torch's. weights = (position of token_weights among the arguments,
+    f(arguments) -> the (N,) weights the op uses)."""
     def setup(ctx, inputs, output):
         hidden, weight, bias = (inputs[i] for i in at)
         ctx.mark_non_differentiable(*output[1:])
         ctx.set_materialize_grads(False)
         ctx.dtypes = dtypes(hidden, weight, bias)
+        ctx.again = hidden.dtype == torch.float16 and weights is not None
+        if ctx.again:  # every argument, to run the op again
+            ctx.args = [_SAVED if isinstance(a, torch.Tensor) else a for a in inputs]
+            ctx.save_for_backward(*(a for a in inputs if isinstance(a, torch.Tensor)))
+            return
         # the gradients the forward formed, and the inputs, so that editing one in
         # place before the backward raises
         ctx.save_for_backward(hidden, weight, bias, *output[1:4])
@@ -120,11 +136,23 @@ def register_forward_grads_autograd(name, at):
     def backward(ctx, grad_loss, *_):
         if grad_loss is None:
             return input_grads(ctx, at, ())
-        *inputs, gh, gw, gb = ctx.saved_tensors
-        create_graph = torch.is_grad_enabled()
-        with torch.no_grad():
-            out = scaled((gh, gw, gb), grad_loss, ctx.dtypes, needs(ctx, at))
-        if create_graph:
+        wanted = needs(ctx, at)
+        if ctx.again:
+            saved = iter(ctx.saved_tensors)
+            args = [next(saved) if a is _SAVED else a for a in ctx.args]
+            inputs = [args[i] for i in at]
+            position, weights_of = weights
+            with torch.no_grad():
+                args[position] = weights_of(args) * grad_loss
+                args[-1] = wanted  # needs_grad, the last argument
+                got = getattr(torch.ops.fce, name)(*args)[1:4]
+                out = [g.to(dt) if need else None
+                       for g, dt, need in zip(got, ctx.dtypes, wanted)]
+        else:
+            *inputs, gh, gw, gb = ctx.saved_tensors
+            with torch.no_grad():
+                out = scaled((gh, gw, gb), grad_loss, ctx.dtypes, wanted)
+        if torch.is_grad_enabled():
             out = first_order(out, (grad_loss, *inputs))
         return input_grads(ctx, at, out)
 

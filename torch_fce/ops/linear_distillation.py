@@ -24,7 +24,8 @@ from .chunked import (ONE_DEVICE, LogitsGemm, Shard, after_first_gemm, chunk_row
                       no_autocast, run_chunks)
 from .distill_rows import TORCH_DISTILL_ROWS
 from .dispatch import LIB, kernel
-from .entry import autocast_operands, flat, int64_if_needed, needs_grad, refuse_transforms, rows
+from .entry import (autocast_operands, flat, forward_needs_grad, int64_if_needed,
+                    refuse_transforms, rows)
 from .options import as_float, got, schema_args, take, value
 from .tokens import token_weights
 
@@ -92,11 +93,6 @@ def check_inputs(hidden, weight, teacher_hidden, teacher_weight, target, bias, t
         raise ValueError("hard_weight > 0 needs a target (the hard loss's labels)")
     tokens = tokens_of(hidden, target)
     checks.check_inputs(hidden, weight, tokens, bias, None)
-    if hidden.dtype == torch.float16:
-        raise TypeError("hidden must be bfloat16, float32 or float64 for "
-                        "linear_distillation_loss, got torch.float16 (its gradient is formed "
-                        "in the forward, where a GradScaler's scale could not keep it from "
-                        "underflowing)")
     for name, t in (("teacher_hidden", teacher_hidden), ("teacher_weight", teacher_weight)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a Tensor, got {type(t).__name__}")
@@ -126,9 +122,9 @@ def check_inputs(hidden, weight, teacher_hidden, teacher_weight, target, bias, t
     if teacher_bias is not None:
         if not isinstance(teacher_bias, torch.Tensor):
             raise TypeError(f"teacher_bias must be a Tensor, got {type(teacher_bias).__name__}")
-        if teacher_bias.dtype not in (teacher_hidden.dtype, teacher_weight.dtype):
-            raise TypeError(f"teacher_bias must have dtype in "
-                            f"{(teacher_hidden.dtype, teacher_weight.dtype)}, got "
+        dtypes = checks.bias_dtypes(teacher_hidden, teacher_weight)
+        if teacher_bias.dtype not in dtypes:
+            raise TypeError(f"teacher_bias must have dtype in {dtypes}, got "
                             f"{teacher_bias.dtype}")
         if teacher_bias.dim() != 1 or teacher_bias.device != hidden.device:
             raise ValueError(f"teacher_bias must be a ({weight.shape[0]},) tensor on "
@@ -159,7 +155,7 @@ def forward(hidden, weight, teacher_hidden, teacher_weight, tensors, opts, shard
     loss, _, _, _, div, ent = torch.ops.fce.linear_distillation_loss_fwd(
         rows(hidden), weight, *teacher[:2], flat(target), bias, teacher[2],
         flat(token_weights_), flat(temperature), *opts, *shard,
-        needs_grad(hidden, weight, bias))
+        forward_needs_grad(hidden, weight, bias))
     return loss, div.reshape(shape), ent.reshape(shape)
 
 
@@ -190,8 +186,18 @@ def _fwd_fake(hidden, weight, teacher_hidden, teacher_weight, target, bias, teac
 
 # ---- autograd: the forward's gradients scaled by the upstream gradient -------------
 
-# hidden, weight and bias among linear_distillation_loss_fwd's arguments
-grads.register_forward_grads_autograd("linear_distillation_loss_fwd", (0, 1, 5))
+def _weights(args):
+    """The token weights the op's arguments give: token_weights, or 1 / the tokens
+    counted."""
+    target, ignore_index = args[4], take(DistillOptions, args[9:])[0].ignore_index
+    valid = torch.ones(args[0].shape[0], dtype=torch.bool, device=args[0].device) \
+        if target is None else target != ignore_index
+    return token_weights(args[7], valid, math_dtype_for(args[0].dtype))
+
+
+# hidden, weight and bias among linear_distillation_loss_fwd's arguments; token_weights
+grads.register_forward_grads_autograd("linear_distillation_loss_fwd", (0, 1, 5),
+                                      weights=(7, _weights))
 
 
 # ---- the implementation, on the chunk loop -----------------------------------------

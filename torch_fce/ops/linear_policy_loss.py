@@ -33,7 +33,8 @@ from .chunked import (ONE_DEVICE, Shard, after_first_gemm, chunk_rows_for, grad_
                       run_chunks)
 from .dispatch import LIB, kernel
 from .logprob_rows import shard_stats
-from .entry import autocast_operands, flat, int64_if_needed, needs_grad, refuse_transforms, rows
+from .entry import (autocast_operands, flat, forward_needs_grad, int64_if_needed,
+                    refuse_transforms, rows)
 from .options import as_float, check_choice, got, schema_args, take
 from .tokens import token_weights
 
@@ -169,10 +170,6 @@ def check_inputs(hidden, weight, target, advantages, bias, per_token, opts):
     """The tensors' checks, in eager mode and in the fake kernel (under torch.compile);
     per_token: old_logprobs, ref_logprobs, token_weights, temperature."""
     checks.check_inputs(hidden, weight, target, bias, None)
-    if hidden.dtype == torch.float16:
-        raise TypeError("hidden must be bfloat16, float32 or float64 for linear_policy_loss, "
-                        "got torch.float16 (its gradient is formed in the forward, where a "
-                        "GradScaler's scale could not keep it from underflowing)")
     if advantages is None:
         raise TypeError("advantages must be a Tensor, got NoneType")
     for name, t in zip(("advantages",) + _PER_TOKEN, (advantages, *per_token)):
@@ -190,7 +187,7 @@ def forward(hidden, weight, target, advantages, bias, per_token, opts, shard=ONE
     target = int64_if_needed(target, opts.ignore_index)
     loss, _, _, _, *stats = torch.ops.fce.linear_policy_loss_fwd(
         rows(hidden), weight, flat(target), flat(advantages), bias,
-        *(flat(t) for t in per_token), *opts, *shard, needs_grad(hidden, weight, bias))
+        *(flat(t) for t in per_token), *opts, *shard, forward_needs_grad(hidden, weight, bias))
     return (loss, *(t.reshape(target.shape) for t in stats))
 
 
@@ -219,7 +216,15 @@ def _fwd_fake(hidden, weight, target, advantages, bias, *args):
 # ---- autograd: the forward's gradients scaled by the upstream gradient -------------
 
 # hidden, weight and bias among linear_policy_loss_fwd's arguments
-grads.register_forward_grads_autograd("linear_policy_loss_fwd", (0, 1, 4))
+def _weights(args):
+    """The token weights the op's arguments give: token_weights, or 1 / the tokens
+    counted."""
+    valid = args[2] != take(PolicyOptions, args[9:])[0].ignore_index
+    return token_weights(args[7], valid, math_dtype_for(args[0].dtype))
+
+
+grads.register_forward_grads_autograd("linear_policy_loss_fwd", (0, 1, 4),
+                                      weights=(7, _weights))
 
 
 # ---- the implementation, on the chunk loop -----------------------------------------

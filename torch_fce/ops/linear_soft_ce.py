@@ -20,7 +20,7 @@ from . import checks, grads
 from .chunked import (after_first_gemm, chunk_rows_for, grad_outputs, inverse_temperature,
                       logits_dtype_for, math_dtype_for, no_autocast, run_chunks)
 from .dispatch import LIB, kernel
-from .entry import autocast_operands, flat, needs_grad, refuse_transforms, rows
+from .entry import autocast_operands, flat, forward_needs_grad, refuse_transforms, rows
 from .options import schema_args, take
 from .tokens import token_weights
 
@@ -79,7 +79,7 @@ def forward(hidden, weight, idx, probs, tensors, opts):
     k = idx.shape[-1]
     loss, _, _, _ = torch.ops.fce.linear_soft_cross_entropy_fwd(
         rows(hidden), weight, idx.reshape(-1, k), probs.detach().reshape(-1, k), bias,
-        flat(token_weights_), flat(temperature), *opts, needs_grad(hidden, weight, bias))
+        flat(token_weights_), flat(temperature), *opts, forward_needs_grad(hidden, weight, bias))
     return loss
 
 
@@ -102,8 +102,16 @@ def _fwd_fake(hidden, weight, idx, probs, bias, token_weights_, temperature, *ar
 
 # ---- autograd: the forward's gradients scaled by the upstream gradient -------------
 
-# hidden, weight and bias among linear_soft_cross_entropy_fwd's arguments
-grads.register_forward_grads_autograd("linear_soft_cross_entropy_fwd", (0, 1, 4))
+def _weights(args):
+    """The token weights the op's arguments give: token_weights, or 1 / the tokens
+    counted."""
+    valid = (args[2] != take(SoftCEOptions, args[7:])[0].ignore_index).any(-1)
+    return token_weights(args[5], valid, math_dtype_for(args[0].dtype))
+
+
+# hidden, weight and bias among linear_soft_cross_entropy_fwd's arguments; token_weights
+grads.register_forward_grads_autograd("linear_soft_cross_entropy_fwd", (0, 1, 4),
+                                      weights=(5, _weights))
 
 
 # ---- the implementation, on the chunk loop -----------------------------------------
