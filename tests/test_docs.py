@@ -1,5 +1,7 @@
 """Code in the docs runs: every ```python block of README.md (in order, one namespace)
-and every ```python runnable block of docs/*.md."""
+and every ```python runnable block of docs/*.md; every other ```python block of docs/*.md
+is valid Python (those that need a trainer or several processes run in the tests named
+beside them)."""
 
 import pathlib
 import re
@@ -29,3 +31,17 @@ def test_docs_runnable_blocks_run(path):
             warnings.filterwarnings("error", module="torch_fce")
             warnings.filterwarnings("error", message="torch_fce")
             exec(compile(code, str(path), "exec"), {})
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "docs").glob("*.md")), ids=lambda p: p.name)
+def test_docs_python_blocks_are_valid_python(path):
+    for code in _blocks(path, "python"):
+        compile(code, str(path), "exec")
+
+
+def test_api_commands_list_every_bench_subcommand():
+    from torch_fce.bench.__main__ import SUBCOMMANDS
+
+    block = (ROOT / "docs" / "api.md").read_text().split("## Commands", 1)[1]
+    listed = re.findall(r"python -m torch_fce\.bench (\w+)", block.split("```")[1])
+    assert listed == list(SUBCOMMANDS)

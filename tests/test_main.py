@@ -15,13 +15,33 @@ def test_main_job_tiny(tmp_path):
     assert len(runs["unfused"]["losses"]) == len(runs["torch_fce"]["losses"]) == 3
     assert record["max_rel_loss_diff"] <= 1e-5
     assert 0 < runs["torch_fce"]["peak_mib"] < runs["unfused"]["peak_mib"]
+    assert record["ratios"]["peak"] == runs["torch_fce"]["peak_mib"] / runs["unfused"]["peak_mib"]
+    q1, q3 = runs["torch_fce"]["step_ms_quartiles"]
+    assert q1 <= runs["torch_fce"]["step_ms"] <= q3
+
+
+def test_main_job_at_the_smallest_sizes_a_quick_try_uses(tmp_path):
+    # A step this small allocates less than the CPU measurement resolves: the job says
+    # so (no ratio of two unresolved figures), and finishes with its record.
+    out = subprocess.run([sys.executable, "-m", "torch_fce", "--tiny", "--steps", "3",
+                          "--batch", "1", "--seq", "16", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    record = json.loads((tmp_path / "main.json").read_text())
+    peaks = [run["peak_mib"] for run in record["runs"].values()]
+    if None in peaks:
+        assert record["ratios"]["peak"] is None and "too small to measure" in out.stdout
+    else:
+        assert min(peaks) >= 1.0
 
 
 def test_main_job_refuses_sizes_it_cannot_measure():
     # Each a usage error naming the flag (exit 2), before anything is trained.
     for flags, flag in ((["--steps", "0"], "--steps"), (["--steps", "1"], "--steps"),
                         (["--tiny", "--batch", "0"], "--batch"), (["--seq", "1"], "--seq"),
-                        (["--tiny", "--dim", "6"], "--dim")):
+                        (["--tiny", "--dim", "6"], "--dim"), (["--lr", "-1"], "--lr"),
+                        (["--lr", "nan"], "--lr"), (["--device", "meta"], "--device"),
+                        (["--out", "/proc/nope/x"], "--out")):
         out = subprocess.run([sys.executable, "-m", "torch_fce", *flags], capture_output=True,
                              text=True, timeout=120)
         assert out.returncode == 2 and flag in out.stderr, (flags, out.stderr)

@@ -280,3 +280,25 @@ def test_drop_ins_take_a_float32_bias_beside_bf16_heads(fn):
     assert rel_err(theirs.double(), exact.double()) <= 2 ** -7
     grad = torch.autograd.grad(ours.sum(), leaves)
     assert [t.dtype for t in grad] == [torch.bfloat16, torch.bfloat16, torch.float32]
+
+
+def test_the_docs_example_trains(tmp_path):
+    # docs/distillation.md's block, as written, on the tiny models
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "distillation.md").read_text()
+    block, = [b for b in re.findall(r"```python\n(.*?)```", text, re.S) if "def distill" in b]
+    namespace = {}
+    exec(compile(block, "docs/distillation.md", "exec"), namespace)
+    config = trl.DistillationConfig(
+        output_dir=str(tmp_path / "out"), per_device_train_batch_size=2,
+        max_completion_length=4, max_steps=1, report_to=[], use_cpu=DEVICE == "cpu",
+        bf16=False, logging_steps=1)
+    data = datasets.Dataset.from_dict({"prompt": ["w3 w4 w5", "w6 w7"] * 4})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # TRL's and transformers' deprecation notices
+        trainer = namespace["distill"](_model(32, 0), _model(48, 1), config, data,
+                                       word_tokenizer(V))
+    assert math.isfinite(trainer.state.log_history[0]["loss"])
+    assert "_compute_loss" not in vars(trainer)  # reverted

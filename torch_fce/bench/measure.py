@@ -3,8 +3,9 @@
 CUDA: the caching allocator's peak. CPU: the process's resident-set high-water mark
 (Linux), with glibc told to serve every allocation of 64 KiB or more by mmap so freed
 tensors leave the resident set at once instead of lingering in malloc's heap. Memory
-freed to malloc's heap before the first measurement can still be reused unseen, so CPU
-figures are meant for fresh processes (the benchmarks and the main job).
+freed to malloc's heap before the first measurement (or before `prepare`) can still be
+reused unseen, so CPU figures are meant for fresh processes (the benchmarks and the main
+job) and are not resolved below about a MiB (`CPU_RESOLUTION`).
 """
 
 import ctypes
@@ -18,6 +19,8 @@ import torch
 import torch_fce
 
 _M_MMAP_THRESHOLD = -3
+# Below this a CPU peak is within what the heap and the page granularity hide.
+CPU_RESOLUTION = 1 << 20
 
 
 def with_workspace(fn, mib):
@@ -52,11 +55,24 @@ def check_device(parser, device):
                      f"({why})")
 
 
+def prepare(device):
+    """Before any work a CPU figure will compare: large allocations through mmap from
+    now on, so that memory freed by earlier work cannot be reused unseen."""
+    if torch.device(device).type == "cpu":
+        _pin_mmap_threshold()
+
+
+def measured(peak_bytes, device):
+    """Whether a peak_extra_bytes figure is above the measurement's resolution."""
+    return torch.device(device).type == "cuda" or peak_bytes >= CPU_RESOLUTION
+
+
 @functools.cache
 def _pin_mmap_threshold():
     """Large CPU allocations through mmap, so that their pages leave the resident set
-    when freed and VmHWM sees each measured allocation anew. Set by the first CPU
-    measurement (not at import: importing a tool changes nothing in the process)."""
+    when freed and VmHWM sees each measured allocation anew. Set by `prepare` or the
+    first CPU measurement (not at import: importing a tool changes nothing in the
+    process)."""
     try:
         ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, 1 << 16)
     except OSError:  # not glibc: figures may then miss memory reused from the heap

@@ -254,8 +254,8 @@ def _forward_grads_refusal(trainer, base, methods, op):
         if getattr(type(trainer), method) is not getattr(base, method):
             return f"{type(trainer).__name__} overrides {method}"
     if trainer.args.fp16 or _base_model(trainer.model).dtype == torch.float16:
-        return (f"float16 ({op} forms its gradient in the forward, where a GradScaler's "
-                f"scale could not keep it from underflowing: use bf16)")
+        return (f"float16 ({op} takes float16, but the trainer integration is checked "
+                f"against TRL's losses in bf16 and float32 only: use bf16)")
     if _zero3(trainer):
         return ("DeepSpeed ZeRO-3 (the head's weight is gathered only inside its forward, "
                 "and the loss reads it after)")
