@@ -145,18 +145,17 @@ def _verdict(runs, ratio, cpu):
     a, b = runs["unfused"], runs["torch_fce"]
     if b["step_ms_quartiles"][0] <= a["step_ms_quartiles"][1] and \
             a["step_ms_quartiles"][0] <= b["step_ms_quartiles"][1]:
-        what = "the two step times are within each other's quartiles (no measurable difference)"
-    elif ratio < 1:
-        what = f"torch_fce's step is faster, {ratio:.2f}x the unfused one"
-    else:
-        what = f"torch_fce's step is slower, {ratio:.2f}x the unfused one"
-    why = ("On a CPU torch_fce's gain is memory: its row math runs as plain PyTorch passes "
-           "over each logits chunk, which Inductor cannot fuse into the softmax as it does "
-           "for the unfused step." if cpu else
+        return ("The two step times are within each other's quartiles: no measurable "
+                "difference." + (" On a CPU torch_fce's gain is memory." if cpu else ""))
+    if ratio < 1:
+        return f"torch_fce's step is faster: {ratio:.2f}x the unfused one."
+    why = ("On a CPU its row math runs as plain PyTorch passes over each logits chunk, "
+           "which Inductor cannot fuse into the softmax as it does for the unfused step: "
+           "the gain there is memory." if cpu else
            "On a GPU a model this small is launch-bound (each chunk's GEMMs and row kernel "
            "are separate launches); at real sizes torch_fce is faster and smaller "
            "(docs/benchmarks.md).")
-    return f"{what}. {why}"
+    return f"torch_fce's step is slower: {ratio:.2f}x the unfused one. {why}"
 
 
 def plot(record, path):
