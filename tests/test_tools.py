@@ -188,7 +188,7 @@ def test_bench_shapes_fails_when_torch_fce_fails(tmp_path, monkeypatch):
 def test_bench_sweep_workspace_covers_the_backward():
     # The log-probs' backward recomputes the logits: it must cut them as the forward did.
     from torch_fce.bench import measure, peers
-    from torch_fce.ops import workspace
+    from torch_fce.ops.loop import workspace
 
     seen = []
 

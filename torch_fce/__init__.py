@@ -29,11 +29,11 @@ the project's source repository and source distribution; "docs/NAME.md" in a doc
 names one of those files.
 """
 
-from . import ops  # noqa: F401  (registers the ops)
+from . import ops  # noqa: F401  (registers the ops
 from .functional import (linear_cross_entropy, linear_distillation_loss, linear_logprobs,
                          linear_policy_loss, linear_soft_cross_entropy)
 from .modules import LinearCrossEntropyLoss
-from .ops.workspace import set_workspace, workspace
+from .ops.loop.workspace import set_workspace, workspace
 from .results import DistillationStats, LogProbs, LossStats, PolicyStats
 
 __all__ = ["linear_cross_entropy", "linear_logprobs", "linear_policy_loss",

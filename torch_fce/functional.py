@@ -2,14 +2,14 @@
 
 import torch
 
-from .ops.checks import check_inputs
-from .ops.entry import int64_if_needed
+from .ops.contract.checks import check_inputs
+from .ops.contract.entry import int64_if_needed
 from .ops.linear_ce import CEOptions
 from .ops.linear_distillation import DistillOptions
 from .ops.linear_logprobs import LogProbOptions
 from .ops.linear_policy_loss import PolicyOptions
 from .ops.linear_soft_ce import SoftCEOptions
-from .ops.tokens import advantages_tensor, temperature_tensor
+from .ops.loop.tokens import advantages_tensor, temperature_tensor
 from .results import DistillationStats, LogProbs, LossStats, PolicyStats
 
 

@@ -16,7 +16,7 @@ import torch
 import torch_fce
 from torch_fce.bench.peers import methods, run_step
 from torch_fce.bench.shapes import SHAPES, shape_inputs
-from torch_fce.ops.workspace import chunk_rows
+from torch_fce.ops.loop.workspace import chunk_rows
 
 from _common import ms, run_shapes
 

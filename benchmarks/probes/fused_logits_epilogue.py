@@ -19,7 +19,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from torch_fce.bench.shapes import SHAPES
-from torch_fce.ops.workspace import chunk_rows
+from torch_fce.ops.loop.workspace import chunk_rows
 
 from _common import ce_row_grad, ms, run_shapes, tile_pid
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 import torch_fce
 from torch_fce.bench.shapes import SHAPES, shape_inputs
-from torch_fce.ops.workspace import chunk_rows
+from torch_fce.ops.loop.workspace import chunk_rows
 
 from _common import ce_row_grad, ms, run_shapes
 

@@ -1,6 +1,6 @@
 """Would a TMA persistent GEMM speed up the "kahan" weight-gradient update?
 
-torch_fce's Kahan GEMM (ops/triton/kahan.py) uses pointer loads. This probe writes the
+torch_fce's Kahan GEMM (ops/loop/kahan.py) uses pointer loads. This probe writes the
 same compensated update as a persistent Triton GEMM fed by TMA descriptors and times
 both, per issue-3 shape at the backend's chunk size, against cuBLAS's bf16 matmul and
 its float32-output addmm (what "fp32" uses) of the same product.
@@ -14,8 +14,8 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from torch_fce.bench.shapes import SHAPES
-from torch_fce.ops.workspace import chunk_rows
-from torch_fce.ops.triton.kahan import _launch_kahan_addmm
+from torch_fce.ops.loop.workspace import chunk_rows
+from torch_fce.ops.loop.kahan import _launch_kahan_addmm
 
 from _common import at_b_tile, ms, run_shapes, tile_pid
 

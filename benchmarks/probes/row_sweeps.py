@@ -1,6 +1,6 @@
 """Can the row kernel's second read of each logit come from L2 instead of HBM?
 
-torch_fce's row kernel (ops/triton/rows.py) reads a chunk's logits twice and writes them
+torch_fce's row kernel (ops/rowmath/triton/ce.py) reads a chunk's logits twice and writes them
 once, one program per row. If the second read hit L2 the kernel would move 2 instead of
 3 bytes per byte of logits. This probe times the row kernel's core (online logsumexp,
 then the gradient sweep) in variants meant to keep rows L2-resident: persistent programs
@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from torch_fce.bench.shapes import SHAPES
-from torch_fce.ops.workspace import chunk_rows
+from torch_fce.ops.loop.workspace import chunk_rows
 
 from _common import ce_row_grad, ms, run_shapes
 

@@ -79,7 +79,7 @@ def _check_out_of_range_target(rank, world):
     with pytest.raises(IndexError, match="outside"):
         vocab_parallel_linear_cross_entropy(x["hidden"], x["weight"][start:end],
                                             x["target"], vocab_start=start, vocab_size=V)
-    from torch_fce.ops.tokens import counted_target_weights
+    from torch_fce.ops.loop.tokens import counted_target_weights
 
     _, w_y = counted_target_weights(x["target"], None, -100, V, torch.float32)
     assert torch.isnan(w_y[3]) and not torch.isnan(w_y[torch.arange(8) != 3]).any()

@@ -19,7 +19,7 @@ pytest.importorskip("tokenizers")
 import trl.trainer.utils as trl_utils  # noqa: E402
 
 from torch_fce.integrations import trl as fce_trl  # noqa: E402
-from torch_fce.ops.workspace import head_bounded  # noqa: E402
+from torch_fce.ops.loop.workspace import head_bounded  # noqa: E402
 from torch_fce.testing import rel_err, word_tokenizer  # noqa: E402
 
 pytestmark = pytest.mark.integration

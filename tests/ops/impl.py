@@ -4,14 +4,14 @@ functions on the shared loop, called directly (no dispatcher, no value checks)."
 import contextlib
 
 import torch_fce
-from torch_fce.ops.chunked import ONE_DEVICE
-from torch_fce.ops.dispatch import Backend
-from torch_fce.ops.distill_rows import TORCH_DISTILL_ROWS
-from torch_fce.ops.logprob_rows import TORCH_LOGPROB_ROWS
-from torch_fce.ops.rows import TORCH_CE_ROWS
-from torch_fce.ops.triton.distill_rows import TRITON_DISTILL_ROWS
-from torch_fce.ops.triton.logprob_rows import TRITON_LOGPROB_ROWS
-from torch_fce.ops.triton.rows import TRITON_CE_ROWS
+from torch_fce.ops.loop.chunked import ONE_DEVICE
+from torch_fce.ops.machinery.dispatch import Backend
+from torch_fce.ops.rowmath.distill import TORCH_DISTILL_ROWS
+from torch_fce.ops.rowmath.logprob import TORCH_LOGPROB_ROWS
+from torch_fce.ops.rowmath.ce import TORCH_CE_ROWS
+from torch_fce.ops.rowmath.triton.distill import TRITON_DISTILL_ROWS
+from torch_fce.ops.rowmath.triton.logprob import TRITON_LOGPROB_ROWS
+from torch_fce.ops.rowmath.triton.ce import TRITON_CE_ROWS
 
 TORCH = Backend(TORCH_CE_ROWS, TORCH_LOGPROB_ROWS, TORCH_DISTILL_ROWS, check_values=False)
 TRITON = Backend(TRITON_CE_ROWS, TRITON_LOGPROB_ROWS, TRITON_DISTILL_ROWS,

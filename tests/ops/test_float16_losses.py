@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import torch_fce
-from torch_fce.ops import dispatch
+from torch_fce.ops.machinery import dispatch
 from torch_fce.testing import rel_err
 
 from ..helpers import EPS

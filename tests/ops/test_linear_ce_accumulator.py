@@ -4,7 +4,7 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from torch_fce.ops import workspace
+from torch_fce.ops.loop import workspace
 from torch_fce.testing import make_inputs
 from tests.helpers import EPS, grad_tol
 

@@ -210,7 +210,7 @@ def test_cuda_no_host_sync(accumulator):
 
 
 def test_cuda_opt_in_target_check_raises(monkeypatch):
-    from torch_fce.ops import checks
+    from torch_fce.ops.contract import checks
 
     monkeypatch.setattr(checks, "CHECK_TARGETS", True)
     x = make_inputs(64, 16, 100, torch.bfloat16, device="cuda")
@@ -222,7 +222,7 @@ def test_cuda_opt_in_target_check_raises(monkeypatch):
 def _peak_beyond_inputs(N, D, V, **options):
     """Peak bytes allocated by a bf16 forward + backward beyond its inputs, and the
     backend's logits chunk in bytes."""
-    from torch_fce.ops.workspace import chunk_rows
+    from torch_fce.ops.loop.workspace import chunk_rows
 
     x = make_inputs(N, D, V, torch.bfloat16, device="cuda")
     h, w = x["hidden"].requires_grad_(), x["weight"].requires_grad_()

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from torch_fce.ops.chunked import ONE_DEVICE
+from torch_fce.ops.loop.chunked import ONE_DEVICE
 from torch_fce.ops.linear_ce import CEOptions
 
 from torch_fce.testing import make_inputs

@@ -9,8 +9,8 @@ from hypothesis import given, strategies as st
 
 from torch_fce.ops import linear_ce
 from torch_fce.ops.linear_ce import CEOptions
-from torch_fce.ops.rows import torch_ce_stats, torch_shard_grad, torch_shard_stats
-from torch_fce.ops.triton.rows import triton_shard_grad, triton_shard_stats
+from torch_fce.ops.rowmath.ce import torch_ce_stats, torch_shard_grad, torch_shard_stats
+from torch_fce.ops.rowmath.triton.ce import triton_shard_grad, triton_shard_stats
 from torch_fce.testing import make_inputs, rel_err
 from tests.helpers import (
     EPS, LOSS_TOL, allowed_error, grad_tol, reference_loss_and_grads, torch_loss_and_grads)
@@ -121,7 +121,7 @@ def test_triton_backend_is_registered_for_cuda():
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_triton_kahan_gemm_rounds_once(dtype):
-    from torch_fce.ops.triton.kahan import _launch_kahan_addmm
+    from torch_fce.ops.loop.kahan import _launch_kahan_addmm
 
     g = torch.Generator().manual_seed(0)
     K, M, N = 19, 37, 21  # not multiples of the blocks
@@ -153,7 +153,8 @@ def test_triton_rows_zero_non_finite_ignored_rows(reduction):
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="CUDA runs it through the CUDA backend tests")
 def test_triton_kahan_accumulator_through_the_op(monkeypatch):
-    from torch_fce.ops import accumulate, workspace
+    from torch_fce.ops.loop import accumulate
+    from torch_fce.ops.loop import workspace
 
     from .test_linear_ce_reference import assert_matches_reference
 
@@ -165,7 +166,7 @@ def test_triton_kahan_accumulator_through_the_op(monkeypatch):
 
 
 def test_triton_scale_cast_rounds_once():
-    from torch_fce.ops.triton.scale import _launch_scale_cast
+    from torch_fce.ops.machinery.scale import _launch_scale_cast
 
     x = torch.randn(5000, generator=torch.Generator().manual_seed(0)).to(DEVICE)
     out = torch.empty(5000, dtype=torch.bfloat16, device=DEVICE)

@@ -10,13 +10,14 @@ import torch.nn.functional as F
 from hypothesis import given, strategies as st
 
 import torch_fce
-from torch_fce.ops import chunked, linear_logprobs
+from torch_fce.ops.loop import chunked
+from torch_fce.ops import linear_logprobs
 from torch_fce.ops.linear_ce import CEOptions
 from torch_fce.ops.linear_logprobs import LogProbOptions
-from torch_fce.ops.logprob_rows import TORCH_LOGPROB_ROWS, empty_tile_stats, finish_stats
-from torch_fce.ops.rows import TORCH_CE_ROWS
-from torch_fce.ops.triton.logprob_rows import TRITON_LOGPROB_ROWS
-from torch_fce.ops.triton.rows import TRITON_CE_ROWS
+from torch_fce.ops.rowmath.logprob import TORCH_LOGPROB_ROWS, empty_tile_stats, finish_stats
+from torch_fce.ops.rowmath.ce import TORCH_CE_ROWS
+from torch_fce.ops.rowmath.triton.logprob import TRITON_LOGPROB_ROWS
+from torch_fce.ops.rowmath.triton.ce import TRITON_CE_ROWS
 from torch_fce.testing import make_inputs, rel_err
 from tests.helpers import (
     EPS, capture_cuda_graph, confident_grads, confident_inputs, logprob_composition,

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import torch_fce
-from torch_fce.ops import dispatch
+from torch_fce.ops.machinery import dispatch
 from torch_fce.testing import rel_err
 
 from .impl import BACKENDS, chunks

@@ -4,11 +4,11 @@ call spreads it, and bad values are refused naming the option, in one place."""
 import pytest
 import torch
 
-from torch_fce.ops.chunked import ONE_DEVICE, Shard
+from torch_fce.ops.loop.chunked import ONE_DEVICE, Shard
 from torch_fce.ops.linear_ce import CEOptions
 from torch_fce.ops.linear_logprobs import LogProbOptions
 from torch_fce.ops.linear_policy_loss import PolicyOptions
-from torch_fce.ops.options import take
+from torch_fce.ops.contract.options import take
 
 # op -> (record, the tensor arguments before it, what follows the shard)
 OPS = {

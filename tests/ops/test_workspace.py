@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import torch_fce
-from torch_fce.ops import workspace
+from torch_fce.ops.loop import workspace
 
 
 @pytest.fixture

@@ -2,7 +2,7 @@
 
 Each rank holds rows [vocab_start, vocab_start + Vs) of the (V, D) head (Megatron's
 column-parallel lm head) and the full hidden states, targets and per-token tensors.
-These are the single-device ops with a `Shard` (ops/chunked.py): the same custom ops,
+These are the single-device ops with a `Shard` (ops/loop/chunked.py): the same custom ops,
 fake kernels, autograd and chunk loop, whose row functions all-reduce each chunk's
 per-row statistics (functional collectives, run inside the op: under torch.compile the
 loss is one custom-op node with its fake kernel) before any
@@ -14,10 +14,13 @@ agrees on the tiling (before the op, outside torch.compile) and the result types
 import torch
 import torch.distributed as dist
 
-from ..ops import checks
-from ..ops import linear_ce, linear_distillation, linear_logprobs, linear_policy_loss
-from ..ops.chunked import Shard, chunk_rows_for
-from ..ops.tokens import advantages_tensor, temperature_tensor
+from ..ops.contract import checks
+from ..ops import linear_ce
+from ..ops import linear_distillation
+from ..ops import linear_logprobs
+from ..ops import linear_policy_loss
+from ..ops.loop.chunked import Shard, chunk_rows_for
+from ..ops.loop.tokens import advantages_tensor, temperature_tensor
 from ..results import DistillationStats, LogProbs, PolicyStats
 
 

@@ -27,10 +27,10 @@ import torch
 
 from ..functional import (linear_cross_entropy, linear_distillation_loss, linear_logprobs,
                           linear_policy_loss, shift_targets)
-from ..ops.chunked import math_dtype_for
-from ..ops.entry import autocast_operands
+from ..ops.loop.chunked import math_dtype_for
+from ..ops.contract.entry import autocast_operands
 from ..ops.linear_logprobs import LogProbOptions
-from ..ops.workspace import head_bound
+from ..ops.loop.workspace import head_bound
 from . import transformers as fce_hf
 from .transformers import capture_of, head_operands, is_attached
 

@@ -1,7 +1,11 @@
-"""Registers the fce:: ops. Each op's room (linear_ce, linear_logprobs,
-linear_policy_loss, linear_distillation, linear_soft_ce) holds its options, schemas, entry, fake
-kernels, autograd and implementation; dispatch.py picks each device's row functions
-(docs/design.md)."""
+"""The ops, registered on import. Each room (linear_ce, linear_logprobs,
+linear_policy_loss, linear_distillation, linear_soft_ce) holds one op whole: its options
+record, schemas, entry, fake kernels, autograd and implementation. Below the rooms, in
+the order they import each other (docs/design.md): machinery/ (the op library, the
+backends' dispatch, the autograd helpers), rowmath/ (each family's per-row math, PyTorch
+and Triton twins), loop/ (the chunked loop, its workspace and weight-gradient sums),
+contract/ (the records' schema text, argument checks, what every entry does)."""
 
-from . import (grads, linear_ce, linear_distillation, linear_logprobs,  # noqa: F401
+from . import (linear_ce, linear_distillation, linear_logprobs,  # noqa: F401
                linear_policy_loss, linear_soft_ce)
+from .machinery import grads  # noqa: F401  (fce::scale_grad)

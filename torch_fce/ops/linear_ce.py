@@ -15,15 +15,16 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from . import checks, grads
-from .chunked import (ONE_DEVICE, Shard, after_first_gemm, chunk_rows_for, grad_outputs,
+from .contract import checks
+from .machinery import grads
+from .loop.chunked import (ONE_DEVICE, Shard, after_first_gemm, chunk_rows_for, grad_outputs,
                       logits_dtype_for, math_dtype_for, no_autocast, run_chunks)
-from .dispatch import LIB, kernel
-from .entry import autocast_operands, flat, int64_if_needed, needs_grad, refuse_transforms, rows
-from .options import as_float, check_bool, check_choice, got, schema_args, take
-from .rows import CETerms, dft_weight, grad_coefficients
-from .tokens import counted_target_weights, grad_scales, reduce_loss
-from .workspace import head_bounded
+from .machinery.dispatch import LIB, kernel
+from .contract.entry import autocast_operands, flat, int64_if_needed, needs_grad, refuse_transforms, rows
+from .contract.options import as_float, check_bool, check_choice, got, schema_args, take
+from .rowmath.ce import CETerms, dft_weight, grad_coefficients
+from .loop.tokens import counted_target_weights, grad_scales, reduce_loss
+from .loop.workspace import head_bounded
 
 REDUCTIONS = ("mean", "sum", "none")
 

@@ -8,7 +8,7 @@ w_t * (divergence_t + hard_weight * CE_t): the divergence between the student's 
 teacher's next-token distributions at temperature T (TRL's generalized JSD, beta 0:
 KL(teacher || student), 1: KL(student || teacher)) and the student's cross entropy at the
 target (temperature 1), each head's logits after its scale and softcap
-(distill_rows.py has the formulas). The loss is a scalar, so the forward forms the
+(rowmath/distill.py has the formulas). The loss is a scalar, so the forward forms the
 student's gradients for a unit upstream gradient in four GEMMs: per chunk the teacher's
 logits (no gradient), the student's (the loop's), and the two gradient GEMMs; the
 backward scales them. The teacher receives no gradient.
@@ -18,18 +18,19 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from . import checks, grads
-from .chunked import (ONE_DEVICE, LogitsGemm, Shard, after_first_gemm, chunk_rows_for,
+from .contract import checks
+from .machinery import grads
+from .loop.chunked import (ONE_DEVICE, LogitsGemm, Shard, after_first_gemm, chunk_rows_for,
                       grad_outputs, inverse_temperature, logits_dtype_for, math_dtype_for,
                       no_autocast, run_chunks)
-from .distill_rows import TORCH_DISTILL_ROWS
-from .dispatch import LIB, kernel
-from .entry import (autocast_operands, flat, forward_needs_grad, int64_if_needed,
+from .rowmath.distill import TORCH_DISTILL_ROWS
+from .machinery.dispatch import LIB, kernel
+from .contract.entry import (autocast_operands, flat, forward_needs_grad, int64_if_needed,
                     refuse_transforms, rows)
-from .options import as_float, got, schema_args, take, value
-from .tokens import token_weights
+from .contract.options import as_float, got, schema_args, take, value
+from .loop.tokens import token_weights
 
-# the CUDA default workspace as a multiple of the loop's (workspace.py says why)
+# the CUDA default workspace as a multiple of the loop's (loop/workspace.py says why)
 _WORKSPACE_SCALE = 1.5
 
 
@@ -206,7 +207,7 @@ grads.register_forward_grads_autograd("linear_distillation_loss_fwd", (0, 1, 5),
 def fwd(hidden, weight, teacher_hidden, teacher_weight, target, bias, teacher_bias,
         token_weights_, temperature, *args, backend):
     """(loss, grad_hidden, grad_weight, grad_bias, divergence, entropy): per chunk the
-    teacher's logits, then the row math on both (distill_rows.py) over the student's.
+    teacher's logits, then the row math on both (rowmath/distill.py) over the student's.
     With a Shard, both heads' logits are this rank's classes and the row math's sums
     are all-reduced (the PyTorch rows on every device: the Triton kernel sweeps whole
     rows)."""

@@ -11,14 +11,15 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from . import checks, grads
-from .chunked import (ONE_DEVICE, Shard, after_first_gemm, by_vocab, chunk_rows_for,
+from .contract import checks
+from .machinery import grads
+from .loop.chunked import (ONE_DEVICE, Shard, after_first_gemm, by_vocab, chunk_rows_for,
                       grad_outputs, inverse_temperature, logits_dtype_for, math_dtype_for,
                       no_autocast, run_chunks)
-from .dispatch import LIB, kernel
-from .entry import autocast_operands, flat, int64_if_needed, refuse_transforms, rows
-from .logprob_rows import all_reduce_tile_stats, empty_tile_stats, finish_stats
-from .options import check_bool, schema_args, take
+from .machinery.dispatch import LIB, kernel
+from .contract.entry import autocast_operands, flat, int64_if_needed, refuse_transforms, rows
+from .rowmath.logprob import all_reduce_tile_stats, empty_tile_stats, finish_stats
+from .contract.options import check_bool, schema_args, take
 
 
 class LogProbOptions(NamedTuple):

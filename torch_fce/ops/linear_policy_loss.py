@@ -27,16 +27,17 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from . import checks, grads
-from .chunked import (ONE_DEVICE, Shard, after_first_gemm, chunk_rows_for, grad_outputs,
+from .contract import checks
+from .machinery import grads
+from .loop.chunked import (ONE_DEVICE, Shard, after_first_gemm, chunk_rows_for, grad_outputs,
                       inverse_temperature, logits_dtype_for, math_dtype_for, no_autocast,
                       run_chunks)
-from .dispatch import LIB, kernel
-from .logprob_rows import shard_stats
-from .entry import (autocast_operands, flat, forward_needs_grad, int64_if_needed,
+from .machinery.dispatch import LIB, kernel
+from .rowmath.logprob import shard_stats
+from .contract.entry import (autocast_operands, flat, forward_needs_grad, int64_if_needed,
                     refuse_transforms, rows)
-from .options import as_float, check_choice, got, schema_args, take
-from .tokens import token_weights
+from .contract.options import as_float, check_choice, got, schema_args, take
+from .loop.tokens import token_weights
 
 LOSS_TYPES = ("clip", "cispo", "sapo", "reinforce")
 KL_ESTIMATORS = ("k1", "k2", "k3")

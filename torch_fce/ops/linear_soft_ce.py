@@ -7,7 +7,7 @@ loss = sum over the tokens counted of w_t * (-sum_k p_k log softmax(z / T)[idx_k
 cross entropy of the student's next-token distribution at temperature T to a teacher's
 stored top-k (idx, p), (N, k) per token (offline distillation); an index equal to
 ignore_index is skipped, a token whose indices are all skipped is not counted; w_t the
-token weights, or 1 / the tokens counted (distill_rows.soft_ce_rows has the formulas).
+token weights, or 1 / the tokens counted (distill.soft_ce_rows has the formulas).
 The loss is a scalar, so the forward forms the gradients for a unit upstream gradient
 in three GEMMs (the logits, dz @ W, dz.T @ h); the backward scales them.
 """
@@ -16,13 +16,14 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from . import checks, grads
-from .chunked import (after_first_gemm, chunk_rows_for, grad_outputs, inverse_temperature,
+from .contract import checks
+from .machinery import grads
+from .loop.chunked import (after_first_gemm, chunk_rows_for, grad_outputs, inverse_temperature,
                       logits_dtype_for, math_dtype_for, no_autocast, run_chunks)
-from .dispatch import LIB, kernel
-from .entry import autocast_operands, flat, forward_needs_grad, refuse_transforms, rows
-from .options import schema_args, take
-from .tokens import token_weights
+from .machinery.dispatch import LIB, kernel
+from .contract.entry import autocast_operands, flat, forward_needs_grad, refuse_transforms, rows
+from .contract.options import schema_args, take
+from .loop.tokens import token_weights
 
 
 class SoftCEOptions(NamedTuple):
@@ -119,7 +120,7 @@ grads.register_forward_grads_autograd("linear_soft_cross_entropy_fwd", (0, 1, 4)
 @kernel("linear_soft_cross_entropy_fwd")
 def fwd(hidden, weight, idx, probs, bias, token_weights_, temperature, *args, backend):
     """(loss, grad_hidden, grad_weight, grad_bias): per chunk the logits, then the
-    backend's soft_ce rows (distill_rows.py) over them."""
+    backend's soft_ce rows (rowmath/distill.py) over them."""
     opts, (needs,) = take(SoftCEOptions, args)
     opts = opts.check()
     V = weight.shape[0]

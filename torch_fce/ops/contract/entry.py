@@ -4,7 +4,7 @@ apply autocast as F.linear would, and flatten the token dimensions."""
 import torch
 import torch.autograd.forward_ad as fwAD
 
-from .chunked import autocast_enabled
+from ..loop.chunked import autocast_enabled
 
 _NO_TRANSFORMS = (
     "torch_fce's ops (fce::linear_ce, fce::linear_logprobs, fce::linear_policy_loss) have "

@@ -1,5 +1,5 @@
 """Triton row kernels for the distillation family: the twins of
-distill_rows.divergence_rows and soft_ce_rows.
+distill.divergence_rows and soft_ce_rows.
 
 One program per token row, sweeping both heads' logits rows (float32 by default, as
 the GEMMs summed them): sweep 1 forms both logsumexps at temperature (and the
@@ -21,8 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..distill_rows import DistillRows, RowMath, sparse_targets
-from .rows import _NEG_BIG, _block_v, _tanh, dz_buffer
+from ..distill import DistillRows, RowMath, sparse_targets
+from .ce import _NEG_BIG, _block_v, _tanh, dz_buffer
 
 _WARPS = 8  # the launch's warps (benchmarks/probes/distill_profile.py measures others)
 
@@ -55,7 +55,7 @@ def _start(BLOCK_V: tl.constexpr):
 def _log_probs(a_s, a_t, inv_t, m_s, ls_s, m_t, ls_t, log_1mb, log_b, KIND: tl.constexpr):
     """(log q, log p, g, log m) of a block, relative to each row's max (exact near it,
     so a confident row keeps float32 precision): g the reverse KL's (log q - log p) or
-    the JSD's (log q - log m) gradient factor (distill_rows.py), log m the JSD's mixture
+    the JSD's (log q - log m) gradient factor (rowmath/distill.py), log m the JSD's mixture
     logaddexp(log q + log(1 - beta), log p + log(beta)); 0 where not used."""
     lq = (a_s * inv_t - m_s) - ls_s
     lp = (a_t * inv_t - m_t) - ls_t
@@ -226,7 +226,7 @@ def _soft_ce_rows_kernel(z_ptr, dz_ptr, inv_t_ptr, a_ptr, m_ptr, ls_ptr, V, stri
 
 
 def triton_soft_ce_rows(z, idx, probs, inv_t, weights, opts, mdt, dz_dtype, want_grad):
-    """distill_rows.soft_ce_rows on the Triton kernel, the target classes' values
+    """distill.soft_ce_rows on the Triton kernel, the target classes' values
     formed from their gathered logits."""
     n, V = z.shape
     assert mdt == torch.float32 and z.stride(1) == 1
@@ -254,7 +254,7 @@ def triton_soft_ce_rows(z, idx, probs, inv_t, weights, opts, mdt, dz_dtype, want
 
 def triton_divergence_rows(z_s, z_t, target, valid, inv_t, weights, opts, mdt, dz_dtype,
                            want_grad):
-    """distill_rows.divergence_rows on the Triton kernel (valid is read from target)."""
+    """distill.divergence_rows on the Triton kernel (valid is read from target)."""
     n, V = z_s.shape
     assert mdt == torch.float32 and z_s.stride(1) == 1 and z_t.stride(1) == 1
     loss_t, div, ent = (z_s.new_empty(n, dtype=torch.float32) for _ in range(3))

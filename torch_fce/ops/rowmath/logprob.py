@@ -1,5 +1,5 @@
 """Per-row log-prob math in plain PyTorch (the rows of every device but CUDA with
-Triton): the counterpart of the Triton log-prob row kernel (triton/logprob_rows.py).
+Triton): the counterpart of the Triton log-prob row kernel (rowmath/triton/logprob.py).
 
 For a chunk of logits rows l (n, V) (after bias), with z = softcap(l) / T (T the row's
 temperature) and p = softmax(z):
@@ -23,7 +23,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from .rows import first_max, softcapped
+from .ce import first_max, softcapped
 
 
 class TileStats(NamedTuple):

@@ -64,7 +64,7 @@ class GradAccumulator:
 
     def _kahan_add(self, a, b):
         if (a.device.type == "cuda" and _HAS_TRITON) or _TRITON_ON_CPU:
-            from .triton.kahan import _launch_kahan_addmm
+            from .kahan import _launch_kahan_addmm
 
             return _launch_kahan_addmm(a, b, self.acc, self.comp)
         rows = max(1, _KAHAN_BLOCK_ELEMS // max(1, b.shape[1]))

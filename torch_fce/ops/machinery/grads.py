@@ -10,7 +10,7 @@ instead of returning stale gradients.
 
 import torch
 
-from .chunked import grad_dtype
+from ..loop.chunked import grad_dtype
 from .dispatch import HAS_TRITON, LIB
 
 _NO_DOUBLE = (
@@ -30,7 +30,7 @@ def _scale_grad(grad, scale, dtype):
     if grad.device.type == "cuda" and HAS_TRITON:
         if torch.float64 in (grad.dtype, dtype):  # the kernel multiplies in float32
             return (grad * scale.to(grad)).to(dtype)
-        from .triton.scale import _launch_scale_cast  # one pass: no float32 temporary
+        from .scale import _launch_scale_cast  # one pass: no float32 temporary
 
         out = grad.new_empty(grad.shape, dtype=dtype)
         _launch_scale_cast(grad.contiguous(), scale.to(grad.device), out)

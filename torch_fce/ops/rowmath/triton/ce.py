@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..rows import CERows, CETerms
+from ..ce import CERows, CETerms
 
 # float32's lowest, a finite "minus infinity" for running maxima: m_old - m_new stays a
 # number for rows that are -inf so far, and no finite logit is below it.
@@ -73,7 +73,7 @@ def _sweep_start(BLOCK_V: tl.constexpr):
 @triton.jit
 def _rebased_ez(ez, s, m, m_new):
     """ez relative to a larger max m_new, before the exp(m - m_new) scale: 0 for no
-    classes (s = 0), where m - m_new may overflow to -inf (logprob_rows.rebased_ez)."""
+    classes (s = 0), where m - m_new may overflow to -inf (logprob.rebased_ez)."""
     return tl.where(s > 0.0, ez + (m - m_new) * s, 0.0)
 
 
@@ -251,7 +251,7 @@ def _flags(logits, cw, opts):
 
 
 def triton_ce_stats(logits, target, class_weight, opts, token_stats, math_dtype):
-    """CERows.stats (rows.py) on the Triton kernel: one sweep per row."""
+    """CERows.stats (rowmath/ce.py) on the Triton kernel: one sweep per row."""
     return _launch_rows(logits, target, class_weight, None, opts, token_stats, math_dtype,
                         None)[0]
 

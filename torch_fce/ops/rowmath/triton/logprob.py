@@ -1,10 +1,10 @@
 """Triton row kernel for the log-probs: logsumexp, log-prob, entropy, argmax and the
-logits gradient of a logits chunk (the math of logprob_rows.py, its LogProbRows).
+logits gradient of a logits chunk (the math of rowmath/logprob.py, its LogProbRows).
 
 One program per token row. The forward sweeps a row once, forming the logsumexp, the
 entropy's sum_c p_c z_c and the argmax online (on a vocabulary tile, it merges the
-tile's sums into the running ones, as logprob_rows.merge_tile_stats); the backward,
-given the forward's row statistics relative to the row max (logprob_rows.py), sweeps it
+tile's sums into the running ones, as logprob.merge_tile_stats); the backward,
+given the forward's row statistics relative to the row max (rowmath/logprob.py), sweeps it
 once more, writing the logits gradient over the recomputed logits in place: each pass
 reads a chunk once (and the backward writes it once), in its own dtype.
 """
@@ -13,8 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..logprob_rows import LogProbRows, shard_stats
-from .rows import _block_max, _block_v, _load_z, _rebased_ez, _sweep_start, dz_buffer
+from ..logprob import LogProbRows, shard_stats
+from .ce import _block_max, _block_v, _load_z, _rebased_ez, _sweep_start, dz_buffer
 
 
 @triton.jit
@@ -52,7 +52,7 @@ def _stats_sweep(row_ptr, V, inv_t, softcap, HAS_SOFTCAP: tl.constexpr,
 @triton.jit
 def _merge(acc_ptr, n, row, m, s, ez, best, z_y):
     """Folds a tile's (m, s, ez, best, z_y) of a row into the running ones at acc_ptr
-    (5, n) (as logprob_rows.merge_tile_stats); returns whether the tile's best won."""
+    (5, n) (as logprob.merge_tile_stats); returns whether the tile's best won."""
     m0 = tl.load(acc_ptr + row)
     s0 = tl.load(acc_ptr + n + row)
     ez0 = tl.load(acc_ptr + 2 * n + row)
@@ -112,7 +112,7 @@ def _linear_logprobs_rows_kernel(
             d = ez / s
             lse = m + log_s
             # Out-of-range targets never read out of bounds: they poison the row with NaN.
-            # (z_y - m) - log s: exact near the max (logprob_rows.finish_stats)
+            # (z_y - m) - log s: exact near the max (logprob.finish_stats)
             lp = tl.where(here, (z_y - m) - log_s, float("nan"))
             tl.store(logprob_ptr + row, tl.where(valid, lp, 0.0))
             tl.store(lse_ptr + row, lse)
@@ -151,14 +151,14 @@ def _linear_logprobs_rows_kernel(
 
 
 def triton_logprob_stats(logits, target, inv_t, opts, entropy, math_dtype):
-    """LogProbRows.stats (logprob_rows.py) on the Triton kernel: one sweep per row."""
+    """LogProbRows.stats (rowmath/logprob.py) on the Triton kernel: one sweep per row."""
     assert math_dtype == torch.float32
     return _launch(logits, target, inv_t, opts, entropy, None)[:5]
 
 
 def triton_logprob_tile_stats(logits, target, inv_t, opts, entropy, math_dtype, col0, into):
     """LogProbRows.tile_stats: the tile's sums merged into `into` (made by
-    logprob_rows.empty_tile_stats) in the kernel."""
+    logprob.empty_tile_stats) in the kernel."""
     assert math_dtype == torch.float32
     _launch(logits, target, inv_t, opts, entropy, None, col0, into)
 

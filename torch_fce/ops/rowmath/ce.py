@@ -1,5 +1,5 @@
 """Per-row cross-entropy math in plain PyTorch (the rows of every device but CUDA with
-Triton): the counterpart of the Triton row kernel (triton/rows.py).
+Triton): the counterpart of the Triton row kernel (rowmath/triton/ce.py).
 
 For a chunk of logits rows z (n, V) (after bias), with p = softmax(softcap(z)):
   lse    = logsumexp(softcap(z))
@@ -19,7 +19,7 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
-from .tokens import counted_target_weights
+from ..loop.tokens import counted_target_weights
 
 
 class CETerms(NamedTuple):

@@ -20,7 +20,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from .chunked import ONE_DEVICE, math_dtype_for
+from ..loop.chunked import ONE_DEVICE, math_dtype_for
 
 
 class RowMath(NamedTuple):

@@ -13,10 +13,10 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import checks
-from .distill_rows import TORCH_DISTILL_ROWS
-from .logprob_rows import TORCH_LOGPROB_ROWS
-from .rows import TORCH_CE_ROWS
+from ..contract import checks
+from ..rowmath.distill import TORCH_DISTILL_ROWS
+from ..rowmath.logprob import TORCH_LOGPROB_ROWS
+from ..rowmath.ce import TORCH_CE_ROWS
 
 LIB = torch.library.Library("fce", "DEF")
 
@@ -24,8 +24,8 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
 class Backend(NamedTuple):
-    """A device's row functions (rows.CERows, logprob_rows.LogProbRows,
-    distill_rows.DistillRows) and whether its kernels check target and temperature
+    """A device's row functions (ce.CERows, logprob.LogProbRows,
+    distill.DistillRows) and whether its kernels check target and temperature
     values (a host sync: always on the CPU, opt-in elsewhere with
     TORCH_FCE_CHECK_TARGETS=1, docs/api.md)."""
     ce: Any
@@ -36,9 +36,9 @@ class Backend(NamedTuple):
 
 @functools.cache
 def _triton_rows():
-    from .triton.distill_rows import TRITON_DISTILL_ROWS
-    from .triton.logprob_rows import TRITON_LOGPROB_ROWS
-    from .triton.rows import TRITON_CE_ROWS
+    from ..rowmath.triton.distill import TRITON_DISTILL_ROWS
+    from ..rowmath.triton.logprob import TRITON_LOGPROB_ROWS
+    from ..rowmath.triton.ce import TRITON_CE_ROWS
 
     return TRITON_CE_ROWS, TRITON_LOGPROB_ROWS, TRITON_DISTILL_ROWS
 

@@ -1,1 +1,0 @@
-"""Triton kernels (no autograd, no torch.library: the launchers are called by backends)."""
