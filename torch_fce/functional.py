@@ -9,7 +9,7 @@ from .ops.linear_distillation import DistillOptions
 from .ops.linear_logprobs import LogProbOptions
 from .ops.linear_policy_loss import PolicyOptions
 from .ops.linear_soft_ce import SoftCEOptions
-from .ops.loop.tokens import advantages_tensor, temperature_tensor
+from .ops.contract.entry import advantages_tensor, temperature_tensor
 from .results import DistillationStats, LogProbs, LossStats, PolicyStats
 
 

@@ -4,7 +4,7 @@ call spreads it, and bad values are refused naming the option, in one place."""
 import pytest
 import torch
 
-from torch_fce.ops.loop.chunked import ONE_DEVICE, Shard
+from torch_fce.ops.loop.chunked import ONE_DEVICE, VocabShard
 from torch_fce.ops.linear_ce import CEOptions
 from torch_fce.ops.linear_logprobs import LogProbOptions
 from torch_fce.ops.linear_policy_loss import PolicyOptions
@@ -24,7 +24,7 @@ OPS = {
 def test_internal_schemas_are_the_record_then_the_shard(name):
     record, before, after = OPS[name]
     args = [a.name for a in getattr(torch.ops.fce, name).default._schema.arguments]
-    assert args[before:] == [*record._fields, *Shard._fields, *after]
+    assert args[before:] == [*record._fields, *VocabShard._fields, *after]
 
 
 @pytest.mark.parametrize("public, record", [("linear_ce", CEOptions),
@@ -39,7 +39,7 @@ def test_public_schemas_take_the_record_by_keyword_with_its_defaults(public, rec
 def test_take_reads_back_a_spread_record():
     opts = PolicyOptions(loss_type="sapo", beta=0.1, ignore_index=7)
     got, rest = take(PolicyOptions, (*opts, *ONE_DEVICE, [True] * 3))
-    assert got == opts and take(Shard, rest) == (ONE_DEVICE, ([True] * 3,))
+    assert got == opts and take(VocabShard, rest) == (ONE_DEVICE, ([True] * 3,))
 
 
 @pytest.mark.parametrize("opts, name", [

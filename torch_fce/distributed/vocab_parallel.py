@@ -2,7 +2,7 @@
 
 Each rank holds rows [vocab_start, vocab_start + Vs) of the (V, D) head (Megatron's
 column-parallel lm head) and the full hidden states, targets and per-token tensors.
-These are the single-device ops with a `Shard` (ops/loop/chunked.py): the same custom ops,
+These are the single-device ops with a `VocabShard` (ops/loop/chunked.py): the same custom ops,
 fake kernels, autograd and chunk loop, whose row functions all-reduce each chunk's
 per-row statistics (functional collectives, run inside the op: under torch.compile the
 loss is one custom-op node with its fake kernel) before any
@@ -11,56 +11,11 @@ float32 partial sums are all-reduced once. Here: the collective checks that ever
 agrees on the tiling (before the op, outside torch.compile) and the result types.
 """
 
-import torch
-import torch.distributed as dist
 
-from ..ops.contract import checks
-from ..ops import linear_ce
-from ..ops import linear_distillation
-from ..ops import linear_logprobs
-from ..ops import linear_policy_loss
-from ..ops.loop.chunked import Shard, chunk_rows_for
-from ..ops.loop.tokens import advantages_tensor, temperature_tensor
+from ..ops import linear_ce, linear_distillation, linear_logprobs, linear_policy_loss
+from ..ops.contract.entry import advantages_tensor, temperature_tensor
+from ..ops.machinery.shards import checked_shard
 from ..results import DistillationStats, LogProbs, PolicyStats
-
-
-def _check_tiling(hidden, weight, target, vocab_start, vocab_size, group):
-    """Every rank sees every rank's shard, so all raise the same error (no hang). The
-    token chunks too must agree (each chunk's statistics are all-reduced): they depend
-    on each process's workspace setting and its GPU's memory."""
-    N, D = target.numel(), hidden.shape[-1]
-    chunk = chunk_rows_for(hidden.reshape(-1, D), weight,
-                           _make_shard(vocab_start, vocab_size, group)) if N else 0
-    mine = torch.tensor([vocab_start, weight.shape[0], N, D, vocab_size, chunk],
-                        dtype=torch.int64, device=hidden.device)
-    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(everyone, mine, group=group)
-    rows = sorted(tuple(t.tolist()) for t in everyone)
-    if len({r[2:5] for r in rows}) != 1:
-        raise ValueError(f"hidden/target/vocab_size differ across ranks: (N, D, V) per "
-                         f"rank = {[r[2:5] for r in rows]}")
-    if len({r[5] for r in rows}) != 1:
-        raise ValueError(f"the ranks cut different token chunks ({sorted({r[5] for r in rows})}"
-                         " rows): give every rank the same torch_fce.set_workspace")
-    ends = [0] + [start + size for start, size, *_ in rows]
-    if [r[0] for r in rows] != ends[:-1] or ends[-1] != vocab_size:
-        raise ValueError(f"vocab_start/weight shards do not tile [0, {vocab_size}): "
-                         f"(start, rows) per rank = {[r[:2] for r in rows]}")
-
-
-def _shard(hidden, weight, target, vocab_start, vocab_size, group, class_weight=None):
-    """The Shard of this rank, after the collective checks of the shards and, on the CPU
-    or when asked for (a host sync), the kernels check targets and temperatures."""
-    group = group or dist.group.WORLD
-    if not torch.compiler.is_compiling():
-        # before the collective check: every rank raises alike, none waits on another
-        checks.check_inputs(hidden, weight, target, None, class_weight, vocab_size)
-        _check_tiling(hidden, weight, target, vocab_start, vocab_size, group)
-    return _make_shard(vocab_start, vocab_size, group)
-
-
-def _make_shard(vocab_start, vocab_size, group):
-    return Shard(group.group_name, vocab_start, vocab_size, dist.get_world_size(group))
 
 
 def vocab_parallel_linear_cross_entropy(hidden, weight, target, bias=None, class_weight=None,
@@ -77,7 +32,7 @@ def vocab_parallel_linear_cross_entropy(hidden, weight, target, bias=None, class
         The loss (float32), identical on every rank: () or target.shape.
     """
     opts = linear_ce.CEOptions(**options).check()
-    shard = _shard(hidden, weight, target, vocab_start, vocab_size, group, class_weight)
+    shard = checked_shard(hidden, weight, target, vocab_start, vocab_size, group, class_weight)
     return linear_ce.forward(hidden, weight, target, bias, class_weight, opts, False,
                              shard)[0]
 
@@ -95,7 +50,7 @@ def vocab_parallel_linear_logprobs(hidden, weight, target, bias=None, *, vocab_s
     """
     opts = linear_logprobs.LogProbOptions(**options).check()
     temperature = temperature_tensor(1.0 if temperature is None else temperature, target)
-    shard = _shard(hidden, weight, target, vocab_start, vocab_size, group)
+    shard = checked_shard(hidden, weight, target, vocab_start, vocab_size, group)
     out = linear_logprobs.forward(hidden, weight, target, bias, temperature, opts, shard)
     return LogProbs(out[0], out[1] if opts.entropy else None, out[2], out[3])
 
@@ -115,7 +70,7 @@ def vocab_parallel_linear_policy_loss(hidden, weight, target, advantages, bias=N
     opts = linear_policy_loss.PolicyOptions(**options).check()
     temperature = temperature_tensor(1.0 if temperature is None else temperature, target)
     advantages = advantages_tensor(advantages, target)
-    shard = _shard(hidden, weight, target, vocab_start, vocab_size, group)
+    shard = checked_shard(hidden, weight, target, vocab_start, vocab_size, group)
     loss, *stats = linear_policy_loss.forward(
         hidden, weight, target, advantages, bias,
         (old_logprobs, ref_logprobs, token_weights, temperature), opts, shard)
@@ -142,7 +97,7 @@ def vocab_parallel_linear_distillation_loss(hidden, weight, teacher_hidden, teac
     opts = linear_distillation.DistillOptions(**options).check()
     tokens = linear_distillation.tokens_of(hidden, target)
     temperature = temperature_tensor(1.0 if temperature is None else temperature, tokens)
-    shard = _shard(hidden, weight, tokens, vocab_start, vocab_size, group)
+    shard = checked_shard(hidden, weight, tokens, vocab_start, vocab_size, group)
     loss, *stats = linear_distillation.forward(
         hidden, weight, teacher_hidden, teacher_weight,
         (target, bias, teacher_bias, token_weights, temperature), opts, shard)

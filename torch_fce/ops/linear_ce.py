@@ -17,7 +17,7 @@ import torch
 
 from .contract import checks
 from .machinery import grads
-from .loop.chunked import (ONE_DEVICE, Shard, after_first_gemm, chunk_rows_for, grad_outputs,
+from .loop.chunked import (ONE_DEVICE, VocabShard, after_first_gemm, chunk_rows_for, grad_outputs,
                       logits_dtype_for, math_dtype_for, no_autocast, run_chunks)
 from .machinery.dispatch import LIB, kernel
 from .contract.entry import autocast_operands, flat, int64_if_needed, needs_grad, refuse_transforms, rows
@@ -57,7 +57,7 @@ class CEOptions(NamedTuple):
         return self
 
 
-_OPTS, _SHARD = schema_args(CEOptions), schema_args(Shard)
+_OPTS, _SHARD = schema_args(CEOptions), schema_args(VocabShard)
 _TENSORS = ("Tensor hidden, Tensor weight, Tensor target, Tensor? bias=None, "
             "Tensor? class_weight=None")
 LIB.define(f"linear_ce({_TENSORS}, *, {schema_args(CEOptions, True)}) -> Tensor")
@@ -65,7 +65,7 @@ LIB.define(f"linear_ce({_TENSORS}, *, {schema_args(CEOptions, True)}) -> Tensor"
 # target.shape.
 LIB.define(f"linear_ce_stats({_TENSORS}, *, {schema_args(CEOptions, True)}) "
            "-> (Tensor loss, Tensor lse, Tensor argmax, Tensor entropy)")
-# hidden (N, D), target (N,); a Shard: weight holds this rank's classes. Returns the
+# hidden (N, D), target (N,); a VocabShard: weight holds this rank's classes. Returns the
 # loss (() or (N,)) and, for the inputs flagged in needs_grad, the gradients of the loss
 # with unit upstream gradient ((0,) otherwise; requested only for reduction "mean"/
 # "sum"). grad_weight and grad_bias are float32 with the "fp32" accumulator (rounded
@@ -127,7 +127,7 @@ def _linear_ce_stats(hidden, weight, target, bias=None, class_weight=None, **opt
 
 def _checked(hidden, weight, target, bias, class_weight, args):
     opts, rest = take(CEOptions, args)
-    shard, rest = take(Shard, rest)
+    shard, rest = take(VocabShard, rest)
     opts.check()
     checks.check_inputs(hidden, weight, target, bias, class_weight, _sharded_vocab(shard))
     return opts, shard, rest
@@ -173,7 +173,7 @@ _AT = (0, 1, 3)  # hidden, weight and bias among linear_ce_fwd's arguments
 def _setup(ctx, inputs, output):
     hidden, weight, target, bias, class_weight, *args = inputs
     opts, rest = take(CEOptions, args)
-    shard, (needs, _) = take(Shard, rest)
+    shard, (needs, _) = take(VocabShard, rest)
     gh, gw, gb = output[1:4]
     ctx.mark_non_differentiable(*output[1:])  # gh, gw, gb and the token statistics
     ctx.set_materialize_grads(False)  # else autograd makes zero "gradients" of gh, gw, gb
@@ -213,7 +213,7 @@ torch.library.register_autograd("fce::linear_ce_fwd", _backward, setup_context=_
 @kernel("linear_ce_fwd")
 def fwd(hidden, weight, target, bias, class_weight, *args, backend):
     opts, rest = take(CEOptions, args)
-    shard, (needs, stats) = take(Shard, rest)
+    shard, (needs, stats) = take(VocabShard, rest)
     _no_shard_stats(shard, stats)
     V = shard.vocab(weight)
     if backend.check_values:
@@ -237,7 +237,7 @@ def fwd(hidden, weight, target, bias, class_weight, *args, backend):
 @kernel("linear_ce_bwd", hidden=1)
 def bwd(grad_loss, hidden, weight, target, bias, class_weight, *args, backend):
     opts, rest = take(CEOptions, args)
-    shard, (needs,) = take(Shard, rest)
+    shard, (needs,) = take(VocabShard, rest)
     if backend.check_values:
         checks.check_target_range(target, shard.vocab(weight), opts.ignore_index)
     scales = after_first_gemm(lambda: grad_scales(

@@ -20,7 +20,7 @@ import torch
 
 from .contract import checks
 from .machinery import grads
-from .loop.chunked import (ONE_DEVICE, LogitsGemm, Shard, after_first_gemm, chunk_rows_for,
+from .loop.chunked import (ONE_DEVICE, LogitsGemm, VocabShard, after_first_gemm, chunk_rows_for,
                       grad_outputs, inverse_temperature, logits_dtype_for, math_dtype_for,
                       no_autocast, run_chunks)
 from .rowmath.distill import TORCH_DISTILL_ROWS
@@ -64,7 +64,7 @@ class DistillOptions(NamedTuple):
 
 # ---- schemas and the public op -----------------------------------------------------
 
-_OPTS, _SHARD = schema_args(DistillOptions), schema_args(Shard)
+_OPTS, _SHARD = schema_args(DistillOptions), schema_args(VocabShard)
 _TENSORS = ("target", "bias", "teacher_bias", "token_weights", "temperature")
 LIB.define(
     "linear_distillation_loss(Tensor hidden, Tensor weight, Tensor teacher_hidden, "
@@ -174,7 +174,7 @@ def _fwd_fake(hidden, weight, teacher_hidden, teacher_weight, target, bias, teac
               token_weights_, temperature, *args):
     opts, rest = take(DistillOptions, args)
     opts = opts.check()
-    shard, (needs,) = take(Shard, rest)
+    shard, (needs,) = take(VocabShard, rest)
     check_inputs(hidden, weight, teacher_hidden, teacher_weight, target, bias, teacher_bias,
                  token_weights_, temperature, opts)
     mdt = torch.promote_types(hidden.dtype, torch.float32)
@@ -208,12 +208,12 @@ def fwd(hidden, weight, teacher_hidden, teacher_weight, target, bias, teacher_bi
         token_weights_, temperature, *args, backend):
     """(loss, grad_hidden, grad_weight, grad_bias, divergence, entropy): per chunk the
     teacher's logits, then the row math on both (rowmath/distill.py) over the student's.
-    With a Shard, both heads' logits are this rank's classes and the row math's sums
+    With a VocabShard, both heads' logits are this rank's classes and the row math's sums
     are all-reduced (the PyTorch rows on every device: the Triton kernel sweeps whole
     rows)."""
     opts, rest = take(DistillOptions, args)
     opts = opts.check()
-    shard, (needs,) = take(Shard, rest)
+    shard, (needs,) = take(VocabShard, rest)
     if backend.check_values:
         if target is not None:
             checks.check_target_range(target, shard.vocab(weight), opts.ignore_index)

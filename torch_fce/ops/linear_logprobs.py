@@ -13,7 +13,7 @@ import torch
 
 from .contract import checks
 from .machinery import grads
-from .loop.chunked import (ONE_DEVICE, Shard, after_first_gemm, by_vocab, chunk_rows_for,
+from .loop.chunked import (ONE_DEVICE, VocabShard, after_first_gemm, by_vocab, chunk_rows_for,
                       grad_outputs, inverse_temperature, logits_dtype_for, math_dtype_for,
                       no_autocast, run_chunks)
 from .machinery.dispatch import LIB, kernel
@@ -38,7 +38,7 @@ class LogProbOptions(NamedTuple):
         return self
 
 
-_OPTS, _SHARD = schema_args(LogProbOptions), schema_args(Shard)
+_OPTS, _SHARD = schema_args(LogProbOptions), schema_args(VocabShard)
 # The log-softmax of softcap(logits) / temperature at target, its entropy, logsumexp
 # and argmax, each target.shape (entropy (0,) unless entropy=True). temperature: None
 # (1) or target.shape.
@@ -101,7 +101,7 @@ def _fwd_fake(hidden, weight, target, bias, temperature, *args):
 @torch.library.register_fake("fce::linear_logprobs_bwd")
 def _bwd_fake(grad_logprob, grad_entropy, row_stats, hidden, weight, target, bias,
               temperature, *args):
-    (needs,) = take(Shard, take(LogProbOptions, args)[1])[1]
+    (needs,) = take(VocabShard, take(LogProbOptions, args)[1])[1]
     return grads.fake_grads(hidden, weight, bias, needs, keep_f32=False)
 
 
@@ -115,7 +115,7 @@ def _setup(ctx, inputs, output):
     opts, rest = take(LogProbOptions, args)
     ctx.mark_non_differentiable(*output[2:])  # lse, argmax, row_stats
     ctx.set_materialize_grads(False)
-    ctx.opts, ctx.shard = opts, take(Shard, rest)[0]
+    ctx.opts, ctx.shard = opts, take(VocabShard, rest)[0]
     # The forward's row statistics spare the backward a statistics pass over the logits
     # (an internal output: the user cannot edit it in place).
     ctx.save_for_backward(hidden, weight, target, bias, temperature, output[4])
@@ -152,7 +152,7 @@ def fwd(hidden, weight, target, bias, temperature, *args, backend):
     unless asked for. A shard (and vocabulary tiles) merges per-row statistics across
     its blocks of classes, then across the group, then finishes them."""
     opts, rest = take(LogProbOptions, args)
-    shard = take(Shard, rest)[0]
+    shard = take(VocabShard, rest)[0]
     V = shard.vocab(weight)
     if backend.check_values:
         checks.check_target_range(target, V, opts.ignore_index)
@@ -203,7 +203,7 @@ def bwd(grad_logprob, grad_entropy, row_stats, hidden, weight, target, bias, tem
     """Recomputes the logits chunk by chunk and, with the forward's row statistics,
     forms the logits gradient in one pass over them."""
     opts, rest = take(LogProbOptions, args)
-    shard, (needs,) = take(Shard, rest)
+    shard, (needs,) = take(VocabShard, rest)
     N, mdt = hidden.shape[0], math_dtype_for(hidden.dtype)
     inv_t = after_first_gemm(lambda: inverse_temperature(temperature, N, hidden.device, mdt))
     per_token = after_first_gemm(lambda: [None if t is None else t.to(mdt)

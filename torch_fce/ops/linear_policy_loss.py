@@ -29,7 +29,7 @@ import torch
 
 from .contract import checks
 from .machinery import grads
-from .loop.chunked import (ONE_DEVICE, Shard, after_first_gemm, chunk_rows_for, grad_outputs,
+from .loop.chunked import (ONE_DEVICE, VocabShard, after_first_gemm, chunk_rows_for, grad_outputs,
                       inverse_temperature, logits_dtype_for, math_dtype_for, no_autocast,
                       run_chunks)
 from .machinery.dispatch import LIB, kernel
@@ -150,7 +150,7 @@ def _terms(logprob, entropy, valid, advantages, old, ref, weights, opts):
 
 # ---- schemas and the public op -----------------------------------------------------
 
-_OPTS, _SHARD = schema_args(PolicyOptions), schema_args(Shard)
+_OPTS, _SHARD = schema_args(PolicyOptions), schema_args(VocabShard)
 _PER_TOKEN = ("old_logprobs", "ref_logprobs", "token_weights", "temperature")
 LIB.define(
     "linear_policy_loss(Tensor hidden, Tensor weight, Tensor target, Tensor advantages, "
@@ -206,7 +206,7 @@ def _fwd_fake(hidden, weight, target, advantages, bias, *args):
     opts, rest = take(PolicyOptions, args)
     opts = opts.check()
     check_inputs(hidden, weight, target, advantages, bias, per_token, opts)
-    shard, (needs,) = take(Shard, rest)
+    shard, (needs,) = take(VocabShard, rest)
     mdt = torch.promote_types(hidden.dtype, torch.float32)
     return (hidden.new_empty((), dtype=mdt),
             *grads.fake_grads(hidden, weight, bias, needs, opts.accumulator == "fp32",
@@ -239,7 +239,7 @@ def fwd(hidden, weight, target, advantages, bias, old_logprobs, ref_logprobs,
     chunk."""
     opts, rest = take(PolicyOptions, args)
     opts = opts.check()
-    shard, (needs,) = take(Shard, rest)
+    shard, (needs,) = take(VocabShard, rest)
     if backend.check_values:
         checks.check_target_range(target, shard.vocab(weight), opts.ignore_index)
         checks.check_temperature_values(temperature)

@@ -4,7 +4,6 @@ apply autocast as F.linear would, and flatten the token dimensions."""
 import torch
 import torch.autograd.forward_ad as fwAD
 
-from ..loop.chunked import autocast_enabled
 
 _NO_TRANSFORMS = (
     "torch_fce's ops (fce::linear_ce, fce::linear_logprobs, fce::linear_policy_loss) have "
@@ -12,6 +11,13 @@ _NO_TRANSFORMS = (
     "(grad, jvp, jacrev, hessian, dual tensors; vmap of the forward alone runs): use "
     "torch.autograd (loss.backward() or torch.autograd.grad) for its gradients"
 )
+
+
+def autocast_enabled(device_type):
+    try:
+        return torch.is_autocast_enabled(device_type)
+    except RuntimeError:  # a device type without autocast (meta): nothing to cast
+        return False
 
 
 def refuse_transforms(tensors):
@@ -78,3 +84,37 @@ def rows(hidden):
 def flat(t):
     """A per-token tensor (*) as (N,); None stays None."""
     return None if t is None else t.reshape(-1)
+
+
+def temperature_tensor(temperature, target):
+    """None for 1.0; a float > 0 as is checked here; a tensor broadcast to target."""
+    if not isinstance(target, torch.Tensor):
+        raise TypeError(f"target must be a Tensor, got {type(target).__name__}")
+    if isinstance(temperature, torch.Tensor):
+        try:
+            return temperature.expand(target.shape)
+        except RuntimeError:
+            raise ValueError(f"temperature of shape {tuple(temperature.shape)} does not "
+                             f"broadcast to target's shape {tuple(target.shape)}") from None
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+        raise TypeError(f"temperature must be a float or a tensor, got "
+                        f"{type(temperature).__name__}")
+    # NaN fails too. Under torch.compile the kernels check the values instead, as for a
+    # temperature tensor (docs/api.md): raised here, Dynamo would drop the message.
+    if not torch.compiler.is_compiling() and not 0.0 < temperature < float("inf"):
+        raise ValueError(f"temperature must be a finite float > 0, got {temperature}")
+    if temperature == 1.0:
+        return None
+    # float64 holds the Python float exactly; the kernels take it to their math dtype.
+    # Scaling a tensor keeps a compile-time symbolic float symbolic (no compile per value).
+    return torch.ones(target.shape, device=target.device, dtype=torch.float64) * temperature
+
+
+def advantages_tensor(advantages, target):
+    """Per-sequence advantages ((B,) or (B, 1) for a (B, T) target) expanded to target's
+    shape; anything else as given (the checks name a wrong shape)."""
+    if isinstance(advantages, torch.Tensor) and isinstance(target, torch.Tensor) and \
+            target.dim() == 2 and advantages.shape in ((target.shape[0],),
+                                                      (target.shape[0], 1)):
+        return advantages.reshape(-1, 1).expand(target.shape)
+    return advantages

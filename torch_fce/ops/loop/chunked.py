@@ -15,9 +15,9 @@ only in which row functions they bring (dispatch.py). Two layouts ride the same 
   same workspace along the vocabulary; row functions then see every token's logits of
   classes [v0, v1) and merge per-row statistics across tiles; the hidden gradient is a
   float32 sum across tiles;
-- vocabulary shards (`Shard`, vocab-parallel): each rank holds rows [vocab_start,
+- vocabulary shards (`VocabShard`, vocab-parallel): each rank holds rows [vocab_start,
   vocab_start + Vs) of the head. The row functions reduce their shard's logits to
-  per-row statistics and `Shard.all_reduce` (the collective hook) makes them global
+  per-row statistics and `VocabShard.all_reduce` (the collective hook) makes them global
   before any gradient is formed; the hidden gradient's float32 partial sums are
   all-reduced once at the end, the weight and bias gradients stay local.
 """
@@ -28,6 +28,7 @@ from typing import NamedTuple, Optional, Protocol
 import torch
 import torch.nn.functional as F
 
+from ..contract.entry import autocast_enabled
 from .accumulate import GradAccumulator, _mm_f32
 from .workspace import chunk_rows as _workspace_rows
 
@@ -44,10 +45,10 @@ class RowFn(Protocol):
     def __call__(self, logits: torch.Tensor, s: int, e: int) -> tuple: ...
 
 
-class Shard(NamedTuple):
+class VocabShard(NamedTuple):
     """Where this rank's classes sit in the vocabulary: rows [vocab_start, vocab_start +
     weight.shape[0]) of a head of vocab_size classes, across the process group named
-    `group` of world_size ranks. `Shard()` is one device (the whole vocabulary on this
+    `group` of world_size ranks. `VocabShard()` is one device (the whole vocabulary on this
     rank)."""
     group: Optional[str] = None
     vocab_start: int = 0
@@ -70,7 +71,7 @@ class Shard(NamedTuple):
         return out.wait() if isinstance(out, funcol.AsyncCollectiveTensor) else out
 
 
-ONE_DEVICE = Shard()
+ONE_DEVICE = VocabShard()
 
 
 def math_dtype_for(dtype):
@@ -240,13 +241,6 @@ def after_first_gemm(make):
             made.append(make())
         return made[0]
     return get
-
-
-def autocast_enabled(device_type):
-    try:
-        return torch.is_autocast_enabled(device_type)
-    except RuntimeError:  # a device type without autocast (meta): nothing to cast
-        return False
 
 
 def no_autocast(hidden):

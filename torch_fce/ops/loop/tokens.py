@@ -73,37 +73,3 @@ def reduce_loss(nll, smooth, lse, target, class_weight, ignore_index, reduction,
     loss = ce.sum() / w_y.sum()
     return loss if zl is None else loss + zl.sum() / valid.sum()
 
-
-def temperature_tensor(temperature, target):
-    """None for 1.0; a float > 0 as is checked here; a tensor broadcast to target."""
-    if not isinstance(target, torch.Tensor):
-        raise TypeError(f"target must be a Tensor, got {type(target).__name__}")
-    if isinstance(temperature, torch.Tensor):
-        try:
-            return temperature.expand(target.shape)
-        except RuntimeError:
-            raise ValueError(f"temperature of shape {tuple(temperature.shape)} does not "
-                             f"broadcast to target's shape {tuple(target.shape)}") from None
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
-        raise TypeError(f"temperature must be a float or a tensor, got "
-                        f"{type(temperature).__name__}")
-    # NaN fails too. Under torch.compile the kernels check the values instead, as for a
-    # temperature tensor (docs/api.md): raised here, Dynamo would drop the message.
-    if not torch.compiler.is_compiling() and not 0.0 < temperature < float("inf"):
-        raise ValueError(f"temperature must be a finite float > 0, got {temperature}")
-    if temperature == 1.0:
-        return None
-    # float64 holds the Python float exactly; the kernels take it to their math dtype.
-    # Scaling a tensor keeps a compile-time symbolic float symbolic (no compile per value).
-    return torch.ones(target.shape, device=target.device, dtype=torch.float64) * temperature
-
-
-def advantages_tensor(advantages, target):
-    """Per-sequence advantages ((B,) or (B, 1) for a (B, T) target) expanded to target's
-    shape; anything else as given (the checks name a wrong shape)."""
-    if isinstance(advantages, torch.Tensor) and isinstance(target, torch.Tensor) and \
-            target.dim() == 2 and advantages.shape in ((target.shape[0],),
-                                                      (target.shape[0], 1)):
-        return advantages.reshape(-1, 1).expand(target.shape)
-    return advantages
-

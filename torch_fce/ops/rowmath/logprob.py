@@ -154,7 +154,7 @@ class LogProbRows(NamedTuple):
       stats_then_grad(logits, target, inv_t, opts, upstream, math_dtype, shard, dz_dtype)
           -> (logprob, entropy, lse, argmax, row_stats, dz): a loss formed in the
           forward: upstream(logprob, entropy) -> (g_lp, g_h) gives the upstream
-          gradients from the chunk's statistics (made global across a Shard group
+          gradients from the chunk's statistics (made global across a VocabShard group
           first), dz follows from the same logits (no second GEMM)."""
     stats: Callable
     tile_stats: Callable
