@@ -1,4 +1,9 @@
-"""torch_fce.linear_cross_entropy and linear_logprobs: the Python entries to the ops."""
+"""The public functions, the Python entries to the ops: linear_cross_entropy,
+linear_logprobs, linear_policy_loss, linear_distillation_loss and
+linear_soft_cross_entropy. Each converts the user's arguments (shift, a scalar
+temperature, per-sequence advantages), builds its op's options record by keyword (the
+defaults are the record's: `_CE` and the others below) and calls the op, or its
+vocab-parallel form for a DTensor weight."""
 
 import torch
 
@@ -11,6 +16,10 @@ from .ops.linear_policy_loss import PolicyOptions
 from .ops.linear_soft_ce import SoftCEOptions
 from .ops.contract.entry import advantages_tensor, temperature_tensor
 from .results import DistillationStats, LogProbs, LossStats, PolicyStats
+
+# The records' defaults, the only place they are written (the signatures read them).
+_CE, _LP, _PL = CEOptions(), LogProbOptions(), PolicyOptions()
+_DI, _SC = DistillOptions(), SoftCEOptions()
 
 
 def shift_targets(target, ignore_index):
@@ -33,9 +42,11 @@ def _shifted(hidden, weight, target, bias, class_weight, ignore_index, shift):
 
 
 def linear_cross_entropy(hidden, weight, target, bias=None, class_weight=None, *,
-                         ignore_index=-100, reduction="mean", label_smoothing=0.0,
-                         softcap=None, z_loss=0.0, accumulator="fp32", shift=False,
-                         return_stats=False, logits_dtype=None, dft=False):
+                         ignore_index=_CE.ignore_index, reduction=_CE.reduction,
+                         label_smoothing=_CE.label_smoothing, softcap=_CE.softcap,
+                         z_loss=_CE.z_loss, accumulator=_CE.accumulator, shift=False,
+                         return_stats=False, logits_dtype=_CE.logits_dtype, dft=_CE.dft,
+                         head_bound=_CE.head_bound):
     """Cross entropy of F.linear(hidden, weight, bias) against target, without the logits.
 
     Args:
@@ -57,6 +68,10 @@ def linear_cross_entropy(hidden, weight, target, bias=None, class_weight=None, *
             gradient, times the token's probability of its target, taken as a constant
             (detached); the "mean" denominator is unchanged. Not with label_smoothing or
             z_loss.
+        head_bound: on CUDA, bound the default workspace as a vocabulary-tiled head's
+            (the log-prob family's bound): for a call that replaces such a head (TRL's
+            SFTTrainer integration) without raising the step's peak. A set workspace
+            still wins.
         A DTensor weight sharded on dim 0 (vocabulary) runs the vocab-parallel loss over
         its mesh dimension (torch_fce.distributed); the loss is the same on every rank.
 
@@ -67,8 +82,10 @@ def linear_cross_entropy(hidden, weight, target, bias=None, class_weight=None, *
     # Checked here too: the dispatcher's own type errors would not name the option.
     # Under torch.compile the op's fake kernel checks them: an error raised here would
     # reach the caller as Dynamo's "Observed exception", without its message.
-    opts = CEOptions(ignore_index, reduction, label_smoothing, softcap, z_loss, accumulator,
-                     logits_dtype, dft)
+    opts = CEOptions(ignore_index=ignore_index, reduction=reduction,
+                     label_smoothing=label_smoothing, softcap=softcap, z_loss=z_loss,
+                     accumulator=accumulator, logits_dtype=logits_dtype, dft=dft,
+                     head_bound=head_bound)
     if not torch.compiler.is_compiling():
         opts.check()
     target = _shifted(hidden, weight, target, bias, class_weight, ignore_index, shift)
@@ -101,9 +118,10 @@ def _z_loss_term(lse, target, ignore_index, reduction, z_loss):
     return term.sum() / valid.sum()
 
 
-def linear_logprobs(hidden, weight, target, bias=None, *, temperature=1.0, softcap=None,
-                    ignore_index=-100, entropy=False, accumulator="fp32", shift=False,
-                    logits_dtype=None):
+def linear_logprobs(hidden, weight, target, bias=None, *, temperature=1.0,
+                    softcap=_LP.softcap, ignore_index=_LP.ignore_index, entropy=_LP.entropy,
+                    accumulator=_LP.accumulator, shift=False,
+                    logits_dtype=_LP.logits_dtype):
     """Per-token log-probs (and entropy) of softcap(F.linear(hidden, weight, bias)) /
     temperature at target, without the logits.
 
@@ -125,7 +143,8 @@ def linear_logprobs(hidden, weight, target, bias=None, *, temperature=1.0, softc
         weight sharded on dim 0 runs the vocab-parallel version (torch_fce.distributed).
     """
     # Checked here too, as for linear_cross_entropy (under torch.compile: by the op).
-    opts = LogProbOptions(softcap, ignore_index, entropy, accumulator, logits_dtype)
+    opts = LogProbOptions(softcap=softcap, ignore_index=ignore_index, entropy=entropy,
+                          accumulator=accumulator, logits_dtype=logits_dtype)
     if not torch.compiler.is_compiling():
         opts.check()
     temperature = temperature_tensor(temperature, target)
@@ -140,12 +159,14 @@ def linear_logprobs(hidden, weight, target, bias=None, *, temperature=1.0, softc
 
 
 def linear_policy_loss(hidden, weight, target, advantages, bias=None, *, old_logprobs=None,
-                       ref_logprobs=None, loss_type="clip", epsilon_low=0.2,
-                       epsilon_high=None, delta=None, sapo_temperature_pos=1.0,
-                       sapo_temperature_neg=1.05, beta=0.0, kl="k3", kl_ratio=False,
-                       entropy_coef=0.0, token_weights=None, temperature=1.0, softcap=None,
-                       ignore_index=-100, shift=False, accumulator="fp32",
-                       logits_dtype=None):
+                       ref_logprobs=None, loss_type=_PL.loss_type,
+                       epsilon_low=_PL.epsilon_low, epsilon_high=_PL.epsilon_high,
+                       delta=_PL.delta, sapo_temperature_pos=_PL.sapo_temperature_pos,
+                       sapo_temperature_neg=_PL.sapo_temperature_neg, beta=_PL.beta,
+                       kl=_PL.kl, kl_ratio=_PL.kl_ratio, entropy_coef=_PL.entropy_coef,
+                       token_weights=None, temperature=1.0, softcap=_PL.softcap,
+                       ignore_index=_PL.ignore_index, shift=False,
+                       accumulator=_PL.accumulator, logits_dtype=_PL.logits_dtype):
     """An RL policy loss of softcap(F.linear(hidden, weight, bias)) / temperature at the
     sampled tokens, without the logits, in three GEMMs (docs/rl.md).
 
@@ -173,9 +194,13 @@ def linear_policy_loss(hidden, weight, target, advantages, bias=None, *, old_log
         (loss, PolicyStats): the float32 scalar loss (differentiable w.r.t. hidden,
         weight and bias) and the detached per-token statistics.
     """
-    opts = PolicyOptions(loss_type, epsilon_low, epsilon_high, delta, sapo_temperature_pos,
-                         sapo_temperature_neg, beta, kl, kl_ratio, entropy_coef, softcap,
-                         ignore_index, accumulator, logits_dtype)
+    opts = PolicyOptions(loss_type=loss_type, epsilon_low=epsilon_low,
+                         epsilon_high=epsilon_high, delta=delta,
+                         sapo_temperature_pos=sapo_temperature_pos,
+                         sapo_temperature_neg=sapo_temperature_neg, beta=beta, kl=kl,
+                         kl_ratio=kl_ratio, entropy_coef=entropy_coef, softcap=softcap,
+                         ignore_index=ignore_index, accumulator=accumulator,
+                         logits_dtype=logits_dtype)
     if not torch.compiler.is_compiling():  # as linear_cross_entropy: under compile, the op
         opts.check()
     temperature = temperature_tensor(temperature, target)
@@ -193,11 +218,13 @@ def linear_policy_loss(hidden, weight, target, advantages, bias=None, *, old_log
 
 
 def linear_distillation_loss(hidden, weight, teacher_hidden, teacher_weight, target=None,
-                             bias=None, teacher_bias=None, *, beta=0.0, temperature=1.0,
-                             hard_weight=0.0, token_weights=None, logit_scale=1.0,
-                             teacher_logit_scale=1.0, softcap=None, teacher_softcap=None,
-                             ignore_index=-100, shift=False, accumulator="fp32",
-                             logits_dtype=torch.float32):
+                             bias=None, teacher_bias=None, *, beta=_DI.beta, temperature=1.0,
+                             hard_weight=_DI.hard_weight, token_weights=None,
+                             logit_scale=_DI.logit_scale,
+                             teacher_logit_scale=_DI.teacher_logit_scale, softcap=_DI.softcap,
+                             teacher_softcap=_DI.teacher_softcap,
+                             ignore_index=_DI.ignore_index, shift=False,
+                             accumulator=_DI.accumulator, logits_dtype=torch.float32):
     """The divergence of a student's next-token distribution from a teacher's, from
     their heads' inputs, without either's logits: four GEMMs (docs/distillation.md).
 
@@ -225,8 +252,10 @@ def linear_distillation_loss(hidden, weight, teacher_hidden, teacher_weight, tar
         (loss, DistillationStats): the float32 scalar loss (differentiable w.r.t.
         hidden, weight and bias) and the detached per-token statistics.
     """
-    opts = DistillOptions(beta, hard_weight, logit_scale, teacher_logit_scale, softcap,
-                          teacher_softcap, ignore_index, accumulator, logits_dtype)
+    opts = DistillOptions(beta=beta, hard_weight=hard_weight, logit_scale=logit_scale,
+                          teacher_logit_scale=teacher_logit_scale, softcap=softcap,
+                          teacher_softcap=teacher_softcap, ignore_index=ignore_index,
+                          accumulator=accumulator, logits_dtype=logits_dtype)
     if not torch.compiler.is_compiling():  # as linear_cross_entropy
         opts.check()
     for name, t in (("hidden", hidden), ("weight", weight), ("teacher_hidden", teacher_hidden),
@@ -255,8 +284,9 @@ def linear_distillation_loss(hidden, weight, teacher_hidden, teacher_weight, tar
 
 
 def linear_soft_cross_entropy(hidden, weight, target_indices, target_probs, bias=None, *,
-                              temperature=1.0, ignore_index=-100, token_weights=None,
-                              shift=False, accumulator="fp32", logits_dtype=torch.float32):
+                              temperature=1.0, ignore_index=_SC.ignore_index,
+                              token_weights=None, shift=False, accumulator=_SC.accumulator,
+                              logits_dtype=torch.float32):
     """Cross entropy of the student's next-token distribution to sparse teacher targets
     (a stored top-k), without the logits: three GEMMs (docs/distillation.md).
 
@@ -279,7 +309,8 @@ def linear_soft_cross_entropy(hidden, weight, target_indices, target_probs, bias
         The float32 scalar loss (float64 for float64 inputs), differentiable w.r.t.
         hidden, weight and bias.
     """
-    opts = SoftCEOptions(ignore_index, accumulator, logits_dtype)
+    opts = SoftCEOptions(ignore_index=ignore_index, accumulator=accumulator,
+                         logits_dtype=logits_dtype)
     if not torch.compiler.is_compiling():  # as linear_cross_entropy
         opts.check()
     for name, t in (("hidden", hidden), ("weight", weight),

@@ -111,7 +111,7 @@ def _balanced(N, fit):
 
 
 def test_head_bound_bounds_the_cross_entropy_as_the_log_prob_family(monkeypatch):
-    # the cross entropy's chunks under head_bound(): the family's rule for token chunks
+    # the cross entropy's chunks with head_bound=True: the family's rule for token chunks
     from torch_fce.ops import linear_ce
 
     asked = []
@@ -120,8 +120,7 @@ def test_head_bound_bounds_the_cross_entropy_as_the_log_prob_family(monkeypatch)
                         lambda *a, **k: asked.append(k.get("log_prob_tiles")) or rows_for(*a, **k))
     h, w, y = torch.randn(6, 4), torch.randn(10, 4), torch.randint(0, 10, (6,))
     want = torch_fce.linear_cross_entropy(h, w, y)
-    with workspace.head_bound():
-        assert workspace.head_bounded()
-        got = torch_fce.linear_cross_entropy(h, w, y)
-    assert not workspace.head_bounded() and asked == [None, False]
+    got = torch_fce.linear_cross_entropy(h, w, y, head_bound=True)
+    assert asked == [None, False]
+    assert torch_fce.linear_cross_entropy(h, w, y) is not None and asked[-1] is None
     assert torch.equal(got, want)

@@ -27,10 +27,7 @@ import torch
 
 from ..functional import (linear_cross_entropy, linear_distillation_loss, linear_logprobs,
                           linear_policy_loss, shift_targets)
-from ..ops.loop.chunked import math_dtype_for
-from ..ops.contract.entry import autocast_operands
-from ..ops.linear_logprobs import LogProbOptions
-from ..ops.loop.workspace import head_bound
+from ..extension import autocast_operands, check_options
 from . import transformers as fce_hf
 from .transformers import capture_of, head_operands, is_attached
 
@@ -181,7 +178,7 @@ def fused_lm_head(accumulator="fp32"):
     the drop-in does not serve runs TRL's kernel, with a warning."""
     import trl.trainer.utils as trl_utils
 
-    LogProbOptions(accumulator=accumulator).check()
+    check_options("linear_logprobs", accumulator=accumulator)
     theirs = trl_utils._ChunkedLogProbFunction
 
     class _Ours:
@@ -357,7 +354,7 @@ def apply(trainer, *, accumulator="fp32"):
     """
     if hasattr(trainer, _APPLIED):
         raise ValueError("torch_fce is already applied to this trainer")
-    LogProbOptions(accumulator=accumulator).check()
+    check_options("linear_logprobs", accumulator=accumulator)
     method, why = _unsupported_trainer(trainer)
     distill = _is_distill(trainer)
     if why is None and not distill:  # the distillation reads the heads' inputs itself
@@ -566,10 +563,10 @@ def _sft_loss(trainer, model, inputs, return_outputs, num_items_in_batch, accumu
     # TRL smooths the nll loss only (its dft ignores label_smoothing_factor)
     eps = args.label_smoothing_factor if trainer.label_smoother is not None and not dft \
         else 0.0
-    with head_bound():  # the peak of the head it replaces, TRL's, at most
-        loss, stats = linear_cross_entropy(
-            hidden, weight, target, bias, softcap=softcap, reduction="sum",
-            label_smoothing=eps, dft=dft, return_stats=True, accumulator=accumulator)
+    # head_bound: the peak of the head it replaces, TRL's, at most
+    loss, stats = linear_cross_entropy(
+        hidden, weight, target, bias, softcap=softcap, reduction="sum", label_smoothing=eps,
+        dft=dft, return_stats=True, accumulator=accumulator, head_bound=True)
     del hidden  # the op keeps no operand for its backward
     if eps > 0.0:  # transformers' LabelSmoother: its denominator is not clamped
         den = n if num_items_in_batch is None else num_items_in_batch
@@ -696,7 +693,7 @@ def chunked_divergence_loss(student_hidden_states, teacher_hidden_states,
     den = n_valid.clamp(min=1) if num_items_in_batch is None else num_items_in_batch
     if isinstance(den, torch.Tensor):
         den = den.to(hs.device)
-    weights = valid.to(math_dtype_for(hs.dtype)) / den
+    weights = valid.to(torch.promote_types(hs.dtype, torch.float32)) / den
     loss, stats = linear_distillation_loss(
         hs, ws, ht, wt, None, bs, bt, beta=beta, temperature=temperature,
         token_weights=weights, logit_scale=student_logit_scale,
@@ -751,7 +748,7 @@ class _Divergence(torch.autograd.Function):
             return (None,) * 7
         leaves = [None if t is None else t.detach().requires_grad_(need)
                   for t, need in zip((h, w, b), wanted)]
-        weights = grad_divergence.to(math_dtype_for(h.dtype))
+        weights = grad_divergence.to(torch.promote_types(h.dtype, torch.float32))
         with torch.enable_grad():
             loss, _ = linear_distillation_loss(leaves[0], leaves[1], ht, wt, None, leaves[2],
                                                bt, token_weights=weights, **ctx.opts)

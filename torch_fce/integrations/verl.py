@@ -19,7 +19,7 @@ import torch
 
 from ..distributed.vocab_parallel import vocab_parallel_linear_logprobs
 from ..functional import linear_logprobs
-from ..ops.linear_logprobs import LogProbOptions
+from ..extension import check_options
 
 _MODULE = "verl.utils.kernel.linear_cross_entropy"
 _THEIRS = "_torch_fce_verl_original"
@@ -84,7 +84,7 @@ def linear_cross_entropy(hidden, weight, labels, temperature=1.0, reduction="non
 
 def apply(accumulator="fp32"):
     """Makes verl's fused kernel entry point torch_fce's (process-wide, reversibly)."""
-    LogProbOptions(accumulator=accumulator).check()
+    check_options("linear_logprobs", accumulator=accumulator)
     module = importlib.import_module(_MODULE)
     if hasattr(module, _THEIRS):
         raise ValueError("torch_fce is already applied to verl")

@@ -20,7 +20,7 @@ import torch._inductor.config as inductor_config
 from torch._dynamo.utils import counters
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from ..ops.linear_ce import CEOptions
+from ..extension import check_options
 from .graph_pass import FUSED, SKIPPED, FuseLinearCrossEntropy, UnfusedWarning
 
 __all__ = ["enable", "disable", "auto_fuse", "fresh_compiles", "installed", "Chain", "FUSED",
@@ -65,7 +65,7 @@ def _install(passes):
 def enable(accumulator="fp32"):
     """Adds the pass after any pre-grad pass already installed (idempotent); the fused
     ops it inserts use `accumulator` (see docs/api.md)."""
-    CEOptions(accumulator=accumulator).check()
+    check_options("linear_cross_entropy", accumulator=accumulator)
     _PASS.accumulator = accumulator
     passes = installed()
     if _PASS not in passes:

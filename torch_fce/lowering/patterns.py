@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch.fx import Node
 
-from ..ops.contract.checks import FLOAT_DTYPES
+from ..extension import FLOAT_DTYPES
 
 # F.cross_entropy as Dynamo records it, and the ATen-level call some torch versions
 # record instead (its reduction is an enum).

@@ -24,7 +24,6 @@ from .contract.entry import autocast_operands, flat, int64_if_needed, needs_grad
 from .contract.options import as_float, check_bool, check_choice, got, schema_args, take
 from .rowmath.ce import CETerms, dft_weight, grad_coefficients
 from .loop.tokens import counted_target_weights, grad_scales, reduce_loss
-from .loop.workspace import head_bounded
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -39,6 +38,9 @@ class CEOptions(NamedTuple):
     accumulator: str = "fp32"
     logits_dtype: Optional[torch.dtype] = None  # torch.float32: the GEMM's float32 sums
     dft: bool = False  # each token's loss and gradient times its detached p(target)
+    # CUDA's default workspace bounded as the log-prob family's: a vocabulary-tiled
+    # head's peak (for a call that replaces such a head, as TRL's SFT integration)
+    head_bound: bool = False
 
     def check(self):
         """Raises naming the option; returns self."""
@@ -49,6 +51,7 @@ class CEOptions(NamedTuple):
         if not as_float("z_loss", self.z_loss) >= 0.0:
             raise ValueError(f"z_loss must be >= 0{got(self.z_loss)}")
         check_bool("dft", self.dft)
+        check_bool("head_bound", self.head_bound)
         # DFT weighs the negative log-likelihood; which weight a smoothing or z-loss term
         # would take is not defined, so they are refused rather than guessed.
         if self.dft and (self.label_smoothing != 0.0 or self.z_loss != 0.0):
@@ -272,9 +275,9 @@ def _chunks(hidden, weight, target, bias, class_weight, opts, shard, needs, scal
         row_fn = _shard_row_fn(hidden, weight, target, class_weight, opts, shard, scales,
                                backend)
     ldt = logits_dtype_for(hidden, opts)
-    # under workspace.head_bound(), the log-prob family's default (token chunks)
-    rows = chunk_rows_for(hidden, weight, shard, ldt, log_prob_tiles=False if head_bounded()
-                          else None)
+    # head_bound: the log-prob family's default (token chunks)
+    rows = chunk_rows_for(hidden, weight, shard, ldt,
+                          log_prob_tiles=False if opts.head_bound else None)
     gradients = run_chunks(hidden, weight, bias, row_fn, terms, needs, opts.accumulator,
                            rows, shard=shard, logits_dtype=ldt)
     return CETerms(*terms) if stats else CETerms(*terms, None, None), gradients

@@ -33,7 +33,7 @@ import types
 import torch
 
 from ...functional import linear_cross_entropy
-from ...ops.linear_ce import CEOptions
+from ...extension import check_options
 from .capture import capture_of, check_head, install, uninstall
 from .family import aux_coefficient, check_family, logit_transform
 from .snapshot import model_kept
@@ -117,7 +117,8 @@ def detach(model):
 
 def apply(model, *, accumulator="fp32", z_loss=0.0, label_smoothing=0.0):
     """Patches a transformers causal LM (in place, reversibly) to train without logits."""
-    CEOptions(label_smoothing=label_smoothing, z_loss=z_loss, accumulator=accumulator).check()
+    check_options("linear_cross_entropy", label_smoothing=label_smoothing, z_loss=z_loss,
+                  accumulator=accumulator)
     original = model.forward  # accelerate's hook wrapper, if dispatched: kept inside
     attach(model)
     getattr(model, _OPTIONS).update(accumulator=accumulator, z_loss=z_loss,

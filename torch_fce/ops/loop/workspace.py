@@ -57,25 +57,6 @@ def _from_env():
 
 
 _nbytes = _from_env()
-_head_bound = False  # head_bound()'s block
-
-
-@contextlib.contextmanager
-def head_bound():
-    """In the block, the cross entropy's CUDA default is bounded as the log-prob family's:
-    its peak within what a vocabulary-tiled head holds (for an integration that replaces
-    such a head: TRL's SFTTrainer). A set workspace still wins."""
-    global _head_bound
-    previous, _head_bound = _head_bound, True
-    try:
-        yield
-    finally:
-        _head_bound = previous
-
-
-def head_bounded():
-    """Whether the caller runs inside head_bound()."""
-    return _head_bound
 
 
 def set_workspace(nbytes):
