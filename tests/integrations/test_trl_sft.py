@@ -178,8 +178,10 @@ def test_sft_trainer_head_sees_only_labelled_tokens(model_dirs, tmp_path, monkey
     fce_trl.apply(trainer)
     trainer.model.to(DEVICE)
     inputs = _batch(trainer.model)
-    rows, op = [], fce_trl.linear_cross_entropy
-    monkeypatch.setattr(fce_trl, "linear_cross_entropy", lambda h, w, y, *a, **k:
+    from torch_fce.integrations.trl import sft
+
+    rows, op = [], sft.linear_cross_entropy
+    monkeypatch.setattr(sft, "linear_cross_entropy", lambda h, w, y, *a, **k:
                         rows.append((h.shape[0], y, k.get("head_bound"))) or op(h, w, y, *a, **k))
     trainer.compute_loss(trainer.model, inputs)
     labels = inputs["labels"][:, 1:]

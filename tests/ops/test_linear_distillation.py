@@ -341,7 +341,8 @@ def test_bad_tensors_are_named():
         ((h, w, ht, wt, None), dict(shift=True), ValueError, "shift"),
         ((h, w, ht, wt.long(), y), {}, TypeError, "teacher_weight"),
         ((h, w, "x", wt, y), {}, TypeError, "teacher_hidden"),
-        ((h.half(), w.half(), ht, wt, y), {}, TypeError, "float16"),
+        ((h, w, ht, wt, y), dict(bias=torch.zeros(37, dtype=torch.float64)), TypeError,
+         "bias"),
         ((h, w, ht, wt, y.float()), {}, TypeError, "target"),
         ((h, w, ht, wt, y), dict(teacher_bias=torch.randn(36)), ValueError, "teacher_bias"),
     ]
