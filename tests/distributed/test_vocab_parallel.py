@@ -291,7 +291,9 @@ def _check_policy_loss(rank, world):
         return loss, stats, grads
 
     wants = {}
-    for loss_type in ("clip", "cispo", "sapo", "reinforce"):
+    from torch_fce.ops.linear_policy_loss import LOSS_TYPES
+
+    for loss_type in LOSS_TYPES:
         full = [x[k].clone().requires_grad_() for k in ("weight", "bias")]
         want = wants[loss_type] = run(*full, torch_fce.linear_policy_loss, loss_type=loss_type)
         mine = [x[k][start:end].clone().requires_grad_() for k in ("weight", "bias")]

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import torch_fce
+from torch_fce.ops.linear_policy_loss import LOSS_TYPES
 from torch_fce.testing import make_inputs, rel_err
 from tests.helpers import (
     LOSS_TOL, capture_cuda_graph, grad_tol, no_host_sync, reference_loss_and_grads)
@@ -98,7 +99,7 @@ def _every_entry(h, w, t, b):
     policy = sum(torch_fce.linear_policy_loss(
         h, w, t, torch.ones_like(old), b, old_logprobs=old, ref_logprobs=old, beta=0.04,
         entropy_coef=0.01, temperature=0.7, loss_type=loss_type, epsilon_high=1.5)[0]
-        for loss_type in ("clip", "cispo", "sapo", "reinforce"))
+        for loss_type in LOSS_TYPES)
     # the distillation (a teacher made from the inputs, without gradient) at each beta,
     # and the sparse-target cross entropy to a top-4
     ht, wt = torch.sin(h.detach() * 1.3), torch.cos(w.detach() * 0.7)

@@ -72,7 +72,7 @@ def policy_problems(draw):
     g = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
     B, T = 2, N // 2
     target = x["target"].reshape(B, T)
-    options = dict(loss_type=draw(st.sampled_from(["clip", "cispo", "sapo", "reinforce"])),
+    options = dict(loss_type=draw(st.sampled_from(list(linear_policy_loss.LOSS_TYPES))),
                    softcap=draw(st.sampled_from([None, 3.0])),
                    entropy_coef=draw(st.sampled_from([0.0, 0.01])))
     if options["loss_type"] == "clip":
@@ -159,7 +159,7 @@ def test_linear_policy_loss_gradcheck_float64():
         torch.randn(2, 3, generator=g, dtype=torch.float64) * 0.1 - 2.2
     ref = old + 0.1
     # cispo's capped ratio is detached (its gradient is not the loss's derivative)
-    for loss_type in ("clip", "sapo", "reinforce"):
+    for loss_type in [t for t in linear_policy_loss.LOSS_TYPES if t != "cispo"]:
         def fn(h, w, b):
             return torch_fce.linear_policy_loss(
                 h, w, target, A, b, old_logprobs=old, ref_logprobs=ref, beta=0.1,
@@ -295,3 +295,15 @@ def test_linear_policy_loss_bad_input_names_argument(argument, options, error):
                                      torch.zeros(5, dtype=torch.float64))
     with pytest.raises(ValueError, match="advantages"):
         torch_fce.linear_policy_loss(x["hidden"], x["weight"], x["target"], torch.randn(4))
+
+
+def test_loss_types_are_the_table_and_docs_rl_lists_each():
+    # one table (LOSS_TYPES: name -> formula); docs/rl.md's rows are its names, in order
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "rl.md").read_text()
+    table = text.split("| loss_type | policy term |", 1)[1].split("\n\n", 1)[0]
+    assert re.findall(r'^\| `"(\w+)"`', table, re.M) == list(linear_policy_loss.LOSS_TYPES)
+    with pytest.raises(ValueError, match="loss_type"):  # no type falls through
+        PolicyOptions(loss_type="ppo").check()

@@ -6,21 +6,16 @@ chunk loop (one device or a vocabulary shard).
 
 The loss is sum_t w_t * (policy_t + beta * kl_t - entropy_coef * entropy_t) over the
 tokens not ignored, with r_t = exp(logprob_t - old_t) (1 without old log-probs, with
-the derivative of exp(logprob - logprob.detach())), A_t the advantage and, as TRL 1.16's
-GRPOTrainer writes them at token-level importance sampling:
-  clip       -min(min(r, delta) * A, clamp(r, 1 - eps_low, 1 + eps_high) * A)
-  cispo      -min(r, eps_high).detach() * A * logprob
-  sapo       -sigmoid(tau (r - 1)) * 4 / tau * A,  tau = tau_pos if A > 0 else tau_neg
-  reinforce  -r * A
-  kl: k1 logprob - ref, k2 (logprob - ref)^2 / 2, k3 exp(ref - logprob) - (ref - logprob) - 1,
-  times r with kl_ratio (TRL's use_bias_correction_kl; r differentiated as above)
-  (with beta 0 a statistic only)
+the derivative of exp(logprob - logprob.detach())), A_t the advantage, policy_t the
+loss type's formula (LOSS_TYPES below: TRL 1.16's GRPOTrainer's at token-level
+importance sampling) and kl_t the KL estimator's (KL_ESTIMATORS), times r with kl_ratio
+(TRL's use_bias_correction_kl; r differentiated as above; with beta 0 a statistic only).
 The loss is a scalar, so the forward forms the gradients (3 GEMMs): per chunk the row
 function forms the log-probs and entropies, `_terms` each token's loss term, autograd on
 those (n,) vectors its derivatives g_lp, g_h with torch's own tie rules (min splits a
 tie's gradient in halves, clamp passes it at its bounds), and the row function the
 logits gradient dz = g_lp * dlogprob/dz + g_h * dentropy/dz from the same chunk. A new
-loss type is a new branch of `_policy_term`: no calculus by hand.
+loss type is a new entry of LOSS_TYPES: no calculus by hand.
 """
 
 from typing import NamedTuple, Optional
@@ -39,8 +34,6 @@ from .contract.entry import (autocast_operands, flat, forward_needs_grad, int64_
 from .contract.options import as_float, check_choice, got, schema_args, take
 from .loop.tokens import token_weights
 
-LOSS_TYPES = ("clip", "cispo", "sapo", "reinforce")
-KL_ESTIMATORS = ("k1", "k2", "k3")
 
 
 class PolicyOptions(NamedTuple):
@@ -62,8 +55,8 @@ class PolicyOptions(NamedTuple):
 
     def check(self):
         """Raises naming the option; returns the record with epsilon_high resolved."""
-        check_choice("loss_type", self.loss_type, LOSS_TYPES)
-        check_choice("kl", self.kl, KL_ESTIMATORS)
+        check_choice("loss_type", self.loss_type, tuple(LOSS_TYPES))
+        check_choice("kl", self.kl, tuple(KL_ESTIMATORS))
         checks.check_common(self)
         if not 0.0 <= as_float("epsilon_low", self.epsilon_low) < float("inf"):
             raise ValueError(f"epsilon_low must be a finite float >= 0{got(self.epsilon_low)}")
@@ -82,38 +75,56 @@ class PolicyOptions(NamedTuple):
         return self._replace(epsilon_high=high, kl_ratio=bool(self.kl_ratio))
 
 
-# ---- the per-token math ------------------------------------------------------------
+# ---- the per-token math: one entry per loss type and KL estimator ----------------
+# Each loss type: (term, clipped) of each token from its log-prob lp (differentiable),
+# ratio r, advantage A and the options; docs/rl.md's table is written from the formulas.
+
+def _clip(lp, r, A, opts):
+    """-min(min(r, delta) A, clamp(r, 1 - eps_low, 1 + eps_high) A): PPO / GRPO / DAPO /
+    Dr.GRPO / BNPO"""
+    low, high = 1.0 - opts.epsilon_low, 1.0 + opts.epsilon_high
+    c1 = r if opts.delta is None else torch.clamp(r, max=opts.delta)
+    clipped = ((c1 < low) & (A < 0)) | ((c1 > high) & (A > 0))
+    return -torch.minimum(c1 * A, torch.clamp(r, low, high) * A), clipped
+
+
+def _cispo(lp, r, A, opts):
+    """-min(r, eps_high).detach() A lp: the clipped ratio as a constant weight"""
+    clipped = (r > opts.epsilon_high) & (A > 0)  # TRL's cispo_clip_ratio
+    return -torch.clamp(r, max=opts.epsilon_high).detach() * A * lp, clipped
+
+
+def _sapo(lp, r, A, opts):
+    """-sigmoid(tau (r - 1)) 4 / tau A, tau = sapo_temperature_pos if A > 0 else _neg"""
+    # fills, not host-to-device copies (which a CUDA graph capture refuses)
+    tau = torch.where(A > 0, torch.full_like(A, opts.sapo_temperature_pos),
+                      torch.full_like(A, opts.sapo_temperature_neg))
+    return -torch.sigmoid(tau * (r - 1.0)) * 4.0 / tau * A, torch.zeros_like(A, dtype=torch.bool)
+
+
+def _reinforce(lp, r, A, opts):
+    """-r A"""
+    return -r * A, torch.zeros_like(A, dtype=torch.bool)
+
+
+LOSS_TYPES = {"clip": _clip, "cispo": _cispo, "sapo": _sapo, "reinforce": _reinforce}
+
+# Each KL estimator of d = logprob - ref.
+KL_ESTIMATORS = {
+    "k1": lambda d: d,                           # d
+    "k2": lambda d: 0.5 * d * d,                 # d^2 / 2
+    "k3": lambda d: torch.exp(-d) + d - 1.0,     # exp(-d) + d - 1
+}
+
 
 def _policy_term(lp, A, old, opts):
     """(term, ratio, clipped) of each token, differentiable in lp."""
     r = torch.exp(lp - (lp.detach() if old is None else old))
-    if opts.loss_type == "clip":
-        low, high = 1.0 - opts.epsilon_low, 1.0 + opts.epsilon_high
-        c1 = r if opts.delta is None else torch.clamp(r, max=opts.delta)
-        term = -torch.minimum(c1 * A, torch.clamp(r, low, high) * A)
-        clipped = ((c1 < low) & (A < 0)) | ((c1 > high) & (A > 0))
-    elif opts.loss_type == "cispo":
-        term = -torch.clamp(r, max=opts.epsilon_high).detach() * A * lp
-        clipped = (r > opts.epsilon_high) & (A > 0)  # TRL's cispo_clip_ratio
-    elif opts.loss_type == "sapo":
-        # fills, not host-to-device copies (which a CUDA graph capture refuses)
-        tau = torch.where(A > 0, torch.full_like(A, opts.sapo_temperature_pos),
-                          torch.full_like(A, opts.sapo_temperature_neg))
-        term = -torch.sigmoid(tau * (r - 1.0)) * 4.0 / tau * A
-        clipped = torch.zeros_like(A, dtype=torch.bool)
-    else:  # reinforce
-        term, clipped = -r * A, torch.zeros_like(A, dtype=torch.bool)
-    return term, r, clipped
+    return (*LOSS_TYPES[opts.loss_type](lp, r, A, opts), r)
 
 
 def _kl(lp, ref, r, opts):
-    diff = lp - ref
-    if opts.kl == "k1":
-        kl = diff
-    elif opts.kl == "k2":
-        kl = 0.5 * diff * diff
-    else:
-        kl = torch.exp(-diff) + diff - 1.0
+    kl = KL_ESTIMATORS[opts.kl](lp - ref)
     return r * kl if opts.kl_ratio else kl
 
 
@@ -132,7 +143,7 @@ def _terms(logprob, entropy, valid, advantages, old, ref, weights, opts):
         ent = entropy.clone().requires_grad_() if opts.entropy_coef != 0.0 else None
         A = advantages.to(mdt).clone()
         w = torch.where(valid, weights.to(mdt), 0.0).clone()
-        term, r, clipped = _policy_term(lp, A, None if old is None else old.to(mdt).clone(),
+        term, clipped, r = _policy_term(lp, A, None if old is None else old.to(mdt).clone(),
                                         opts)
         kl = _kl(lp, ref.to(mdt).clone(), r, opts) if ref is not None else None
         if kl is not None and opts.beta != 0.0:  # beta 0: a statistic (no 0 * inf)
