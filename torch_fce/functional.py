@@ -10,9 +10,9 @@ import torch
 from .ops.contract.checks import check_inputs
 from .ops.contract.entry import int64_if_needed
 from .ops.linear_ce import CEOptions
-from .ops.linear_distillation import DistillOptions
+from .ops.linear_distillation import DistillOptions, DistillTensors
 from .ops.linear_logprobs import LogProbOptions
-from .ops.linear_policy_loss import PolicyOptions
+from .ops.linear_policy_loss import PolicyOptions, PolicyTensors
 from .ops.linear_soft_ce import SoftCEOptions
 from .ops.contract.entry import advantages_tensor, temperature_tensor
 from .results import DistillationStats, LogProbs, LossStats, PolicyStats
@@ -206,14 +206,15 @@ def linear_policy_loss(hidden, weight, target, advantages, bias=None, *, old_log
     temperature = temperature_tensor(temperature, target)
     target = _shifted(hidden, weight, target, bias, None, ignore_index, shift)
     advantages = advantages_tensor(advantages, target)
-    per_token = (old_logprobs, ref_logprobs, token_weights, temperature)
+    tensors = PolicyTensors(old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
+                            token_weights=token_weights, temperature=temperature)
     if _is_dtensor(weight):  # sharded by vocabulary: the vocab-parallel policy loss
         from .distributed.dtensor import dtensor_linear_policy_loss
 
         return dtensor_linear_policy_loss(hidden, weight, target, advantages, bias,
-                                          per_token, opts)
+                                          tensors, opts)
     out = torch.ops.fce.linear_policy_loss(hidden, weight, target, advantages, bias,
-                                           *per_token, **opts._asdict())
+                                           *tensors, **opts._asdict())
     return out[0], PolicyStats(*out[1:])
 
 
@@ -276,7 +277,8 @@ def linear_distillation_loss(hidden, weight, teacher_hidden, teacher_weight, tar
 
         return dtensor_linear_distillation_loss(
             hidden, weight, teacher_hidden, teacher_weight,
-            (target, bias, teacher_bias, token_weights, temperature), opts)
+            DistillTensors(target=target, bias=bias, teacher_bias=teacher_bias,
+                           token_weights=token_weights, temperature=temperature), opts)
     out = torch.ops.fce.linear_distillation_loss(
         hidden, weight, teacher_hidden, teacher_weight, target, bias, teacher_bias,
         token_weights, temperature, **opts._asdict())

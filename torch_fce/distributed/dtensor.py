@@ -54,15 +54,14 @@ def dtensor_linear_logprobs(hidden, weight, target, bias, temperature, opts):
         vocab_start=start, vocab_size=V, group=group, **opts._asdict())
 
 
-def dtensor_linear_policy_loss(hidden, weight, target, advantages, bias, per_token, opts):
-    """linear_policy_loss for a vocab-sharded DTensor weight: (loss, PolicyStats), plain
-    tensors, the same on every rank."""
+def dtensor_linear_policy_loss(hidden, weight, target, advantages, bias, tensors, opts):
+    """linear_policy_loss for a vocab-sharded DTensor weight (tensors: a PolicyTensors):
+    (loss, PolicyStats), plain tensors, the same on every rank."""
     group, start, V = _vocab_shard(weight, bias)
     return vocab_parallel_linear_policy_loss(
         _local(hidden), weight.to_local(), _local(target), _local(advantages),
         None if bias is None else bias.to_local(),
-        **{name: _local(t) for name, t in zip(
-            ("old_logprobs", "ref_logprobs", "token_weights", "temperature"), per_token)},
+        **{name: _local(t) for name, t in tensors._asdict().items()},
         vocab_start=start, vocab_size=V, group=group, **opts._asdict())
 
 
@@ -70,7 +69,7 @@ def dtensor_linear_policy_loss(hidden, weight, target, advantages, bias, per_tok
 def dtensor_linear_distillation_loss(hidden, weight, teacher_hidden, teacher_weight, tensors,
                                      opts):
     """linear_distillation_loss for vocab-sharded DTensor heads (both sharded alike;
-    tensors: target, bias, teacher_bias, token_weights, temperature): (loss,
+    tensors: a DistillTensors): (loss,
     DistillationStats), plain tensors, the same on every rank."""
     target, bias, teacher_bias, token_weights, temperature = tensors
     group, start, V = _vocab_shard(weight, bias)

@@ -71,9 +71,11 @@ def vocab_parallel_linear_policy_loss(hidden, weight, target, advantages, bias=N
     temperature = temperature_tensor(1.0 if temperature is None else temperature, target)
     advantages = advantages_tensor(advantages, target)
     shard = checked_shard(hidden, weight, target, vocab_start, vocab_size, group)
-    loss, *stats = linear_policy_loss.forward(
-        hidden, weight, target, advantages, bias,
-        (old_logprobs, ref_logprobs, token_weights, temperature), opts, shard)
+    tensors = linear_policy_loss.PolicyTensors(
+        old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, token_weights=token_weights,
+        temperature=temperature)
+    loss, *stats = linear_policy_loss.forward(hidden, weight, target, advantages, bias,
+                                              tensors, opts, shard)
     return loss, PolicyStats(*stats)
 
 
@@ -100,5 +102,7 @@ def vocab_parallel_linear_distillation_loss(hidden, weight, teacher_hidden, teac
     shard = checked_shard(hidden, weight, tokens, vocab_start, vocab_size, group)
     loss, *stats = linear_distillation.forward(
         hidden, weight, teacher_hidden, teacher_weight,
-        (target, bias, teacher_bias, token_weights, temperature), opts, shard)
+        linear_distillation.DistillTensors(target=target, bias=bias, teacher_bias=teacher_bias,
+                                           token_weights=token_weights,
+                                           temperature=temperature), opts, shard)
     return loss, DistillationStats(*stats)

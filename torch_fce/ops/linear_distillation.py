@@ -27,7 +27,7 @@ from .rowmath.distill import TORCH_DISTILL_ROWS
 from .machinery.dispatch import LIB, kernel
 from .contract.entry import (autocast_operands, flat, forward_needs_grad, int64_if_needed,
                     refuse_transforms, rows)
-from .contract.options import as_float, got, schema_args, take, value
+from .contract.options import as_float, got, take, tensor_record, value
 from .loop.tokens import token_weights
 
 # the CUDA default workspace as a multiple of the loop's (loop/workspace.py says why)
@@ -64,19 +64,17 @@ class DistillOptions(NamedTuple):
 
 # ---- schemas and the public op -----------------------------------------------------
 
-_OPTS, _SHARD = schema_args(DistillOptions), schema_args(VocabShard)
-_TENSORS = ("target", "bias", "teacher_bias", "token_weights", "temperature")
-LIB.define(
-    "linear_distillation_loss(Tensor hidden, Tensor weight, Tensor teacher_hidden, "
-    "Tensor teacher_weight, " + ", ".join(f"Tensor? {n}=None" for n in _TENSORS) +
-    f", *, {schema_args(DistillOptions, True)}) -> (Tensor loss, Tensor divergence, "
-    "Tensor entropy)")
-# hidden (N, D), teacher_hidden (N, D_t), the per-token tensors (N,).
-LIB.define(
-    "linear_distillation_loss_fwd(Tensor hidden, Tensor weight, Tensor teacher_hidden, "
-    "Tensor teacher_weight, " + ", ".join(f"Tensor? {n}" for n in _TENSORS) +
-    f", {_OPTS}, {_SHARD}, bool[3] needs_grad) -> (Tensor loss, Tensor grad_hidden, "
-    "Tensor grad_weight, Tensor grad_bias, Tensor divergence, Tensor entropy)")
+# linear_distillation_loss' optional tensors: the hard loss's target and the per-token
+# tensors (the tokens' shape), both heads' biases
+DistillTensors = tensor_record("DistillTensors", "target", "bias", "teacher_bias",
+                               "token_weights", "temperature")
+
+
+# The internal op takes hidden (N, D), teacher_hidden (N, D_t), the per-token tensors (N,).
+grads.define_forward_grads_ops(
+    "linear_distillation_loss",
+    ("Tensor hidden", "Tensor weight", "Tensor teacher_hidden", "Tensor teacher_weight"),
+    DistillTensors, DistillOptions, ("divergence", "entropy"))
 
 
 def tokens_of(hidden, target):
@@ -139,9 +137,9 @@ def check_inputs(hidden, weight, teacher_hidden, teacher_weight, target, bias, t
 
 
 def forward(hidden, weight, teacher_hidden, teacher_weight, tensors, opts, shard=ONE_DEVICE):
-    """(loss, divergence, entropy) for checked options; tensors: target, bias,
-    teacher_bias, token_weights, temperature; also the vocab-parallel entry (both heads'
-    weights and biases then this rank's rows of the shard)."""
+    """(loss, divergence, entropy) for checked options and a DistillTensors; also the
+    vocab-parallel entry (both heads' weights and biases then this rank's rows of the
+    shard)."""
     target, bias, teacher_bias, token_weights_, temperature = tensors
     refuse_transforms((hidden, weight, bias))
     hidden, weight, bias = autocast_operands(hidden, weight, bias)  # dtypes checked after
@@ -164,8 +162,9 @@ def forward(hidden, weight, teacher_hidden, teacher_weight, tensors, opts, shard
 def _linear_distillation_loss(hidden, weight, teacher_hidden, teacher_weight, target=None,
                               bias=None, teacher_bias=None, token_weights=None,
                               temperature=None, **options):
-    return forward(hidden, weight, teacher_hidden, teacher_weight,
-                   (target, bias, teacher_bias, token_weights, temperature),
+    tensors = DistillTensors(target=target, bias=bias, teacher_bias=teacher_bias,
+                             token_weights=token_weights, temperature=temperature)
+    return forward(hidden, weight, teacher_hidden, teacher_weight, tensors,
                    DistillOptions(**options).check())
 
 
@@ -187,18 +186,17 @@ def _fwd_fake(hidden, weight, teacher_hidden, teacher_weight, target, bias, teac
 
 # ---- autograd: the forward's gradients scaled by the upstream gradient -------------
 
-def _weights(args):
-    """The token weights the op's arguments give: token_weights, or 1 / the tokens
-    counted."""
-    target, ignore_index = args[4], take(DistillOptions, args[9:])[0].ignore_index
-    valid = torch.ones(args[0].shape[0], dtype=torch.bool, device=args[0].device) \
-        if target is None else target != ignore_index
-    return token_weights(args[7], valid, math_dtype_for(args[0].dtype))
+def _counted(args):
+    """The tokens counted, from linear_distillation_loss_fwd's arguments."""
+    target, hidden = args[4], args[0]
+    if target is None:
+        return torch.ones(hidden.shape[0], dtype=torch.bool, device=hidden.device)
+    return target != take(DistillOptions, args[9:])[0].ignore_index
 
 
 # hidden, weight and bias among linear_distillation_loss_fwd's arguments; token_weights
 grads.register_forward_grads_autograd("linear_distillation_loss_fwd", (0, 1, 5),
-                                      weights=(7, _weights))
+                                      weights=(7, _counted))
 
 
 # ---- the implementation, on the chunk loop -----------------------------------------

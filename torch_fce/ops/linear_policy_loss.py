@@ -31,7 +31,7 @@ from .machinery.dispatch import LIB, kernel
 from .rowmath.logprob import shard_stats
 from .contract.entry import (autocast_operands, flat, forward_needs_grad, int64_if_needed,
                     refuse_transforms, rows)
-from .contract.options import as_float, check_choice, got, schema_args, take
+from .contract.options import as_float, check_choice, got, take, tensor_record
 from .loop.tokens import token_weights
 
 
@@ -161,45 +161,42 @@ def _terms(logprob, entropy, valid, advantages, old, ref, weights, opts):
 
 # ---- schemas and the public op -----------------------------------------------------
 
-_OPTS, _SHARD = schema_args(PolicyOptions), schema_args(VocabShard)
-_PER_TOKEN = ("old_logprobs", "ref_logprobs", "token_weights", "temperature")
-LIB.define(
-    "linear_policy_loss(Tensor hidden, Tensor weight, Tensor target, Tensor advantages, "
-    "Tensor? bias=None, " + ", ".join(f"Tensor? {n}=None" for n in _PER_TOKEN) +
-    f", *, {schema_args(PolicyOptions, True)}) -> (Tensor loss, Tensor logprob, "
-    "Tensor entropy, Tensor ratio, Tensor clipped, Tensor kl)")
-# hidden (N, D), the per-token tensors (N,). The loss is a scalar, so the forward forms
-# the gradients for a unit upstream gradient (3 GEMMs), as linear_ce_fwd does.
-LIB.define(
-    "linear_policy_loss_fwd(Tensor hidden, Tensor weight, Tensor target, "
-    "Tensor advantages, Tensor? bias, " + ", ".join(f"Tensor? {n}" for n in _PER_TOKEN) +
-    f", {_OPTS}, {_SHARD}, bool[3] needs_grad) -> (Tensor loss, Tensor grad_hidden, "
-    "Tensor grad_weight, Tensor grad_bias, Tensor logprob, Tensor entropy, Tensor ratio, "
-    "Tensor clipped, Tensor kl)")
+# linear_policy_loss' optional per-token tensors, each None or target's shape (not
+# differentiated)
+PolicyTensors = tensor_record("PolicyTensors", "old_logprobs", "ref_logprobs",
+                              "token_weights", "temperature")
 
 
-def check_inputs(hidden, weight, target, advantages, bias, per_token, opts):
-    """The tensors' checks, in eager mode and in the fake kernel (under torch.compile);
-    per_token: old_logprobs, ref_logprobs, token_weights, temperature."""
+# The internal op takes hidden (N, D), the per-token tensors (N,). The loss is a scalar,
+# so its forward forms the gradients for a unit upstream gradient (3 GEMMs).
+grads.define_forward_grads_ops(
+    "linear_policy_loss",
+    ("Tensor hidden", "Tensor weight", "Tensor target", "Tensor advantages", "Tensor? bias"),
+    PolicyTensors, PolicyOptions, ("logprob", "entropy", "ratio", "clipped", "kl"))
+
+
+def check_inputs(hidden, weight, target, advantages, bias, tensors, opts):
+    """The tensors' checks (tensors: a PolicyTensors), in eager mode and in the fake
+    kernel (under torch.compile)."""
     checks.check_inputs(hidden, weight, target, bias, None)
     if advantages is None:
         raise TypeError("advantages must be a Tensor, got NoneType")
-    for name, t in zip(("advantages",) + _PER_TOKEN, (advantages, *per_token)):
+    for name, t in (("advantages", advantages), *tensors._asdict().items()):
         checks.check_per_token(name, t, target)
-    if opts.beta != 0.0 and per_token[1] is None:
+    if opts.beta != 0.0 and tensors.ref_logprobs is None:
         raise ValueError("ref_logprobs must be given when beta != 0 (the KL term's reference)")
 
 
-def forward(hidden, weight, target, advantages, bias, per_token, opts, shard=ONE_DEVICE):
-    """(loss, logprob, entropy, ratio, clipped, kl) for checked options; also the
-    vocab-parallel entry."""
-    refuse_transforms((hidden, weight, bias, advantages, *per_token))
+def forward(hidden, weight, target, advantages, bias, tensors, opts, shard=ONE_DEVICE):
+    """(loss, logprob, entropy, ratio, clipped, kl) for checked options and a
+    PolicyTensors; also the vocab-parallel entry."""
+    refuse_transforms((hidden, weight, bias, advantages, *tensors))
     hidden, weight, bias = autocast_operands(hidden, weight, bias)  # dtypes checked after
-    check_inputs(hidden, weight, target, advantages, bias, per_token, opts)
+    check_inputs(hidden, weight, target, advantages, bias, tensors, opts)
     target = int64_if_needed(target, opts.ignore_index)
     loss, _, _, _, *stats = torch.ops.fce.linear_policy_loss_fwd(
         rows(hidden), weight, flat(target), flat(advantages), bias,
-        *(flat(t) for t in per_token), *opts, *shard, forward_needs_grad(hidden, weight, bias))
+        *(flat(t) for t in tensors), *opts, *shard, forward_needs_grad(hidden, weight, bias))
     return (loss, *(t.reshape(target.shape) for t in stats))
 
 
@@ -207,16 +204,17 @@ def forward(hidden, weight, target, advantages, bias, per_token, opts, shard=ONE
 def _linear_policy_loss(hidden, weight, target, advantages, bias=None, old_logprobs=None,
                         ref_logprobs=None, token_weights=None, temperature=None, **options):
     return forward(hidden, weight, target, advantages, bias,
-                   (old_logprobs, ref_logprobs, token_weights, temperature),
+                   PolicyTensors(old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
+                                 token_weights=token_weights, temperature=temperature),
                    PolicyOptions(**options).check())
 
 
 @torch.library.register_fake("fce::linear_policy_loss_fwd")
 def _fwd_fake(hidden, weight, target, advantages, bias, *args):
-    per_token, args = args[:4], args[4:]
+    tensors, args = take(PolicyTensors, args)
     opts, rest = take(PolicyOptions, args)
     opts = opts.check()
-    check_inputs(hidden, weight, target, advantages, bias, per_token, opts)
+    check_inputs(hidden, weight, target, advantages, bias, tensors, opts)
     shard, (needs,) = take(VocabShard, rest)
     mdt = torch.promote_types(hidden.dtype, torch.float32)
     return (hidden.new_empty((), dtype=mdt),
@@ -228,15 +226,13 @@ def _fwd_fake(hidden, weight, target, advantages, bias, *args):
 # ---- autograd: the forward's gradients scaled by the upstream gradient -------------
 
 # hidden, weight and bias among linear_policy_loss_fwd's arguments
-def _weights(args):
-    """The token weights the op's arguments give: token_weights, or 1 / the tokens
-    counted."""
-    valid = args[2] != take(PolicyOptions, args[9:])[0].ignore_index
-    return token_weights(args[7], valid, math_dtype_for(args[0].dtype))
+def _counted(args):
+    """The tokens counted, from linear_policy_loss_fwd's arguments."""
+    return args[2] != take(PolicyOptions, args[9:])[0].ignore_index
 
 
 grads.register_forward_grads_autograd("linear_policy_loss_fwd", (0, 1, 4),
-                                      weights=(7, _weights))
+                                      weights=(7, _counted))
 
 
 # ---- the implementation, on the chunk loop -----------------------------------------

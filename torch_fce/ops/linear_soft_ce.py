@@ -22,7 +22,7 @@ from .loop.chunked import (after_first_gemm, chunk_rows_for, grad_outputs, inver
                       logits_dtype_for, math_dtype_for, no_autocast, run_chunks)
 from .machinery.dispatch import LIB, kernel
 from .contract.entry import autocast_operands, flat, forward_needs_grad, refuse_transforms, rows
-from .contract.options import schema_args, take
+from .contract.options import take, tensor_record
 from .loop.tokens import token_weights
 
 
@@ -40,17 +40,17 @@ class SoftCEOptions(NamedTuple):
 
 # ---- schemas and the public op -----------------------------------------------------
 
-_TENSORS = ("bias", "token_weights", "temperature")
-LIB.define(
-    "linear_soft_cross_entropy(Tensor hidden, Tensor weight, Tensor target_indices, "
-    "Tensor target_probs, " + ", ".join(f"Tensor? {n}=None" for n in _TENSORS) +
-    f", *, {schema_args(SoftCEOptions, True)}) -> Tensor")
-# hidden (N, D), target_indices and target_probs (N, k), the per-token tensors (N,).
-LIB.define(
-    "linear_soft_cross_entropy_fwd(Tensor hidden, Tensor weight, Tensor target_indices, "
-    "Tensor target_probs, " + ", ".join(f"Tensor? {n}" for n in _TENSORS) +
-    f", {schema_args(SoftCEOptions)}, bool[3] needs_grad) -> (Tensor loss, "
-    "Tensor grad_hidden, Tensor grad_weight, Tensor grad_bias)")
+# linear_soft_cross_entropy's optional tensors (token_weights and temperature: the
+# tokens' shape)
+SoftCETensors = tensor_record("SoftCETensors", "bias", "token_weights", "temperature")
+
+
+# The internal op takes hidden (N, D), target_indices and target_probs (N, k), the
+# per-token tensors (N,); one device only.
+grads.define_forward_grads_ops(
+    "linear_soft_cross_entropy",
+    ("Tensor hidden", "Tensor weight", "Tensor target_indices", "Tensor target_probs"),
+    SoftCETensors, SoftCEOptions, (), shard=False)
 
 
 def check_inputs(hidden, weight, idx, probs, bias, token_weights_, temperature):
@@ -72,7 +72,7 @@ def check_inputs(hidden, weight, idx, probs, bias, token_weights_, temperature):
 
 
 def forward(hidden, weight, idx, probs, tensors, opts):
-    """The loss for checked options; tensors: bias, token_weights, temperature."""
+    """The loss for checked options and a SoftCETensors."""
     bias, token_weights_, temperature = tensors
     refuse_transforms((hidden, weight, bias))
     hidden, weight, bias = autocast_operands(hidden, weight, bias)  # dtypes checked after
@@ -88,7 +88,8 @@ def forward(hidden, weight, idx, probs, tensors, opts):
 def _linear_soft_cross_entropy(hidden, weight, target_indices, target_probs, bias=None,
                                token_weights=None, temperature=None, **options):
     return forward(hidden, weight, target_indices, target_probs,
-                   (bias, token_weights, temperature), SoftCEOptions(**options).check())
+                   SoftCETensors(bias=bias, token_weights=token_weights,
+                                 temperature=temperature), SoftCEOptions(**options).check())
 
 
 @torch.library.register_fake("fce::linear_soft_cross_entropy_fwd")
@@ -103,16 +104,14 @@ def _fwd_fake(hidden, weight, idx, probs, bias, token_weights_, temperature, *ar
 
 # ---- autograd: the forward's gradients scaled by the upstream gradient -------------
 
-def _weights(args):
-    """The token weights the op's arguments give: token_weights, or 1 / the tokens
-    counted."""
-    valid = (args[2] != take(SoftCEOptions, args[7:])[0].ignore_index).any(-1)
-    return token_weights(args[5], valid, math_dtype_for(args[0].dtype))
+def _counted(args):
+    """The tokens counted, from linear_soft_cross_entropy_fwd's arguments."""
+    return (args[2] != take(SoftCEOptions, args[7:])[0].ignore_index).any(-1)
 
 
 # hidden, weight and bias among linear_soft_cross_entropy_fwd's arguments; token_weights
 grads.register_forward_grads_autograd("linear_soft_cross_entropy_fwd", (0, 1, 4),
-                                      weights=(5, _weights))
+                                      weights=(5, _counted))
 
 
 # ---- the implementation, on the chunk loop -----------------------------------------

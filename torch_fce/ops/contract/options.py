@@ -1,7 +1,8 @@
 """An op's options, declared once: a NamedTuple whose fields are the schema's arguments.
 
-Each op's room (linear_ce.py, linear_logprobs.py, linear_policy_loss.py) declares its
-options as one record. The record gives the schema its argument list (`schema_args`:
+Each op's room (linear_ce, linear_logprobs, linear_policy_loss, linear_distillation,
+linear_soft_ce) declares its options as one record, and the ops with several optional
+per-token tensors those as another (`tensor_args` writes their schema text). The record gives the schema its argument list (`schema_args`:
 names, types and defaults from the fields), travels as one value through the chunk
 loop, the row functions and vocab-parallel, and checks itself (`check()`, the one
 owner of the options' validation: eager calls, fake kernels and the lowering pass all
@@ -10,6 +11,7 @@ fake kernel and autograd read it back with `take`. Nothing lists the options by
 position but the record's field order.
 """
 
+import collections
 from typing import Optional, get_type_hints
 
 import torch
@@ -36,6 +38,19 @@ def schema_args(record, defaults=False):
             arg += "=" + _literal(record._field_defaults[name])
         parts.append(arg)
     return ", ".join(parts)
+
+
+def tensor_record(name, *fields):
+    """A record of optional tensors (each field None by default), in the schemas' order:
+    an op's per-token tensors and optional operands, passed as one value."""
+    return collections.namedtuple(name, fields, defaults=(None,) * len(fields))
+
+
+def tensor_args(record, defaults=False):
+    """A record of optional tensors as a schema's arguments, "Tensor? a, Tensor? b"
+    (with "=None" when asked: the public ops' arguments)."""
+    return ", ".join(f"Tensor? {name}" + ("=None" if defaults else "")
+                     for name in record._fields)
 
 
 def take(record, args):

@@ -10,7 +10,9 @@ instead of returning stale gradients.
 
 import torch
 
-from ..loop.chunked import grad_dtype
+from ..contract.options import schema_args, tensor_args
+from ..loop.chunked import VocabShard, grad_dtype, math_dtype_for
+from ..loop.tokens import token_weights
 from .dispatch import HAS_TRITON, LIB
 
 _NO_DOUBLE = (
@@ -105,6 +107,26 @@ def fake_grads(hidden, weight, bias, needs_grad, keep_f32, hidden_f32=False):
 _SAVED = object()  # an argument's place in the saved tensors
 
 
+def define_forward_grads_ops(name, args, tensors, options, stats, shard=True):
+    """Defines the two ops of a scalar loss whose forward forms its gradients (policy
+    loss, distillation, soft CE): the public fce::<name> (args, then the optional
+    `tensors` record's with their None defaults, then the `options` record as keywords)
+    and the internal fce::<name>_fwd (the same, the records spread, a VocabShard with
+    `shard`, then needs_grad) returning (loss, grad_hidden, grad_weight, grad_bias,
+    *stats). args: "Tensor hidden, Tensor weight, ..." ("Tensor?" ones default to None
+    in the public op); stats: the statistics' names (none: the public op returns the
+    loss alone)."""
+    public = ", ".join(a + "=None" if a.startswith("Tensor?") else a for a in args)
+    internal = [*args, tensor_args(tensors), schema_args(options)] + \
+        ([schema_args(VocabShard)] if shard else [])
+    out = ", ".join(f"Tensor {s}" for s in ("loss", *stats))
+    LIB.define(f"{name}({public}, {tensor_args(tensors, True)}, *, "
+               f"{schema_args(options, True)}) -> " + (f"({out})" if stats else "Tensor"))
+    LIB.define(f"{name}_fwd({', '.join(internal)}, bool[3] needs_grad) -> (Tensor loss, "
+               "Tensor grad_hidden, Tensor grad_weight, Tensor grad_bias"
+               + "".join(f", Tensor {s}" for s in stats) + ")")
+
+
 def register_forward_grads_autograd(name, at, weights=None):
     """The autograd formula of an op whose outputs are (loss, grad_hidden, grad_weight,
     grad_bias, *statistics): a scalar loss sum_t w_t * term_t whose forward formed the
@@ -118,7 +140,8 @@ def register_forward_grads_autograd(name, at, weights=None):
     the op again with the token weights times the upstream gradient (the loss is linear
     in them), so the scale reaches the logits gradient before its rounding, as it
     reaches torch's. weights = (position of token_weights among the arguments,
-    f(arguments) -> the (N,) weights the op uses)."""
+    counted(arguments) -> the (N,) tokens counted, whose weights default to 1 / their
+    number: tokens.token_weights, as the op's kernel forms them)."""
     def setup(ctx, inputs, output):
         hidden, weight, bias = (inputs[i] for i in at)
         ctx.mark_non_differentiable(*output[1:])
@@ -141,9 +164,10 @@ def register_forward_grads_autograd(name, at, weights=None):
             saved = iter(ctx.saved_tensors)
             args = [next(saved) if a is _SAVED else a for a in ctx.args]
             inputs = [args[i] for i in at]
-            position, weights_of = weights
+            position, counted = weights
             with torch.no_grad():
-                args[position] = weights_of(args) * grad_loss
+                w = token_weights(args[position], counted(args), math_dtype_for(ctx.dtypes[0]))
+                args[position] = w * grad_loss
                 args[-1] = wanted  # needs_grad, the last argument
                 got = getattr(torch.ops.fce, name)(*args)[1:4]
                 out = [g.to(dt) if need else None
