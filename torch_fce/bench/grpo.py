@@ -10,17 +10,14 @@ with torch_fce's, on the same weights, and prints time, peak memory beyond the m
 and batch, and how far the two losses and head gradients are apart.
 """
 
-import argparse
 import tempfile
 import warnings
 
 import torch
 
-from torch_fce.bench.measure import (add_device_option, add_size_options, check_device,
-                                     median_time, peak_extra_bytes)
+from torch_fce.bench import trainer_step
 from torch_fce.bench.env import describe, environment
 from torch_fce.bench.rl import TRL_GRPO_CONFIG
-from torch_fce.integrations import trl as fce_trl
 from torch_fce.testing import rel_err, word_tokenizer
 
 
@@ -70,44 +67,24 @@ def _batch(trainer, args):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m torch_fce.bench grpo", description=__doc__)
-    add_device_option(p)
-    add_size_options(p, V=(151936, "vocabulary size"), D=(1536, "hidden size"),
-                     layers=(2, "decoder layers"), B=(16, "completions per batch"),
-                     P=(64, "prompt tokens"), K=(1024, "completion tokens"),
-                     reps=(5, "timed steps"))
-    args = p.parse_args(argv)
-    check_device(p, args.device)
+    p = trainer_step.parser("python -m torch_fce.bench grpo", __doc__,
+                            B=(16, "completions per batch"), P=(64, "prompt tokens"),
+                            K=(1024, "completion tokens"))
+    args = trainer_step.parse(p, argv)
     import trl
 
     with tempfile.TemporaryDirectory() as path:
         trainer = _trainer(args, path)
         batch = _batch(trainer, args)
-        model = trainer.model
         print(f"# {describe(environment())}, trl {trl.__version__}")
         print(f"llama V={args.V} D={args.D} {args.layers} layers, {args.B} completions of "
               f"{args.K} tokens after {args.P}: dapo + k3 KL (beta 0.04), temperature 0.7")
-
-        def step():
-            trainer.compute_loss(model, batch).backward()
-            model.zero_grad(set_to_none=True)
-
-        results = {}
-        for name in ("trl", "torch_fce"):
-            if name == "torch_fce":
-                fce_trl.apply(trainer)
-            loss = trainer.compute_loss(model, batch)
-            loss.backward()
-            loss = loss.detach()
-            head_grad = model.get_output_embeddings().weight.grad.float()
-            model.zero_grad(set_to_none=True)
-            mem = peak_extra_bytes(step, args.device)
-            ms = median_time(step, args.device, reps=args.reps) * 1e3
-            results[name] = (loss.item(), head_grad, ms)
-            print(f"{name:10} loss {loss.item():.6f}  step {ms:8.2f} ms  peak extra "
+        results = trainer_step.both_ways(trainer, lambda t: t.compute_loss(t.model, batch),
+                                         args.device, args.reps)
+        for name, (loss, _, ms, mem) in results.items():
+            print(f"{name:10} loss {loss:.6f}  step {ms:8.2f} ms  peak extra "
                   f"{mem / 2**20:8.1f} MiB")
-        fce_trl.revert(trainer)
-    (loss_t, grad_t, ms_t), (loss_f, grad_f, ms_f) = results["trl"], results["torch_fce"]
+    (loss_t, grad_t, ms_t, _), (loss_f, grad_f, ms_f, _) = results["trl"], results["torch_fce"]
     print(f"torch_fce / trl time {ms_f / ms_t:.3f}; loss difference "
           f"{abs(loss_f - loss_t) / max(abs(loss_t), 1e-12):.2e} (relative), head gradient "
           f"{rel_err(grad_f, grad_t):.2e}")

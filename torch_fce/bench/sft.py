@@ -10,17 +10,14 @@ with torch_fce's, on the same weights, and prints time, peak memory beyond the m
 and batch, and how far the two losses and head gradients are apart.
 """
 
-import argparse
 import gc
 import tempfile
 import warnings
 
 import torch
 
+from torch_fce.bench import trainer_step
 from torch_fce.bench.env import describe, environment
-from torch_fce.bench.measure import (add_device_option, add_size_options, check_device,
-                                     median_time, peak_extra_bytes)
-from torch_fce.integrations import trl as fce_trl
 from torch_fce.testing import rel_err, word_tokenizer
 
 # name -> SFTConfig fields
@@ -74,16 +71,12 @@ def _batch(args):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m torch_fce.bench sft", description=__doc__)
-    add_device_option(p)
-    add_size_options(p, V=(151936, "vocabulary size"), D=(1536, "hidden size"),
-                     layers=(2, "decoder layers"), B=(16, "sequences per batch"),
-                     T=(1024, "tokens per sequence"), P=(64, "prompt tokens (no loss)"),
-                     reps=(5, "timed steps"))
+    p = trainer_step.parser("python -m torch_fce.bench sft", __doc__,
+                            B=(16, "sequences per batch"), T=(1024, "tokens per sequence"),
+                            P=(64, "prompt tokens (no loss)"))
     p.add_argument("--losses", default=",".join(LOSSES),
                    help=f"comma-separated, of {', '.join(LOSSES)} (default: all)")
-    args = p.parse_args(argv)
-    check_device(p, args.device)
+    args = trainer_step.parse(p, argv)
     losses = args.losses.split(",")
     for name in losses:
         if name not in LOSSES:
@@ -103,30 +96,9 @@ def main(argv=None):
         _save_model(args, path)
         for loss_name in losses:
             trainer = _trainer(args, path, LOSSES[loss_name])
-            model = trainer.model
-
-            def step():
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")  # label smoothing's deprecation notice
-                    loss = trainer.compute_loss(model, batch, num_items_in_batch=num_items)
-                loss.backward()
-                model.zero_grad(set_to_none=True)
-                return loss.detach()
-
-            results = {}
-            for name in ("trl", "torch_fce"):
-                if name == "torch_fce":
-                    fce_trl.apply(trainer)
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")
-                    loss = trainer.compute_loss(model, batch, num_items_in_batch=num_items)
-                loss.backward()
-                head_grad = model.get_output_embeddings().weight.grad.float()
-                model.zero_grad(set_to_none=True)
-                mem = peak_extra_bytes(step, args.device)
-                ms = median_time(step, args.device, reps=args.reps) * 1e3
-                results[name] = (loss.item(), head_grad, ms, mem)
-            fce_trl.revert(trainer)
+            results = trainer_step.both_ways(
+                trainer, lambda t: t.compute_loss(t.model, batch, num_items_in_batch=num_items),
+                args.device, args.reps)
             (loss_t, grad_t, ms_t, mem_t) = results["trl"]
             (loss_f, grad_f, ms_f, mem_f) = results["torch_fce"]
             for name, (loss, _, ms, mem) in results.items():
@@ -136,7 +108,7 @@ def main(argv=None):
                   f"{mem_f / max(mem_t, 1):.3f}; loss difference "
                   f"{abs(loss_f - loss_t) / max(abs(loss_t), 1e-12):.2e} (relative), head "
                   f"gradient {rel_err(grad_f, grad_t):.2e}")
-            del trainer, model, results, grad_t, grad_f, step
+            del trainer, results, grad_t, grad_f
             gc.collect()
             if args.device == "cuda":
                 torch.cuda.empty_cache()
