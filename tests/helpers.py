@@ -8,7 +8,7 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-from torch_fce.ops.reference import linear_ce_reference, logits_ce_reference
+from tests.references import linear_ce_reference, logits_ce_reference
 from torch_fce.testing import rel_err
 
 

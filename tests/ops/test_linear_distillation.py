@@ -5,54 +5,19 @@ ignored and all-ignored tokens, no target, shift, several chunks; float32 logits
 inputs as exact as the float32 composition, on confident rows at large magnitude;
 gradcheck; opcheck; compile; bad input named."""
 
-import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 from hypothesis import given, strategies as st
 
 import torch_fce
 from torch_fce.ops import linear_distillation
 from torch_fce.testing import rel_err
+from tests.references import distillation_reference as reference
 
 from .impl import ONE_DEVICE, TRITON, chunks
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def reference(h, w, b, ht, wt, bt, target, beta=0.0, temperature=1.0, hard_weight=0.0,
-              token_weights=None, logit_scale=1.0, teacher_logit_scale=1.0, softcap=None,
-              teacher_softcap=None, ignore_index=-100, wide=torch.float64):
-    """(loss, divergence, entropy) from explicit logits (in `wide`), TRL's formulas."""
-    zs = F.linear(h, w, b).to(wide) * logit_scale
-    zt = F.linear(ht, wt, bt).to(wide) * teacher_logit_scale
-    if softcap is not None:
-        zs = softcap * torch.tanh(zs / softcap)
-    if teacher_softcap is not None:
-        zt = teacher_softcap * torch.tanh(zt / teacher_softcap)
-    T = torch.as_tensor(temperature, dtype=wide, device=zs.device).expand(zs.shape[:-1])
-    lq, lp = (zs / T[..., None]).log_softmax(-1), (zt / T[..., None]).log_softmax(-1)
-    if beta == 0.0:
-        div = F.kl_div(lq, lp, reduction="none", log_target=True).sum(-1)
-    elif beta == 1.0:
-        div = F.kl_div(lp, lq, reduction="none", log_target=True).sum(-1)
-    else:  # TRL's generalized_jsd_loss
-        lm = torch.logsumexp(torch.stack([lq + math.log(1 - beta), lp + math.log(beta)]), 0)
-        div = beta * F.kl_div(lm, lp, reduction="none", log_target=True).sum(-1) + \
-            (1 - beta) * F.kl_div(lm, lq, reduction="none", log_target=True).sum(-1)
-    ent = -(lq.exp() * lq).sum(-1)
-    valid = torch.ones(zs.shape[:-1], dtype=torch.bool, device=zs.device) \
-        if target is None else target != ignore_index
-    per = div
-    if hard_weight:
-        safe = torch.where(valid, target, 0)
-        per = per - hard_weight * zs.log_softmax(-1).gather(-1, safe[..., None]).squeeze(-1)
-    wts = valid.to(wide) / valid.sum().clamp(min=1) if token_weights is None \
-        else token_weights.to(wide)
-    zero = torch.zeros_like(div)
-    return (torch.where(valid, wts * per, zero).sum(), torch.where(valid, div, zero),
-            torch.where(valid, ent, zero))
 
 
 def _problem(draw, dtype=torch.float64):

@@ -19,6 +19,7 @@ from torch_fce.ops.rowmath.ce import TORCH_CE_ROWS
 from torch_fce.ops.rowmath.triton.logprob import TRITON_LOGPROB_ROWS
 from torch_fce.ops.rowmath.triton.ce import TRITON_CE_ROWS
 from torch_fce.testing import make_inputs, rel_err
+from tests.references import logprobs_reference as reference
 from tests.helpers import (
     EPS, capture_cuda_graph, confident_grads, confident_inputs, logprob_composition,
     no_host_sync)
@@ -26,23 +27,6 @@ from tests.helpers import (
 from .impl import BACKENDS, ONE_DEVICE, TORCH, TRITON, chunks
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def reference(hidden, weight, target, bias=None, temperature=1.0, softcap=None,
-              ignore_index=-100):
-    """(logprob, entropy, lse, argmax) from float64 logits, each target.shape."""
-    z = F.linear(hidden.double(), weight.double(), None if bias is None else bias.double())
-    if softcap is not None:
-        z = softcap * torch.tanh(z / softcap)
-    t = torch.as_tensor(temperature, dtype=torch.float64, device=z.device)
-    z = z / t.expand(target.shape)[..., None]
-    logp = z.log_softmax(-1)
-    valid = target != ignore_index
-    lp = logp.gather(-1, torch.where(valid, target, 0).long()[..., None]).squeeze(-1)
-    ent = -(logp.exp() * logp).sum(-1)
-    zero = torch.zeros((), dtype=torch.float64, device=z.device)
-    return (torch.where(valid, lp, zero), torch.where(valid, ent, zero),
-            torch.logsumexp(z, -1), z.argmax(-1))
 
 
 def _tol(dtype, V):

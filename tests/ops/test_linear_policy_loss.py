@@ -6,7 +6,6 @@ under the interpreter; bad input."""
 
 import pytest
 import torch
-import torch.nn.functional as F
 from hypothesis import given, strategies as st
 
 import torch_fce
@@ -14,51 +13,10 @@ from torch_fce.ops import linear_policy_loss
 from torch_fce.ops.linear_policy_loss import PolicyOptions
 from .impl import ONE_DEVICE, TORCH, TRITON, chunks
 from torch_fce.testing import make_inputs, rel_err
+from tests.references import policy_reference as reference
 from tests.helpers import LOSS_TOL, grad_tol
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def reference(leaves, target, advantages, old=None, ref=None, token_weights=None,
-              temperature=1.0, softcap=None, loss_type="clip", epsilon_low=0.2,
-              epsilon_high=None, delta=None, sapo_temperature_pos=1.0,
-              sapo_temperature_neg=1.05, beta=0.0, kl="k3", kl_ratio=False,
-              entropy_coef=0.0, ignore_index=-100):
-    """(loss, logprob, entropy) in float64 from the logits, as TRL's GRPOTrainer writes
-    the per-token terms, differentiable w.r.t. the leaves (hidden, weight, bias)."""
-    hi = epsilon_low if epsilon_high is None else epsilon_high
-    h, w, b = leaves["hidden"], leaves["weight"], leaves.get("bias")
-    z = F.linear(h, w, b)
-    if softcap is not None:
-        z = softcap * torch.tanh(z / softcap)
-    z = z / torch.as_tensor(temperature, dtype=z.dtype, device=z.device).expand(
-        target.shape)[..., None]
-    logp = z.log_softmax(-1)
-    valid = target != ignore_index
-    lp = logp.gather(-1, torch.where(valid, target, 0)[..., None]).squeeze(-1)
-    ent = -(logp.exp() * logp).sum(-1)
-    A = advantages.double().expand(target.shape)
-    r = torch.exp(lp - (lp.detach() if old is None else old.double()))
-    if loss_type == "clip":
-        coef_2 = torch.clamp(r, 1 - epsilon_low, 1 + hi)
-        coef_1 = r if delta is None else torch.clamp(r, max=delta)
-        per = -torch.min(coef_1 * A, coef_2 * A)
-    elif loss_type == "cispo":
-        per = -torch.clamp(r, max=hi).detach() * A * lp
-    elif loss_type == "sapo":
-        tau = torch.where(A > 0, sapo_temperature_pos, sapo_temperature_neg).double()
-        per = -torch.sigmoid(tau * (r - 1)) * 4 / tau * A
-    else:
-        per = -r * A
-    if ref is not None:
-        d = ref.double() - lp
-        per_kl = {"k1": -d, "k2": 0.5 * d * d, "k3": torch.exp(d) - d - 1}[kl]
-        per = per + beta * (per_kl * r if kl_ratio else per_kl)  # TRL's bias correction
-    per = per - entropy_coef * ent
-    wt = valid.double() / valid.sum().clamp(min=1) if token_weights is None else \
-        token_weights.double()
-    loss = torch.where(valid, wt * per, 0.0).sum()
-    return loss, torch.where(valid, lp, 0.0), torch.where(valid, ent, 0.0)
 
 
 @st.composite

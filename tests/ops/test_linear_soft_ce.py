@@ -7,30 +7,16 @@ opcheck; compile; bad input named."""
 
 import pytest
 import torch
-import torch.nn.functional as F
 from hypothesis import given, strategies as st
 
 import torch_fce
 from torch_fce.ops import linear_soft_ce
 from torch_fce.testing import rel_err
+from tests.references import soft_ce_reference as reference
 
 from .impl import TRITON, chunks
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def reference(h, w, b, idx, probs, temperature=1.0, token_weights=None, ignore_index=-100,
-              wide=torch.float64):
-    """The loss from explicit logits in `wide`."""
-    z = F.linear(h, w, b).to(wide)
-    T = torch.as_tensor(temperature, dtype=wide, device=z.device).expand(z.shape[:-1])
-    log_q = (z / T[..., None]).log_softmax(-1)
-    skip = idx == ignore_index
-    valid = ~skip.all(-1)
-    per = -torch.where(skip, 0.0, probs.to(wide) * log_q.gather(-1, idx.clamp(min=0))).sum(-1)
-    wts = valid.to(wide) / valid.sum().clamp(min=1) if token_weights is None \
-        else token_weights.to(wide)
-    return torch.where(valid, wts * per, 0.0).sum()
 
 
 @st.composite

@@ -115,6 +115,10 @@ def test_float32_logits_as_exact_as_the_float32_composition(monkeypatch, backend
     # float32-output GEMM of bf16 operands sums in its own order): 1.9e-7 to 2.8e-7
     # relative measured on an H200, far below the 1e-3 of logits rounded to bf16 or fp16.
     floor = 1e-6 if DEVICE == "cuda" else 1e-7
+    if objective == "policy" and dtype == torch.float16:
+        # a signed sum of advantage-weighted terms: cancellation lifts the value's relative
+        # error (4.5e-6 measured on CPU for float16, the float32 composition's 2.2e-6)
+        floor = max(floor, 1e-6)
     for name, a, c, r, rd in zip(("value", "hidden", "weight", "bias"), ours, f32, truth,
                                  rounded):
         assert a.dtype == rd.dtype, name

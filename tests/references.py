@@ -1,0 +1,154 @@
+"""The float64 references, one per op, in one home: each op's semantics composed from
+the explicit logits (materialised, in float64 unless asked otherwise), independently of
+the library's code. Tests compare the ops against them; nothing in torch_fce imports
+them.
+    linear_ce_reference / logits_ce_reference   the cross entropy (docs/api.md)
+    logprobs_reference                          log-probs, entropy, lse, argmax
+    policy_reference                            the policy losses, as TRL's GRPOTrainer
+    distillation_reference                      the generalized JSD and hard loss
+    soft_ce_reference                           the cross entropy to sparse targets
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+def logits_ce_reference(z, target, class_weight=None, *, ignore_index=-100,
+                        reduction="mean", label_smoothing=0.0, softcap=None, z_loss=0.0):
+    """F.cross_entropy (+ softcap, + z-loss) of logits z (N, V) in z's dtype."""
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    t = target.long()
+    cw = None if class_weight is None else class_weight.to(z.dtype)
+    loss = F.cross_entropy(z, t, weight=cw, ignore_index=ignore_index, reduction=reduction,
+                           label_smoothing=label_smoothing)
+    if z_loss > 0.0:
+        valid = t != ignore_index
+        zl = torch.where(valid, torch.logsumexp(z, -1) ** 2, 0.0) * z_loss
+        loss = loss + {"none": zl, "sum": zl.sum(), "mean": zl.sum() / valid.sum()}[reduction]
+    return loss
+
+
+def linear_ce_reference(hidden, weight, target, bias=None, class_weight=None, *,
+                        products_dtype=None, math_dtype=torch.float64, **options):
+    """F.linear + F.cross_entropy (+ z-loss) with math in math_dtype.
+
+    products_dtype: run F.linear in this dtype and round the logits to it before the
+    math (what the op does with low-precision inputs); None runs it in math_dtype.
+    hidden (*, D), weight (V, D), target (*). Returns () or target.shape.
+    """
+    pd = products_dtype or math_dtype
+    b = None if bias is None else bias.to(pd)
+    z = F.linear(hidden.to(pd), weight.to(pd), b).to(math_dtype)
+    loss = logits_ce_reference(z.reshape(-1, weight.shape[0]), target.reshape(-1),
+                               class_weight, **options)
+    return loss.reshape(target.shape) if options.get("reduction") == "none" else loss
+
+
+def logprobs_reference(hidden, weight, target, bias=None, temperature=1.0, softcap=None,
+              ignore_index=-100):
+    """(logprob, entropy, lse, argmax) from float64 logits, each target.shape."""
+    z = F.linear(hidden.double(), weight.double(), None if bias is None else bias.double())
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    t = torch.as_tensor(temperature, dtype=torch.float64, device=z.device)
+    z = z / t.expand(target.shape)[..., None]
+    logp = z.log_softmax(-1)
+    valid = target != ignore_index
+    lp = logp.gather(-1, torch.where(valid, target, 0).long()[..., None]).squeeze(-1)
+    ent = -(logp.exp() * logp).sum(-1)
+    zero = torch.zeros((), dtype=torch.float64, device=z.device)
+    return (torch.where(valid, lp, zero), torch.where(valid, ent, zero),
+            torch.logsumexp(z, -1), z.argmax(-1))
+
+
+def policy_reference(leaves, target, advantages, old=None, ref=None, token_weights=None,
+              temperature=1.0, softcap=None, loss_type="clip", epsilon_low=0.2,
+              epsilon_high=None, delta=None, sapo_temperature_pos=1.0,
+              sapo_temperature_neg=1.05, beta=0.0, kl="k3", kl_ratio=False,
+              entropy_coef=0.0, ignore_index=-100):
+    """(loss, logprob, entropy) in float64 from the logits, as TRL's GRPOTrainer writes
+    the per-token terms, differentiable w.r.t. the leaves (hidden, weight, bias)."""
+    hi = epsilon_low if epsilon_high is None else epsilon_high
+    h, w, b = leaves["hidden"], leaves["weight"], leaves.get("bias")
+    z = F.linear(h, w, b)
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    z = z / torch.as_tensor(temperature, dtype=z.dtype, device=z.device).expand(
+        target.shape)[..., None]
+    logp = z.log_softmax(-1)
+    valid = target != ignore_index
+    lp = logp.gather(-1, torch.where(valid, target, 0)[..., None]).squeeze(-1)
+    ent = -(logp.exp() * logp).sum(-1)
+    A = advantages.double().expand(target.shape)
+    r = torch.exp(lp - (lp.detach() if old is None else old.double()))
+    if loss_type == "clip":
+        coef_2 = torch.clamp(r, 1 - epsilon_low, 1 + hi)
+        coef_1 = r if delta is None else torch.clamp(r, max=delta)
+        per = -torch.min(coef_1 * A, coef_2 * A)
+    elif loss_type == "cispo":
+        per = -torch.clamp(r, max=hi).detach() * A * lp
+    elif loss_type == "sapo":
+        tau = torch.where(A > 0, sapo_temperature_pos, sapo_temperature_neg).double()
+        per = -torch.sigmoid(tau * (r - 1)) * 4 / tau * A
+    else:
+        per = -r * A
+    if ref is not None:
+        d = ref.double() - lp
+        per_kl = {"k1": -d, "k2": 0.5 * d * d, "k3": torch.exp(d) - d - 1}[kl]
+        per = per + beta * (per_kl * r if kl_ratio else per_kl)  # TRL's bias correction
+    per = per - entropy_coef * ent
+    wt = valid.double() / valid.sum().clamp(min=1) if token_weights is None else \
+        token_weights.double()
+    loss = torch.where(valid, wt * per, 0.0).sum()
+    return loss, torch.where(valid, lp, 0.0), torch.where(valid, ent, 0.0)
+
+
+def distillation_reference(h, w, b, ht, wt, bt, target, beta=0.0, temperature=1.0, hard_weight=0.0,
+              token_weights=None, logit_scale=1.0, teacher_logit_scale=1.0, softcap=None,
+              teacher_softcap=None, ignore_index=-100, wide=torch.float64):
+    """(loss, divergence, entropy) from explicit logits (in `wide`), TRL's formulas."""
+    zs = F.linear(h, w, b).to(wide) * logit_scale
+    zt = F.linear(ht, wt, bt).to(wide) * teacher_logit_scale
+    if softcap is not None:
+        zs = softcap * torch.tanh(zs / softcap)
+    if teacher_softcap is not None:
+        zt = teacher_softcap * torch.tanh(zt / teacher_softcap)
+    T = torch.as_tensor(temperature, dtype=wide, device=zs.device).expand(zs.shape[:-1])
+    lq, lp = (zs / T[..., None]).log_softmax(-1), (zt / T[..., None]).log_softmax(-1)
+    if beta == 0.0:
+        div = F.kl_div(lq, lp, reduction="none", log_target=True).sum(-1)
+    elif beta == 1.0:
+        div = F.kl_div(lp, lq, reduction="none", log_target=True).sum(-1)
+    else:  # TRL's generalized_jsd_loss
+        lm = torch.logsumexp(torch.stack([lq + math.log(1 - beta), lp + math.log(beta)]), 0)
+        div = beta * F.kl_div(lm, lp, reduction="none", log_target=True).sum(-1) + \
+            (1 - beta) * F.kl_div(lm, lq, reduction="none", log_target=True).sum(-1)
+    ent = -(lq.exp() * lq).sum(-1)
+    valid = torch.ones(zs.shape[:-1], dtype=torch.bool, device=zs.device) \
+        if target is None else target != ignore_index
+    per = div
+    if hard_weight:
+        safe = torch.where(valid, target, 0)
+        per = per - hard_weight * zs.log_softmax(-1).gather(-1, safe[..., None]).squeeze(-1)
+    wts = valid.to(wide) / valid.sum().clamp(min=1) if token_weights is None \
+        else token_weights.to(wide)
+    zero = torch.zeros_like(div)
+    return (torch.where(valid, wts * per, zero).sum(), torch.where(valid, div, zero),
+            torch.where(valid, ent, zero))
+
+
+def soft_ce_reference(h, w, b, idx, probs, temperature=1.0, token_weights=None, ignore_index=-100,
+              wide=torch.float64):
+    """The loss from explicit logits in `wide`."""
+    z = F.linear(h, w, b).to(wide)
+    T = torch.as_tensor(temperature, dtype=wide, device=z.device).expand(z.shape[:-1])
+    log_q = (z / T[..., None]).log_softmax(-1)
+    skip = idx == ignore_index
+    valid = ~skip.all(-1)
+    per = -torch.where(skip, 0.0, probs.to(wide) * log_q.gather(-1, idx.clamp(min=0))).sum(-1)
+    wts = valid.to(wide) / valid.sum().clamp(min=1) if token_weights is None \
+        else token_weights.to(wide)
+    return torch.where(valid, wts * per, 0.0).sum()
