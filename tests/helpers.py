@@ -1,16 +1,32 @@
-"""What the tests share: tolerances from each dtype's epsilon, the float64 and torch
-references, confident-row inputs, and the CUDA checks (no host sync, graph capture).
-Builders the benchmarks use too (make_inputs, rel_err, word_tokenizer) are in
-torch_fce/testing.py."""
+"""What the tests share, in one place: the device, tolerances from each dtype's
+epsilon, the CE's float64 and torch comparisons (the references themselves are in
+tests/references.py), confident-row inputs, an op's implementation with a chosen
+backend and chunk size, the CE's hypothesis problems, and the CUDA checks (no host
+sync, graph capture). Builders the benchmarks use too (make_inputs, rel_err,
+word_tokenizer) are in torch_fce/testing.py."""
 
 import contextlib
+import math
 
 import torch
 import torch.nn.functional as F
+from hypothesis import strategies as st
+
+import torch_fce
+from torch_fce.ops.loop.chunked import ONE_DEVICE  # noqa: F401  (the tests take it from here)
+from torch_fce.ops.machinery.dispatch import Backend
+from torch_fce.ops.rowmath.ce import TORCH_CE_ROWS
+from torch_fce.ops.rowmath.distill import TORCH_DISTILL_ROWS
+from torch_fce.ops.rowmath.logprob import TORCH_LOGPROB_ROWS
+from torch_fce.ops.rowmath.triton.ce import TRITON_CE_ROWS
+from torch_fce.ops.rowmath.triton.distill import TRITON_DISTILL_ROWS
+from torch_fce.ops.rowmath.triton.logprob import TRITON_LOGPROB_ROWS
 
 from tests.references import linear_ce_reference, logits_ce_reference
-from torch_fce.testing import rel_err
+from torch_fce.testing import make_inputs, rel_err
 
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 # Machine epsilon of each dtype; the tolerances below derive from it.
 EPS = {torch.float64: 2.0 ** -52, torch.float32: 2.0 ** -23, torch.float16: 2.0 ** -10,
@@ -136,3 +152,78 @@ def capture_cuda_graph(step):
     with torch.cuda.graph(graph):
         out = step()
     return graph, out
+
+
+def run_op(x, options, accumulator="fp32", grad_seed=0):
+    """Loss and gradients of hidden/weight/bias for a random upstream gradient."""
+    leaves = {k: x[k].detach().clone().requires_grad_() for k in ("hidden", "weight", "bias")
+              if x[k] is not None}
+    args = {**x, **leaves}
+    loss = torch_fce.linear_cross_entropy(**args, **options, accumulator=accumulator)
+    g = torch.randn(loss.shape, generator=torch.Generator().manual_seed(grad_seed))
+    grads = torch.autograd.grad(loss, list(leaves.values()), g) if loss.numel() else \
+        [torch.zeros_like(v) for v in leaves.values()]
+    return loss, dict(zip(leaves, grads)), g
+
+
+def assert_matches_reference(x, options, accumulator="fp32", tol=None):
+    loss, grads, g = run_op(x, options, accumulator)
+    assert loss.dtype == torch.float32
+    ref_loss, ref_grads = reference_loss_and_grads(**x, grad_out=g, **options)
+    counted = (x["target"] != -100).sum().item()
+    if options["reduction"] == "mean" and counted == 0:
+        assert math.isnan(loss.item())  # as torch: 0 / 0
+        assert all(torch.count_nonzero(v) == 0 for v in grads.values())
+        return
+    assert loss.shape == ref_loss.shape
+    torch_loss, torch_grads = torch_loss_and_grads(**x, grad_out=g, **options)
+    assert rel_err(loss, ref_loss) <= allowed_error(LOSS_TOL, torch_loss, ref_loss)
+    tol = tol or grad_tol(x["hidden"].dtype, max(x["target"].numel(), x["weight"].shape[0]))
+    for name, grad in grads.items():
+        assert grad.dtype == x[name].dtype, name
+        allowed = allowed_error(tol, torch_grads[name], ref_grads[name])
+        assert rel_err(grad, ref_grads[name]) <= allowed, name
+
+
+@st.composite
+def ce_problems(draw, dtypes=(torch.float32, torch.bfloat16, torch.float16),
+             vocab=(2, 3, 31, 97, 257, 70001)):
+    """Returns (inputs dict, options dict) for a random problem with every option."""
+    N = draw(st.sampled_from([0, 1, 2, 7, 33]))
+    D = draw(st.sampled_from([1, 4, 17, 127]))
+    V = draw(st.sampled_from(vocab))
+    dtype = draw(st.sampled_from(dtypes))
+    master = dtype != torch.float32 and draw(st.booleans())
+    x = make_inputs(
+        N, D, V, dtype, ignore_frac=draw(st.sampled_from([0.0, 0.2, 1.0])),
+        bias=draw(st.booleans()), class_weight=draw(st.booleans()),
+        weight_dtype=torch.float32 if master else None, seed=draw(st.integers(0, 2**16)),
+        weight_scale=draw(st.sampled_from([1.0, 4.0])),
+    )
+    if draw(st.booleans()) and N > 0:  # a (B, T) batch shape, B > 1 where N allows
+        B = next(b for b in (3, 2, 1) if N % b == 0)
+        x["hidden"] = x["hidden"].reshape(B, N // B, D)
+        x["target"] = x["target"].reshape(B, N // B)
+    options = dict(
+        reduction=draw(st.sampled_from(["mean", "sum", "none"])),
+        label_smoothing=draw(st.sampled_from([0.0, 0.1, 1.0])),
+        softcap=draw(st.sampled_from([None, 2.0, 30.0])),
+        z_loss=draw(st.sampled_from([0.0, 1e-2])),
+    )
+    return x, options
+
+
+# ---- an op's implementation with a chosen backend and chunk size: one device's row
+# functions on the shared loop, called directly (no dispatcher, no value checks)
+
+TORCH = Backend(TORCH_CE_ROWS, TORCH_LOGPROB_ROWS, TORCH_DISTILL_ROWS, check_values=False)
+TRITON = Backend(TRITON_CE_ROWS, TRITON_LOGPROB_ROWS, TRITON_DISTILL_ROWS,
+                 check_values=False)
+BACKENDS = {"torch_rows": TORCH, "triton_rows": TRITON}
+
+
+@contextlib.contextmanager
+def chunks(rows, hidden, weight):
+    """The loop cuts `rows` token rows per chunk (a workspace of that many logits rows)."""
+    with torch_fce.workspace(rows * weight.shape[0] * hidden.element_size()):
+        yield

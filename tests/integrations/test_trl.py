@@ -8,17 +8,16 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers
+import trl.trainer.utils as trl_utils
 
-transformers = pytest.importorskip("transformers")
-trl_utils = pytest.importorskip("trl.trainer.utils")
+from torch_fce.integrations import transformers as fce_hf
+from torch_fce.integrations import trl as fce_trl
+from torch_fce.testing import rel_err
 
-from torch_fce.integrations import transformers as fce_hf  # noqa: E402
-from torch_fce.integrations import trl as fce_trl  # noqa: E402
-from torch_fce.testing import rel_err  # noqa: E402
+from tests.helpers import DEVICE
 
-pytestmark = pytest.mark.integration
 # The GPU tier runs this module on CUDA (README); CI on the CPU.
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 V, K, TEMPERATURE = 96, 7, 0.7
 
 

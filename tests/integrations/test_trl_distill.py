@@ -9,23 +9,20 @@ The drop-ins (ChunkedDivergenceFunction, chunked_divergence_loss) against TRL's 
 import math
 import warnings
 
+import datasets
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers
+import trl
+from trl.kernels.chunked_divergence import ChunkedDivergenceFunction
+from trl.trainer import distillation_trainer as trl_distill
 
-transformers = pytest.importorskip("transformers")
-trl = pytest.importorskip("trl")
-datasets = pytest.importorskip("datasets")
-pytest.importorskip("tokenizers")
+from torch_fce.integrations import trl as fce_trl
+from torch_fce.testing import rel_err, word_tokenizer
 
-from trl.kernels.chunked_divergence import ChunkedDivergenceFunction  # noqa: E402
-from trl.trainer import distillation_trainer as trl_distill  # noqa: E402
+from tests.helpers import DEVICE
 
-from torch_fce.integrations import trl as fce_trl  # noqa: E402
-from torch_fce.testing import rel_err, word_tokenizer  # noqa: E402
-
-pytestmark = pytest.mark.integration
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 V, B, P, K = 96, 3, 4, 6
 
 

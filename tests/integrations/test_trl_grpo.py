@@ -7,21 +7,18 @@ hide a wrong weighting below its rounding)."""
 import types
 import warnings
 
+import datasets
 import pytest
 import torch
+import transformers
+import trl
+from trl.trainer.utils import entropy_from_logits, selective_log_softmax
 
-transformers = pytest.importorskip("transformers")
-trl = pytest.importorskip("trl")
-datasets = pytest.importorskip("datasets")
-pytest.importorskip("tokenizers")
+from torch_fce.integrations import trl as fce_trl
+from torch_fce.testing import rel_err, word_tokenizer
 
-from trl.trainer.utils import entropy_from_logits, selective_log_softmax  # noqa: E402
+from tests.helpers import DEVICE
 
-from torch_fce.integrations import trl as fce_trl  # noqa: E402
-from torch_fce.testing import rel_err, word_tokenizer  # noqa: E402
-
-pytestmark = pytest.mark.integration
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 V, P, K, B = 96, 3, 7, 4
 
 

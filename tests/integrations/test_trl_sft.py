@@ -7,22 +7,19 @@ a wrong weighting below its rounding)."""
 import types
 import warnings
 
+import datasets
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers
+import trl
+import trl.trainer.utils as trl_utils
 
-transformers = pytest.importorskip("transformers")
-trl = pytest.importorskip("trl")
-datasets = pytest.importorskip("datasets")
-pytest.importorskip("tokenizers")
+from torch_fce.integrations import trl as fce_trl
+from torch_fce.testing import rel_err, word_tokenizer
 
-import trl.trainer.utils as trl_utils  # noqa: E402
+from tests.helpers import DEVICE
 
-from torch_fce.integrations import trl as fce_trl  # noqa: E402
-from torch_fce.testing import rel_err, word_tokenizer  # noqa: E402
-
-pytestmark = pytest.mark.integration
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 V, B, T = 96, 3, 9
 
 

@@ -15,7 +15,7 @@ from torch_fce.ops.machinery import dispatch
 from torch_fce.testing import rel_err
 
 from ..helpers import EPS
-from .impl import BACKENDS, chunks
+from tests.helpers import BACKENDS, chunks
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SCALE = 2.0 ** 16  # a GradScaler's initial scale

@@ -8,8 +8,8 @@ from torch_fce.ops.loop import workspace
 from torch_fce.testing import make_inputs
 from tests.helpers import EPS, grad_tol
 
-from .strategies import problems
-from .test_linear_ce_reference import assert_matches_reference, run_op
+from tests.helpers import ce_problems as problems
+from tests.helpers import assert_matches_reference, run_op
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from torch_fce.ops.linear_ce import CEOptions
 from torch_fce.testing import make_inputs, rel_err
 from tests.helpers import confident_inputs
 
-from .impl import BACKENDS, ONE_DEVICE, chunks
+from tests.helpers import BACKENDS, ONE_DEVICE, chunks
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = 2e-5  # float32 row math and sums against float64, float32 inputs

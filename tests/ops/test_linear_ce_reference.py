@@ -1,48 +1,11 @@
 """fce::linear_ce (PyTorch backend) against the float64 reference, every option."""
 
-import math
-
 import pytest
 import torch
 from hypothesis import given, strategies as st
 
 import torch_fce
-from torch_fce.testing import rel_err
-from tests.helpers import (
-    LOSS_TOL, allowed_error, grad_tol, reference_loss_and_grads, torch_loss_and_grads)
-
-from .strategies import problems
-
-
-def run_op(x, options, accumulator="fp32", grad_seed=0):
-    """Loss and gradients of hidden/weight/bias for a random upstream gradient."""
-    leaves = {k: x[k].detach().clone().requires_grad_() for k in ("hidden", "weight", "bias")
-              if x[k] is not None}
-    args = {**x, **leaves}
-    loss = torch_fce.linear_cross_entropy(**args, **options, accumulator=accumulator)
-    g = torch.randn(loss.shape, generator=torch.Generator().manual_seed(grad_seed))
-    grads = torch.autograd.grad(loss, list(leaves.values()), g) if loss.numel() else \
-        [torch.zeros_like(v) for v in leaves.values()]
-    return loss, dict(zip(leaves, grads)), g
-
-
-def assert_matches_reference(x, options, accumulator="fp32", tol=None):
-    loss, grads, g = run_op(x, options, accumulator)
-    assert loss.dtype == torch.float32
-    ref_loss, ref_grads = reference_loss_and_grads(**x, grad_out=g, **options)
-    counted = (x["target"] != -100).sum().item()
-    if options["reduction"] == "mean" and counted == 0:
-        assert math.isnan(loss.item())  # as torch: 0 / 0
-        assert all(torch.count_nonzero(v) == 0 for v in grads.values())
-        return
-    assert loss.shape == ref_loss.shape
-    torch_loss, torch_grads = torch_loss_and_grads(**x, grad_out=g, **options)
-    assert rel_err(loss, ref_loss) <= allowed_error(LOSS_TOL, torch_loss, ref_loss)
-    tol = tol or grad_tol(x["hidden"].dtype, max(x["target"].numel(), x["weight"].shape[0]))
-    for name, grad in grads.items():
-        assert grad.dtype == x[name].dtype, name
-        allowed = allowed_error(tol, torch_grads[name], ref_grads[name])
-        assert rel_err(grad, ref_grads[name]) <= allowed, name
+from tests.helpers import assert_matches_reference, ce_problems as problems
 
 
 @given(problems(), st.sampled_from(["fp32", "kahan", "input"]))

@@ -15,8 +15,8 @@ from torch_fce.testing import make_inputs, rel_err
 from tests.helpers import (
     EPS, LOSS_TOL, allowed_error, grad_tol, reference_loss_and_grads, torch_loss_and_grads)
 
-from .impl import ONE_DEVICE, TRITON, chunks
-from .strategies import problems
+from tests.helpers import ONE_DEVICE, TRITON, chunks
+from tests.helpers import ce_problems as problems
 
 # Compiled kernels on a GPU machine, the interpreter on CPU tensors elsewhere.
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -156,7 +156,7 @@ def test_triton_kahan_accumulator_through_the_op(monkeypatch):
     from torch_fce.ops.loop import accumulate
     from torch_fce.ops.loop import workspace
 
-    from .test_linear_ce_reference import assert_matches_reference
+    from tests.helpers import assert_matches_reference
 
     monkeypatch.setattr(accumulate, "_TRITON_ON_CPU", True)
     monkeypatch.setattr(workspace, "_nbytes", 256)

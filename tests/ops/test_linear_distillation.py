@@ -15,7 +15,7 @@ from torch_fce.ops import linear_distillation
 from torch_fce.testing import rel_err
 from tests.references import distillation_reference as reference
 
-from .impl import ONE_DEVICE, TRITON, chunks
+from tests.helpers import ONE_DEVICE, TRITON, chunks
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -24,7 +24,7 @@ from tests.helpers import (
     EPS, capture_cuda_graph, confident_grads, confident_inputs, logprob_composition,
     no_host_sync)
 
-from .impl import BACKENDS, ONE_DEVICE, TORCH, TRITON, chunks
+from tests.helpers import BACKENDS, ONE_DEVICE, TORCH, TRITON, chunks
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

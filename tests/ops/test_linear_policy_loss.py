@@ -11,7 +11,7 @@ from hypothesis import given, strategies as st
 import torch_fce
 from torch_fce.ops import linear_policy_loss
 from torch_fce.ops.linear_policy_loss import PolicyOptions
-from .impl import ONE_DEVICE, TORCH, TRITON, chunks
+from tests.helpers import ONE_DEVICE, TORCH, TRITON, chunks
 from torch_fce.testing import make_inputs, rel_err
 from tests.references import policy_reference as reference
 from tests.helpers import LOSS_TOL, grad_tol

@@ -14,7 +14,7 @@ from torch_fce.ops import linear_soft_ce
 from torch_fce.testing import rel_err
 from tests.references import soft_ce_reference as reference
 
-from .impl import TRITON, chunks
+from tests.helpers import TRITON, chunks
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -13,7 +13,7 @@ import torch_fce
 from torch_fce.ops.machinery import dispatch
 from torch_fce.testing import rel_err
 
-from .impl import BACKENDS, chunks
+from tests.helpers import BACKENDS, chunks
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
