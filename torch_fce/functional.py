@@ -7,14 +7,13 @@ vocab-parallel form for a DTensor weight."""
 
 import torch
 
-from .ops.contract.checks import check_inputs
-from .ops.contract.entry import int64_if_needed
+from .ops.contract.checks import check_head_inputs
+from .ops.contract.entry import advantages_tensor, int64_if_needed, temperature_tensor
 from .ops.linear_ce import CEOptions
 from .ops.linear_distillation import DistillOptions, DistillTensors
 from .ops.linear_logprobs import LogProbOptions
 from .ops.linear_policy_loss import PolicyOptions, PolicyTensors
 from .ops.linear_soft_ce import SoftCEOptions
-from .ops.contract.entry import advantages_tensor, temperature_tensor
 from .results import DistillationStats, LogProbs, LossStats, PolicyStats
 
 # The records' defaults, the only place they are written (the signatures read them).
@@ -35,7 +34,7 @@ def _shifted(hidden, weight, target, bias, class_weight, ignore_index, shift):
         raise TypeError(f"shift must be a bool, got {type(shift).__name__}")
     if not shift:
         return target
-    check_inputs(hidden, weight, target, bias, class_weight)
+    check_head_inputs(hidden, weight, target, bias, class_weight)
     if target.dim() == 0:
         raise ValueError("shift=True needs target with a sequence dimension, got a 0-d tensor")
     return shift_targets(int64_if_needed(target, ignore_index), ignore_index)

@@ -6,7 +6,8 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from .vocab_parallel import (vocab_parallel_linear_cross_entropy,
                              vocab_parallel_linear_distillation_loss,
-                             vocab_parallel_linear_logprobs, vocab_parallel_linear_policy_loss)
+                             vocab_parallel_linear_logprobs,
+                             vocab_parallel_linear_policy_loss)
 
 
 def _local(t):

@@ -18,8 +18,8 @@ import importlib
 import torch
 
 from ..distributed.vocab_parallel import vocab_parallel_linear_logprobs
-from ..functional import linear_logprobs
 from ..extension import check_options
+from ..functional import linear_logprobs
 
 _MODULE = "verl.utils.kernel.linear_cross_entropy"
 _THEIRS = "_torch_fce_verl_original"

@@ -244,7 +244,7 @@ def match(ce):
         user, node = node, node.args[0]
         if not isinstance(node, Node):
             raise NoMatch("logits do not come from a tensor")
-    _check_inputs(hidden, weight, bias, a["target"], a["weight"], V, V_out)
+    _check_match(hidden, weight, bias, a["target"], a["weight"], V, V_out)
     _check_same_state(node, ce)
     options = dict(ignore_index=a["ignore_index"], reduction=a["reduction"],
                    label_smoothing=float(a["label_smoothing"]), softcap=softcap)
@@ -263,7 +263,7 @@ def _check_same_state(linear, ce):
         node = node.next
 
 
-def _check_inputs(hidden, weight, bias, target, class_weight, V, V_out):
+def _check_match(hidden, weight, bias, target, class_weight, V, V_out):
     """What the op would reject (it would fail the compile), as NoMatch instead. V is the
     head's rows, V_out the classes the loss sees (fewer for a padded head)."""
     h, w, t = _meta(hidden), _meta(weight), _meta(target)

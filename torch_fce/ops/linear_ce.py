@@ -16,14 +16,16 @@ from typing import NamedTuple, Optional
 import torch
 
 from .contract import checks
-from .machinery import grads
-from .loop.chunked import (ONE_DEVICE, VocabShard, after_first_gemm, chunk_rows_for, grad_outputs,
-                      logits_dtype_for, math_dtype_for, no_autocast, run_chunks)
-from .machinery.dispatch import LIB, kernel
-from .contract.entry import autocast_operands, flat, int64_if_needed, needs_grad, refuse_transforms, rows
+from .contract.entry import (autocast_operands, flat, int64_if_needed, needs_grad,
+                             refuse_transforms, token_rows)
 from .contract.options import as_float, check_bool, check_choice, got, schema_args, take
-from .rowmath.ce import CETerms, dft_weight, grad_coefficients
+from .loop.chunked import (ONE_DEVICE, VocabShard, after_first_gemm, chunk_rows_for,
+                           grad_outputs, logits_dtype_for, math_dtype_for, no_autocast,
+                           run_chunks)
 from .loop.tokens import counted_target_weights, grad_scales, reduce_loss
+from .machinery import grads
+from .machinery.dispatch import LIB, kernel
+from .rowmath.ce import CETerms, dft_weight, grad_coefficients
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -95,7 +97,7 @@ def forward(hidden, weight, target, bias, class_weight, opts, stats, shard=ONE_D
     unless stats. Also the vocab-parallel entry (distributed/vocab_parallel.py)."""
     refuse_transforms((hidden, weight, bias, class_weight))
     hidden, weight, bias = autocast_operands(hidden, weight, bias)  # dtypes checked after
-    checks.check_inputs(hidden, weight, target, bias, class_weight, _sharded_vocab(shard))
+    checks.check_head_inputs(hidden, weight, target, bias, class_weight, _sharded_vocab(shard))
     if class_weight is not None and class_weight.requires_grad and torch.is_grad_enabled():
         raise ValueError("class_weight must not require grad: its gradient is not computed "
                          "(as F.cross_entropy's weight); pass class_weight.detach()")
@@ -107,7 +109,7 @@ def forward(hidden, weight, target, bias, class_weight, opts, stats, shard=ONE_D
     needs = needs_grad(hidden, weight, bias, opts.reduction != "none"
                        and hidden.dtype != torch.float16)
     loss, *_, lse, argmax, entropy = torch.ops.fce.linear_ce_fwd(
-        rows(hidden), weight, flat(target), bias, class_weight, *opts, *shard, needs, stats)
+        token_rows(hidden), weight, flat(target), bias, class_weight, *opts, *shard, needs, stats)
     loss = loss.reshape(target.shape) if opts.reduction == "none" else loss
     if stats:
         lse, argmax, entropy = (t.reshape(target.shape) for t in (lse, argmax, entropy))
@@ -132,7 +134,7 @@ def _checked(hidden, weight, target, bias, class_weight, args):
     opts, rest = take(CEOptions, args)
     shard, rest = take(VocabShard, rest)
     opts.check()
-    checks.check_inputs(hidden, weight, target, bias, class_weight, _sharded_vocab(shard))
+    checks.check_head_inputs(hidden, weight, target, bias, class_weight, _sharded_vocab(shard))
     return opts, shard, rest
 
 
@@ -170,7 +172,7 @@ def _bwd_fake(grad_loss, hidden, weight, target, bias, class_weight, *args):
 
 # ---- autograd ----------------------------------------------------------------------
 
-_AT = (0, 1, 3)  # hidden, weight and bias among linear_ce_fwd's arguments
+_HIDDEN_WEIGHT_BIAS = (0, 1, 3)  # their positions among linear_ce_fwd's arguments
 
 
 def _setup(ctx, inputs, output):
@@ -192,9 +194,9 @@ def _backward(ctx, grad_loss, *_):
     recomputes the logits chunk by chunk with the upstream gradient applied before
     anything is rounded (linear_ce_bwd)."""
     if grad_loss is None:  # the loss got no gradient (grads are not materialised)
-        return grads.input_grads(ctx, _AT, ())
+        return grads.input_grads(ctx, _HIDDEN_WEIGHT_BIAS, ())
     saved = ctx.saved_tensors  # raises if an input was modified in place since
-    needs = grads.needs(ctx, _AT)
+    needs = grads.needs(ctx, _HIDDEN_WEIGHT_BIAS)
     create_graph = torch.is_grad_enabled()
     with torch.no_grad():
         if ctx.precomputed:
@@ -205,7 +207,7 @@ def _backward(ctx, grad_loss, *_):
     out = [g if need else None for g, need in zip(out, needs)]
     if create_graph:
         out = grads.first_order(out, (grad_loss, *saved[:5]))
-    return grads.input_grads(ctx, _AT, out)
+    return grads.input_grads(ctx, _HIDDEN_WEIGHT_BIAS, out)
 
 
 torch.library.register_autograd("fce::linear_ce_fwd", _backward, setup_context=_setup)

@@ -19,16 +19,16 @@ from typing import NamedTuple, Optional
 import torch
 
 from .contract import checks
-from .machinery import grads
-from .loop.chunked import (ONE_DEVICE, LogitsGemm, VocabShard, after_first_gemm, chunk_rows_for,
-                      grad_outputs, inverse_temperature, logits_dtype_for, math_dtype_for,
-                      no_autocast, run_chunks)
-from .rowmath.distill import TORCH_DISTILL_ROWS
-from .machinery.dispatch import LIB, kernel
 from .contract.entry import (autocast_operands, flat, forward_needs_grad, int64_if_needed,
-                    refuse_transforms, rows)
+                             refuse_transforms, token_rows)
 from .contract.options import as_float, got, take, tensor_record, value
+from .loop.chunked import (ONE_DEVICE, LogitsGemm, VocabShard, after_first_gemm,
+                           chunk_rows_for, grad_outputs, inverse_temperature,
+                           logits_dtype_for, math_dtype_for, no_autocast, run_chunks)
 from .loop.tokens import token_weights
+from .machinery import grads
+from .machinery.dispatch import LIB, kernel
+from .rowmath.distill import TORCH_DISTILL_ROWS
 
 # the CUDA default workspace as a multiple of the loop's (loop/workspace.py says why)
 _WORKSPACE_SCALE = 1.5
@@ -85,13 +85,13 @@ def tokens_of(hidden, target):
     return hidden.new_empty(hidden.shape[:-1], dtype=torch.int64)
 
 
-def check_inputs(hidden, weight, teacher_hidden, teacher_weight, target, bias, teacher_bias,
+def check_distill_inputs(hidden, weight, teacher_hidden, teacher_weight, target, bias, teacher_bias,
                  token_weights_, temperature, opts):
     """The tensors' checks, in eager mode and in the fake kernel (under torch.compile)."""
     if target is None and opts.hard_weight != 0.0:
         raise ValueError("hard_weight > 0 needs a target (the hard loss's labels)")
     tokens = tokens_of(hidden, target)
-    checks.check_inputs(hidden, weight, tokens, bias, None)
+    checks.check_head_inputs(hidden, weight, tokens, bias, None)
     for name, t in (("teacher_hidden", teacher_hidden), ("teacher_weight", teacher_weight)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a Tensor, got {type(t).__name__}")
@@ -145,14 +145,14 @@ def forward(hidden, weight, teacher_hidden, teacher_weight, tensors, opts, shard
     hidden, weight, bias = autocast_operands(hidden, weight, bias)  # dtypes checked after
     teacher_hidden, teacher_weight, teacher_bias = autocast_operands(
         teacher_hidden, teacher_weight, teacher_bias)
-    check_inputs(hidden, weight, teacher_hidden, teacher_weight, target, bias, teacher_bias,
+    check_distill_inputs(hidden, weight, teacher_hidden, teacher_weight, target, bias, teacher_bias,
                  token_weights_, temperature, opts)
     target = int64_if_needed(target, opts.ignore_index)
     shape = hidden.shape[:-1]
-    teacher = (rows(teacher_hidden).detach(), teacher_weight.detach(),  # no gradient
+    teacher = (token_rows(teacher_hidden).detach(), teacher_weight.detach(),  # no gradient
                None if teacher_bias is None else teacher_bias.detach())
     loss, _, _, _, div, ent = torch.ops.fce.linear_distillation_loss_fwd(
-        rows(hidden), weight, *teacher[:2], flat(target), bias, teacher[2],
+        token_rows(hidden), weight, *teacher[:2], flat(target), bias, teacher[2],
         flat(token_weights_), flat(temperature), *opts, *shard,
         forward_needs_grad(hidden, weight, bias))
     return loss, div.reshape(shape), ent.reshape(shape)
@@ -174,7 +174,7 @@ def _fwd_fake(hidden, weight, teacher_hidden, teacher_weight, target, bias, teac
     opts, rest = take(DistillOptions, args)
     opts = opts.check()
     shard, (needs,) = take(VocabShard, rest)
-    check_inputs(hidden, weight, teacher_hidden, teacher_weight, target, bias, teacher_bias,
+    check_distill_inputs(hidden, weight, teacher_hidden, teacher_weight, target, bias, teacher_bias,
                  token_weights_, temperature, opts)
     mdt = torch.promote_types(hidden.dtype, torch.float32)
     N = hidden.shape[0]

@@ -12,14 +12,15 @@ from typing import NamedTuple, Optional
 import torch
 
 from .contract import checks
-from .machinery import grads
-from .loop.chunked import (ONE_DEVICE, VocabShard, after_first_gemm, by_vocab, chunk_rows_for,
-                      grad_outputs, inverse_temperature, logits_dtype_for, math_dtype_for,
-                      no_autocast, run_chunks)
-from .machinery.dispatch import LIB, kernel
-from .contract.entry import autocast_operands, flat, int64_if_needed, refuse_transforms, rows
-from .rowmath.logprob import all_reduce_tile_stats, empty_tile_stats, finish_stats
+from .contract.entry import (autocast_operands, flat, int64_if_needed, refuse_transforms,
+                             token_rows)
 from .contract.options import check_bool, schema_args, take
+from .loop.chunked import (ONE_DEVICE, VocabShard, after_first_gemm, by_vocab,
+                           chunk_rows_for, grad_outputs, inverse_temperature,
+                           logits_dtype_for, math_dtype_for, no_autocast, run_chunks)
+from .machinery import grads
+from .machinery.dispatch import LIB, kernel
+from .rowmath.logprob import all_reduce_tile_stats, empty_tile_stats, finish_stats
 
 
 class LogProbOptions(NamedTuple):
@@ -68,10 +69,10 @@ def forward(hidden, weight, target, bias, temperature, opts, shard=ONE_DEVICE):
     """The op's outputs for checked options; also the vocab-parallel entry."""
     refuse_transforms((hidden, weight, bias, temperature))
     hidden, weight, bias = autocast_operands(hidden, weight, bias)  # dtypes checked after
-    checks.check_inputs(hidden, weight, target, bias, None)
+    checks.check_head_inputs(hidden, weight, target, bias, None)
     checks.check_temperature(temperature, target)
     target = int64_if_needed(target, opts.ignore_index)
-    out = torch.ops.fce.linear_logprobs_fwd(rows(hidden), weight, flat(target), bias,
+    out = torch.ops.fce.linear_logprobs_fwd(token_rows(hidden), weight, flat(target), bias,
                                             flat(temperature), *opts, *shard)
     shape = target.shape
     return (out[0].reshape(shape), out[1].reshape(shape) if opts.entropy else out[1],
@@ -89,7 +90,7 @@ def _linear_logprobs(hidden, weight, target, bias=None, temperature=None, **opti
 @torch.library.register_fake("fce::linear_logprobs_fwd")
 def _fwd_fake(hidden, weight, target, bias, temperature, *args):
     opts = take(LogProbOptions, args)[0].check()
-    checks.check_inputs(hidden, weight, target, bias, None)
+    checks.check_head_inputs(hidden, weight, target, bias, None)
     checks.check_temperature(temperature, target)
     N, mdt = target.shape[0], torch.promote_types(hidden.dtype, torch.float32)
     return (hidden.new_empty(N, dtype=mdt),
@@ -107,7 +108,7 @@ def _bwd_fake(grad_logprob, grad_entropy, row_stats, hidden, weight, target, bia
 
 # ---- autograd ----------------------------------------------------------------------
 
-_AT = (0, 1, 3)  # hidden, weight and bias among linear_logprobs_fwd's arguments
+_HIDDEN_WEIGHT_BIAS = (0, 1, 3)  # their positions among linear_logprobs_fwd's arguments
 
 
 def _setup(ctx, inputs, output):
@@ -126,9 +127,9 @@ def _backward(ctx, grad_logprob, grad_entropy, *_):
     if not ctx.opts.entropy:
         grad_entropy = None
     if grad_logprob is None and grad_entropy is None:
-        return grads.input_grads(ctx, _AT, ())
+        return grads.input_grads(ctx, _HIDDEN_WEIGHT_BIAS, ())
     *saved, row_stats = ctx.saved_tensors  # raises if an input was modified in place since
-    needs = grads.needs(ctx, _AT)
+    needs = grads.needs(ctx, _HIDDEN_WEIGHT_BIAS)
     create_graph = torch.is_grad_enabled()
     with torch.no_grad():
         if grad_logprob is None:
@@ -138,7 +139,7 @@ def _backward(ctx, grad_logprob, grad_entropy, *_):
     out = [g if need else None for g, need in zip(out, needs)]
     if create_graph:
         out = grads.first_order(out, (grad_logprob, grad_entropy, *saved))
-    return grads.input_grads(ctx, _AT, out)
+    return grads.input_grads(ctx, _HIDDEN_WEIGHT_BIAS, out)
 
 
 torch.library.register_autograd("fce::linear_logprobs_fwd", _backward, setup_context=_setup)

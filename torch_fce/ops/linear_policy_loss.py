@@ -23,17 +23,16 @@ from typing import NamedTuple, Optional
 import torch
 
 from .contract import checks
+from .contract.entry import (autocast_operands, flat, forward_needs_grad, int64_if_needed,
+                             refuse_transforms, token_rows)
+from .contract.options import as_float, check_choice, got, take, tensor_record
+from .loop.chunked import (ONE_DEVICE, VocabShard, after_first_gemm, chunk_rows_for,
+                           grad_outputs, inverse_temperature, logits_dtype_for,
+                           math_dtype_for, no_autocast, run_chunks)
+from .loop.tokens import token_weights
 from .machinery import grads
-from .loop.chunked import (ONE_DEVICE, VocabShard, after_first_gemm, chunk_rows_for, grad_outputs,
-                      inverse_temperature, logits_dtype_for, math_dtype_for, no_autocast,
-                      run_chunks)
 from .machinery.dispatch import LIB, kernel
 from .rowmath.logprob import shard_stats
-from .contract.entry import (autocast_operands, flat, forward_needs_grad, int64_if_needed,
-                    refuse_transforms, rows)
-from .contract.options import as_float, check_choice, got, take, tensor_record
-from .loop.tokens import token_weights
-
 
 
 class PolicyOptions(NamedTuple):
@@ -175,10 +174,10 @@ grads.define_forward_grads_ops(
     PolicyTensors, PolicyOptions, ("logprob", "entropy", "ratio", "clipped", "kl"))
 
 
-def check_inputs(hidden, weight, target, advantages, bias, tensors, opts):
+def check_policy_inputs(hidden, weight, target, advantages, bias, tensors, opts):
     """The tensors' checks (tensors: a PolicyTensors), in eager mode and in the fake
     kernel (under torch.compile)."""
-    checks.check_inputs(hidden, weight, target, bias, None)
+    checks.check_head_inputs(hidden, weight, target, bias, None)
     if advantages is None:
         raise TypeError("advantages must be a Tensor, got NoneType")
     for name, t in (("advantages", advantages), *tensors._asdict().items()):
@@ -192,10 +191,10 @@ def forward(hidden, weight, target, advantages, bias, tensors, opts, shard=ONE_D
     PolicyTensors; also the vocab-parallel entry."""
     refuse_transforms((hidden, weight, bias, advantages, *tensors))
     hidden, weight, bias = autocast_operands(hidden, weight, bias)  # dtypes checked after
-    check_inputs(hidden, weight, target, advantages, bias, tensors, opts)
+    check_policy_inputs(hidden, weight, target, advantages, bias, tensors, opts)
     target = int64_if_needed(target, opts.ignore_index)
     loss, _, _, _, *stats = torch.ops.fce.linear_policy_loss_fwd(
-        rows(hidden), weight, flat(target), flat(advantages), bias,
+        token_rows(hidden), weight, flat(target), flat(advantages), bias,
         *(flat(t) for t in tensors), *opts, *shard, forward_needs_grad(hidden, weight, bias))
     return (loss, *(t.reshape(target.shape) for t in stats))
 
@@ -214,7 +213,7 @@ def _fwd_fake(hidden, weight, target, advantages, bias, *args):
     tensors, args = take(PolicyTensors, args)
     opts, rest = take(PolicyOptions, args)
     opts = opts.check()
-    check_inputs(hidden, weight, target, advantages, bias, tensors, opts)
+    check_policy_inputs(hidden, weight, target, advantages, bias, tensors, opts)
     shard, (needs,) = take(VocabShard, rest)
     mdt = torch.promote_types(hidden.dtype, torch.float32)
     return (hidden.new_empty((), dtype=mdt),

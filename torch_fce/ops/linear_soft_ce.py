@@ -17,13 +17,15 @@ from typing import NamedTuple, Optional
 import torch
 
 from .contract import checks
-from .machinery import grads
-from .loop.chunked import (after_first_gemm, chunk_rows_for, grad_outputs, inverse_temperature,
-                      logits_dtype_for, math_dtype_for, no_autocast, run_chunks)
-from .machinery.dispatch import LIB, kernel
-from .contract.entry import autocast_operands, flat, forward_needs_grad, refuse_transforms, rows
+from .contract.entry import (autocast_operands, flat, forward_needs_grad, refuse_transforms,
+                             token_rows)
 from .contract.options import take, tensor_record
+from .loop.chunked import (after_first_gemm, chunk_rows_for, grad_outputs,
+                           inverse_temperature, logits_dtype_for, math_dtype_for,
+                           no_autocast, run_chunks)
 from .loop.tokens import token_weights
+from .machinery import grads
+from .machinery.dispatch import LIB, kernel
 
 
 class SoftCEOptions(NamedTuple):
@@ -53,7 +55,7 @@ grads.define_forward_grads_ops(
     SoftCETensors, SoftCEOptions, (), shard=False)
 
 
-def check_inputs(hidden, weight, idx, probs, bias, token_weights_, temperature):
+def check_soft_ce_inputs(hidden, weight, idx, probs, bias, token_weights_, temperature):
     """The tensors' checks, in eager mode and in the fake kernel (under torch.compile)."""
     if not isinstance(idx, torch.Tensor):
         raise TypeError(f"target_indices must be a Tensor, got {type(idx).__name__}")
@@ -64,7 +66,7 @@ def check_inputs(hidden, weight, idx, probs, bias, token_weights_, temperature):
         raise ValueError(f"target_indices must have shape (*, k) with * hidden's leading "
                          f"shape {tuple(hidden.shape[:-1])}, got {tuple(idx.shape)}")
     tokens = idx[..., 0]  # a view of the tokens' shape for the shared checks
-    checks.check_inputs(hidden, weight, tokens, bias, None)
+    checks.check_head_inputs(hidden, weight, tokens, bias, None)
     # not differentiated (a teacher's), of target_indices' shape
     checks.check_per_token("target_probs", probs, idx, like="target_indices")
     checks.check_per_token("token_weights", token_weights_, tokens)
@@ -76,10 +78,10 @@ def forward(hidden, weight, idx, probs, tensors, opts):
     bias, token_weights_, temperature = tensors
     refuse_transforms((hidden, weight, bias))
     hidden, weight, bias = autocast_operands(hidden, weight, bias)  # dtypes checked after
-    check_inputs(hidden, weight, idx, probs, bias, token_weights_, temperature)
+    check_soft_ce_inputs(hidden, weight, idx, probs, bias, token_weights_, temperature)
     k = idx.shape[-1]
     loss, _, _, _ = torch.ops.fce.linear_soft_cross_entropy_fwd(
-        rows(hidden), weight, idx.reshape(-1, k), probs.detach().reshape(-1, k), bias,
+        token_rows(hidden), weight, idx.reshape(-1, k), probs.detach().reshape(-1, k), bias,
         flat(token_weights_), flat(temperature), *opts, forward_needs_grad(hidden, weight, bias))
     return loss
 
@@ -96,7 +98,7 @@ def _linear_soft_cross_entropy(hidden, weight, target_indices, target_probs, bia
 def _fwd_fake(hidden, weight, idx, probs, bias, token_weights_, temperature, *args):
     opts, (needs,) = take(SoftCEOptions, args)
     opts = opts.check()
-    check_inputs(hidden, weight, idx, probs, bias, token_weights_, temperature)
+    check_soft_ce_inputs(hidden, weight, idx, probs, bias, token_weights_, temperature)
     mdt = torch.promote_types(hidden.dtype, torch.float32)
     return (hidden.new_empty((), dtype=mdt),
             *grads.fake_grads(hidden, weight, bias, needs, opts.accumulator == "fp32"))

@@ -4,7 +4,6 @@ or why none does."""
 
 import torch
 
-
 # How a family scales its logits after the head: logits = scale * lm_head(hidden), with
 # scale read from the config at every call. apply() picks the rule that reproduces the
 # family's logits (MiniCPM3's logits_scaling divides the hidden states before the head,

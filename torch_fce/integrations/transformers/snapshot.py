@@ -6,7 +6,6 @@ import copy
 
 import torch
 
-
 _CONTAINERS = (dict, list, set)
 
 

@@ -10,6 +10,7 @@ from ...extension import autocast_operands
 from ...functional import linear_distillation_loss
 from .common import _forward_grads_refusal
 
+
 def unsupported(trainer):
     """Why torch_fce cannot reproduce this DistillationTrainer's loss exactly, or None."""
     from trl import DistillationTrainer

@@ -11,6 +11,7 @@ from ...extension import autocast_operands, check_options
 from ...functional import linear_logprobs
 from .common import _head_inputs
 
+
 def per_token_logps_and_entropies(model, input_ids, attention_mask=None, logits_to_keep=None,
                                   *, temperature=1.0, compute_entropy=False,
                                   accumulator="fp32", **model_kwargs):

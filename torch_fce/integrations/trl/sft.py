@@ -8,6 +8,7 @@ import torch
 from ...functional import linear_cross_entropy, shift_targets
 from .common import _head_inputs, _multimodal, _zero3
 
+
 def unsupported(trainer):
     """Why torch_fce cannot reproduce this SFTTrainer's loss exactly, or None."""
     from trl import SFTTrainer

@@ -9,7 +9,8 @@ import os
 
 import torch
 
-from .options import as_float, check_choice, check_int, got, value as _value
+from .options import as_float, check_choice, check_int, got
+from .options import value as _value
 
 # Opt-in eager check of target ranges on CUDA (it syncs with the host): without it,
 # out-of-range targets give NaN losses and are never read out of bounds (docs/api.md).
@@ -74,7 +75,7 @@ def _check_tensor(name, t):
         raise TypeError(f"{name} must be a Tensor, got {type(t).__name__}")
 
 
-def check_inputs(hidden, weight, target, bias, class_weight, vocab=None):
+def check_head_inputs(hidden, weight, target, bias, class_weight, vocab=None):
     """Checks shapes, dtypes and devices; hidden (*, D), weight (V, D), target (*).
     vocab: the whole vocabulary's size, class_weight's length, when weight holds a
     shard of it (vocab-parallel; bias is the shard's)."""

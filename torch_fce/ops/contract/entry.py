@@ -1,12 +1,14 @@
-"""What every public op does before its internal op: refuse what it cannot differentiate,
-apply autocast as F.linear would, and flatten the token dimensions."""
+"""What every public op does before its internal op: convert the user's per-token
+arguments (a scalar temperature, per-sequence advantages, int32 targets), refuse what
+it cannot differentiate, apply autocast as F.linear would, decide which gradients the
+forward forms, and flatten the token dimensions."""
 
 import torch
 import torch.autograd.forward_ad as fwAD
 
-
 _NO_TRANSFORMS = (
-    "torch_fce's ops (fce::linear_ce, fce::linear_logprobs, fce::linear_policy_loss) have "
+    "torch_fce's ops (fce::linear_ce, fce::linear_logprobs, fce::linear_policy_loss, "
+    "fce::linear_distillation_loss, fce::linear_soft_cross_entropy) have "
     "no forward-mode derivative and no torch.func derivative "
     "(grad, jvp, jacrev, hessian, dual tensors; vmap of the forward alone runs): use "
     "torch.autograd (loss.backward() or torch.autograd.grad) for its gradients"
@@ -52,7 +54,7 @@ def autocast_operands(hidden, weight, bias):
     (chunked.LogitsGemm adds it as TRL's heads do).
     """
     if not all(isinstance(t, torch.Tensor) for t in (hidden, weight, bias) if t is not None):
-        return hidden, weight, bias  # check_inputs names the argument
+        return hidden, weight, bias  # check_head_inputs names the argument
     device = hidden.device.type
     if not autocast_enabled(device) or hidden.dtype == torch.float64:
         return hidden, weight, bias
@@ -76,8 +78,8 @@ def forward_needs_grad(hidden, weight, bias):
     return needs_grad(hidden, weight, bias, hidden.dtype != torch.float16)
 
 
-def rows(hidden):
-    """hidden (*, D) as (N, D)."""
+def token_rows(hidden):
+    """hidden (*, D) as (N, D): one row per token."""
     return hidden.reshape(-1, hidden.shape[-1])
 
 

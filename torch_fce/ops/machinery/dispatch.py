@@ -14,9 +14,9 @@ from typing import Any, NamedTuple
 import torch
 
 from ..contract import checks
+from ..rowmath.ce import TORCH_CE_ROWS
 from ..rowmath.distill import TORCH_DISTILL_ROWS
 from ..rowmath.logprob import TORCH_LOGPROB_ROWS
-from ..rowmath.ce import TORCH_CE_ROWS
 
 LIB = torch.library.Library("fce", "DEF")
 
@@ -36,9 +36,9 @@ class Backend(NamedTuple):
 
 @functools.cache
 def _triton_rows():
+    from ..rowmath.triton.ce import TRITON_CE_ROWS
     from ..rowmath.triton.distill import TRITON_DISTILL_ROWS
     from ..rowmath.triton.logprob import TRITON_LOGPROB_ROWS
-    from ..rowmath.triton.ce import TRITON_CE_ROWS
 
     return TRITON_CE_ROWS, TRITON_LOGPROB_ROWS, TRITON_DISTILL_ROWS
 

@@ -40,7 +40,7 @@ def checked_shard(hidden, weight, target, vocab_start, vocab_size, group, class_
     group = group or dist.group.WORLD
     if not torch.compiler.is_compiling():
         # before the collective check: every rank raises alike, none waits on another
-        checks.check_inputs(hidden, weight, target, None, class_weight, vocab_size)
+        checks.check_head_inputs(hidden, weight, target, None, class_weight, vocab_size)
         _check_tiling(hidden, weight, target, vocab_start, vocab_size, group)
     return make_shard(vocab_start, vocab_size, group)
 

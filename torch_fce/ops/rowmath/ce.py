@@ -7,10 +7,9 @@ For a chunk of logits rows z (n, V) (after bias), with p = softmax(softcap(z)):
   smooth = sum_c w_c * (lse - z_c)           (0 where ignored; only with label smoothing)
   entropy = -sum_c p_c log p_c = log s - sum_c e_c (z_c - m) / s, e_c = exp(z_c - m),
            m the row max, s = sum_c e_c     (with the token statistics only)
-  dz_c   = [p_c * A - B * [c == y] - C * w_c] * softcap'(z_c)
-with A = s * ((1 - eps) * w_y + eps * W / V) + 2 * t * lse, B = s * (1 - eps) * w_y,
-C = s * eps / V, W = sum_c w_c, s the per-token CE gradient scale and t the per-token
-z-loss scale (see tokens.grad_scales). With dft (Dynamic Fine-Tuning, arXiv 2508.05629;
+  dz_c   = [p_c * A - B * [c == y] - C * w_c] * softcap'(z_c)   (grad_coefficients
+           gives A, B, C; logits_grad_ forms dz from them)
+With dft (Dynamic Fine-Tuning, arXiv 2508.05629;
 no smoothing, no z-loss), nll and s are times p_y, the target's probability, taken as a
 constant: the loss is sum of p_y * nll with p_y detached.
 """
@@ -73,13 +72,17 @@ def first_max(c):
 
 
 def grad_coefficients(ce_scale, z_scale, w_y, lse, W, V, eps):
-    """(A, B, C) of the module docstring, each (n,); C is None without smoothing.
-
+    """(A, B, C), each (n,), of dz_c = [p_c A - B [c == y] - C w_c] softcap'(z_c); C is
+    None without smoothing. s = ce_scale, the per-token CE gradient scale, and t =
+    z_scale, the z-loss's (tokens.grad_scales); W = sum_c w_c, eps the smoothing.
     w_y, W, lse and V are those of the whole vocabulary, also for a vocabulary shard.
     """
+    # A = s ((1 - eps) w_y + eps W / V) + 2 t lse: the softmax's coefficient (the
+    # smoothing's and the z-loss's terms are sum-over-classes weights of p)
     a = ce_scale * ((1.0 - eps) * w_y + (eps / V) * W) + 2.0 * z_scale * lse
     # Exactly 0 where both scales are (ignored tokens), also when lse is not finite.
     a = torch.where((ce_scale == 0.0) & (z_scale == 0.0), 0.0, a)
+    # B = s (1 - eps) w_y at the target; C = s eps / V at every class (times w_c)
     return a, ce_scale * (1.0 - eps) * w_y, ce_scale * (eps / V) if eps > 0.0 else None
 
 
