@@ -24,7 +24,7 @@ import triton.language as tl
 from ..distill import DistillRows, RowMath, sparse_targets
 from .ce import _NEG_BIG, _block_v, _tanh, dz_buffer
 
-_WARPS = 8  # the launch's warps (benchmarks/probes/distill_profile.py measures others)
+_WARPS = 8  # the launch's warps (torch_fce/bench/probes/distill_profile.py measures others)
 
 
 @triton.jit

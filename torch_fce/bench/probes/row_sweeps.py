@@ -7,7 +7,7 @@ then the gradient sweep) in variants meant to keep rows L2-resident: persistent 
 (1-2 per SM) with large blocks, and "evict_last"/"evict_first" hints, against the
 kernel in use, per issue-3 shape at the backend's chunk size.
 
-    python benchmarks/probes/row_sweeps.py     # needs one CUDA GPU
+    python torch_fce/bench/probes/row_sweeps.py     # needs one CUDA GPU
 """
 
 import itertools
@@ -19,7 +19,7 @@ import triton.language as tl
 from torch_fce.bench.shapes import SHAPES
 from torch_fce.ops.loop.workspace import chunk_rows
 
-from _common import ce_row_grad, ms, run_shapes
+from torch_fce.bench.probes._common import ce_row_grad, ms, run_shapes
 
 
 @triton.jit

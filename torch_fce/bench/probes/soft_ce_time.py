@@ -2,7 +2,7 @@
 unfused composition: forward + backward on one bf16 shape (N 16384, D 1536, V 151936,
 a top-k of K classes per token), time (median of 10) and peak beyond the inputs.
 
-    PYTHONPATH=. python benchmarks/probes/soft_ce_time.py [K]    # needs one CUDA GPU
+    python torch_fce/bench/probes/soft_ce_time.py [K]    # needs one CUDA GPU
 """
 
 import sys

@@ -5,7 +5,7 @@ the Python calls (sys.setprofile) of one step, after warm-up, up to the first F.
 and prints each call that took long enough, indented by depth (times include the
 tracer's own overhead, so compare them with each other).
 
-    PROBE_OBJECTIVE=ce|logprobs python benchmarks/probes/host_timeline.py D [min_us]
+    PROBE_OBJECTIVE=ce|logprobs python torch_fce/bench/probes/host_timeline.py D [min_us]
 """
 
 import os
@@ -18,7 +18,7 @@ from torch_fce.bench import rl
 from torch_fce.bench.peers import methods, run_step
 from torch_fce.bench.shapes import SHAPES, shape_inputs
 
-from _common import first_linear
+from torch_fce.bench.probes._common import first_linear
 
 OBJECTIVE = os.environ.get("PROBE_OBJECTIVE", "ce")
 

@@ -10,7 +10,7 @@ bf16 matmul):
   CuTe cross-entropy kernel (`quack.cross_entropy.cross_entropy_fwd_out`, which keeps a
   row in a cluster's shared memory: one read, one write), when quack is installed.
 
-    python benchmarks/probes/gemm_and_row_choices.py     # needs one CUDA GPU
+    python torch_fce/bench/probes/gemm_and_row_choices.py     # needs one CUDA GPU
 """
 
 import torch
@@ -20,7 +20,7 @@ import torch_fce
 from torch_fce.bench.shapes import SHAPES, shape_inputs
 from torch_fce.ops.loop.workspace import chunk_rows
 
-from _common import ce_row_grad, ms, run_shapes
+from torch_fce.bench.probes._common import ce_row_grad, ms, run_shapes
 
 try:
     from quack.cross_entropy import cross_entropy_fwd_out

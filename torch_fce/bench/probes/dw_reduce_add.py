@@ -8,7 +8,7 @@ happens in L2, the sum is never loaded into the SM), and prints, at the CUDA bac
 chunk, cuBLAS mm (no sum), cuBLAS addmm (the one in use) and the Triton GEMM storing and
 reduce-adding, each over one chunk, and the error of each against a float64 product.
 
-    python benchmarks/probes/dw_reduce_add.py D E Q2048 A     # needs one CUDA GPU
+    python torch_fce/bench/probes/dw_reduce_add.py D E Q2048 A     # needs one CUDA GPU
 """
 
 import torch
@@ -19,7 +19,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from torch_fce.bench.shapes import SHAPES
 from torch_fce.ops.loop.workspace import chunk_rows
 
-from _common import at_b_tile, ms, run_shapes, tile_pid
+from torch_fce.bench.probes._common import at_b_tile, ms, run_shapes, tile_pid
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps, warp_specialize, epilogue halves)
 CONFIGS = [(128, 128, 64, 4, 4, False, False), (128, 128, 64, 4, 8, False, False),

@@ -6,7 +6,7 @@ chunk size the CUDA backend picks (and at 4096 and 8192 rows where those are lar
 on the shapes named on the command line (default A, B, C). "GEMMs" is the sum of the
 three matmuls: the floor of any design that runs them through cuBLAS at this chunking.
 
-    python benchmarks/probes/chunk_breakdown.py      # needs one CUDA GPU
+    python torch_fce/bench/probes/chunk_breakdown.py      # needs one CUDA GPU
 """
 
 import statistics
@@ -18,7 +18,7 @@ from torch_fce.bench.shapes import SHAPES, shape_inputs
 from torch_fce.bench.measure import median_time
 from torch_fce.ops.loop.workspace import chunk_rows
 
-from _common import ce_row_grad, run_shapes
+from torch_fce.bench.probes._common import ce_row_grad, run_shapes
 
 STEPS = ("logits", "rows", "dE", "dW")
 

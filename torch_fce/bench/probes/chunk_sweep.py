@@ -6,7 +6,7 @@ rows; this times the op itself, back to back (the sustained regime the benchmark
 measures), at each chunk in PROBE_ROWS (default below), in x mm and with the logits
 workspace it holds.
 
-    PROBE_ROWS=3456,4096 python benchmarks/probes/chunk_sweep.py D E Q1024 Q2048
+    PROBE_ROWS=3456,4096 python torch_fce/bench/probes/chunk_sweep.py D E Q1024 Q2048
 """
 
 import os
@@ -18,7 +18,7 @@ from torch_fce.bench.peers import methods, run_step
 from torch_fce.bench.shapes import SHAPES, shape_inputs
 from torch_fce.ops.loop.workspace import chunk_rows
 
-from _common import ms, run_shapes
+from torch_fce.bench.probes._common import ms, run_shapes
 
 ROWS = [int(r) for r in os.environ.get(
     "PROBE_ROWS", "2560,3072,3456,3840,4096,4608,5120,6144,8192").split(",")]

@@ -7,7 +7,7 @@ fce-fp32@MiB too) and prints the
 GPU time of each kernel kind, their sum and the step's wall time: the difference is
 time the GPU waits for the host.
 
-    python benchmarks/probes/op_profile.py A B      # needs one CUDA GPU
+    python torch_fce/bench/probes/op_profile.py A B      # needs one CUDA GPU
     PROBE_OBJECTIVE=logprobs PROBE_METHODS=fce-fp32,trl-head python op_profile.py D
 
 PROBE_HOST=1 also prints cProfile's view of the host's Python during ten steps.
@@ -27,7 +27,7 @@ from torch_fce.bench import rl
 from torch_fce.bench.peers import SWEEP_WORKSPACE_MIB, methods, run_step
 from torch_fce.bench.shapes import SHAPES, shape_inputs
 
-from _common import first_linear, ms, run_shapes
+from torch_fce.bench.probes._common import first_linear, ms, run_shapes
 
 OBJECTIVE = os.environ.get("PROBE_OBJECTIVE", "ce")
 TRACE_DIR = os.environ.get("PROBE_TRACE_DIR")

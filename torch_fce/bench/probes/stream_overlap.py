@@ -9,7 +9,7 @@ Prediction (written before the first run): cuBLAS's Hopper GEMMs occupy every SM
 row kernel only fills the GEMMs' tails; overlap gains at most 1-2% over serial n and
 loses to serial 2n, which saves a float32 weight-gradient read-modify-write per chunk.
 
-    python benchmarks/probes/stream_overlap.py      # needs one CUDA GPU
+    python torch_fce/bench/probes/stream_overlap.py      # needs one CUDA GPU
 """
 
 import torch
@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from torch_fce.bench.shapes import SHAPES, shape_inputs
 
-from _common import ce_row_grad, ms, run_shapes
+from torch_fce.bench.probes._common import ce_row_grad, ms, run_shapes
 
 
 def _grads(dz, h, w, gh, gw, s, e, first):

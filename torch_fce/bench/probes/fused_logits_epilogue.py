@@ -8,7 +8,7 @@ those partials into the logsumexp and makes the single gradient sweep. It prints
 issue-3 shape at the backend's chunk size, the plain Triton GEMM and the fused pair
 against cuBLAS + the row kernel.
 
-    python benchmarks/probes/fused_logits_epilogue.py     # needs one CUDA GPU
+    python torch_fce/bench/probes/fused_logits_epilogue.py     # needs one CUDA GPU
 """
 
 import os
@@ -21,7 +21,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from torch_fce.bench.shapes import SHAPES
 from torch_fce.ops.loop.workspace import chunk_rows
 
-from _common import ce_row_grad, ms, run_shapes, tile_pid
+from torch_fce.bench.probes._common import ce_row_grad, ms, run_shapes, tile_pid
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps, warp_specialize, epilogue subtile)
 CONFIGS = [(128, 256, 64, 3, 8, False, True), (128, 256, 64, 4, 8, False, True),

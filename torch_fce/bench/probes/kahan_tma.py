@@ -5,7 +5,7 @@ same compensated update as a persistent Triton GEMM fed by TMA descriptors and t
 both, per issue-3 shape at the backend's chunk size, against cuBLAS's bf16 matmul and
 its float32-output addmm (what "fp32" uses) of the same product.
 
-    python benchmarks/probes/kahan_tma.py     # needs one CUDA GPU
+    python torch_fce/bench/probes/kahan_tma.py     # needs one CUDA GPU
 """
 
 import torch
@@ -17,7 +17,7 @@ from torch_fce.bench.shapes import SHAPES
 from torch_fce.ops.loop.workspace import chunk_rows
 from torch_fce.ops.loop.kahan import _launch_kahan_addmm
 
-from _common import at_b_tile, ms, run_shapes, tile_pid
+from torch_fce.bench.probes._common import at_b_tile, ms, run_shapes, tile_pid
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps, warp_specialize); 128 x 256 tiles
 # need more shared memory than an H200 SM has for these operand layouts.

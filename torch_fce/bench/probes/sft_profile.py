@@ -6,7 +6,7 @@ backward against when the GPU gets there (CUDA events); one profiled step's kern
 by kind, GPU busy time and its idle gaps (with the kernels around the longest); the
 step at a few workspaces; and both paths on a batch whose every token has a label.
 
-    PYTHONPATH=. python benchmarks/probes/sft_profile.py    # needs one CUDA GPU
+    python torch_fce/bench/probes/sft_profile.py    # needs one CUDA GPU
 """
 
 import argparse

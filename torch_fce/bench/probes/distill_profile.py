@@ -7,7 +7,7 @@ time and peak at several workspaces, and the row kernel alone on one chunk's flo
 logits at several (BLOCK_V, warps), with the bandwidth it reaches (bytes read and
 written / time).
 
-    PYTHONPATH=. python benchmarks/probes/distill_profile.py    # needs one CUDA GPU
+    python torch_fce/bench/probes/distill_profile.py    # needs one CUDA GPU
 """
 
 import argparse
