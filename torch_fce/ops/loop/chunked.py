@@ -10,7 +10,7 @@ Memory beyond inputs and outputs is the (n, V) chunk plus the gradient accumulat
 from the workspace (workspace.py).
 
 Row functions (the `RowFn` protocol below) are each op's math; the backends differ
-only in which row functions they bring (dispatch.py). Two layouts ride the same loop:
+only in which row functions they bring (machinery/dispatch.py). Two layouts ride the same loop:
 - vocabulary tiles (`by_vocab`): the log-probs with fewer tokens than classes cut the
   same workspace along the vocabulary; row functions then see every token's logits of
   classes [v0, v1) and merge per-row statistics across tiles; the hidden gradient is a

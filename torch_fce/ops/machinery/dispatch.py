@@ -1,6 +1,6 @@
 """The fce:: library and its one dispatch table: which row functions each device runs.
 
-Every internal op has one implementation, written on the chunk loop (chunked.py) for
+Every internal op has one implementation, written on the chunk loop (loop/chunked.py) for
 any `Backend`; `kernel(name)` registers it for every device, picking the backend from
 the inputs: CUDA tensors run the Triton row kernels (when Triton is installed; float64
 keeps the PyTorch rows, the kernels' math is float32), every other device the PyTorch
