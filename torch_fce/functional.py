@@ -9,7 +9,7 @@ import torch
 
 from .ops.contract.checks import check_head_inputs
 from .ops.contract.entry import advantages_tensor, int64_if_needed, temperature_tensor
-from .ops.linear_ce import CEOptions
+from .ops.linear_ce import CEOptions, stats_z_loss
 from .ops.linear_distillation import DistillOptions, DistillTensors
 from .ops.linear_logprobs import LogProbOptions
 from .ops.linear_policy_loss import PolicyOptions, PolicyTensors
@@ -101,20 +101,7 @@ def linear_cross_entropy(hidden, weight, target, bias=None, class_weight=None, *
                                        **opts._asdict())
     loss, lse, argmax, entropy = torch.ops.fce.linear_ce_stats(
         hidden, weight, target, bias, class_weight, **opts._asdict())
-    return loss, LossStats(lse, argmax, _z_loss_term(lse.detach(), target, ignore_index,
-                                                     reduction, z_loss), entropy)
-
-
-def _z_loss_term(lse, target, ignore_index, reduction, z_loss):
-    """z_loss * lse**2 over the counted tokens, reduced as the loss is (0 without
-    z_loss, also when every token is ignored)."""
-    valid = int64_if_needed(target, ignore_index) != ignore_index
-    term = torch.where(valid, lse * lse, 0.0) * z_loss
-    if reduction == "none":
-        return term
-    if reduction == "sum" or z_loss == 0.0:
-        return term.sum()
-    return term.sum() / valid.sum()
+    return loss, LossStats(lse, argmax, stats_z_loss(lse.detach(), target, opts), entropy)
 
 
 def linear_logprobs(hidden, weight, target, bias=None, *, temperature=1.0,

@@ -22,7 +22,7 @@ from .contract.options import as_float, check_bool, check_choice, got, schema_ar
 from .loop.chunked import (ONE_DEVICE, VocabShard, after_first_gemm, chunk_rows_for,
                            grad_outputs, logits_dtype_for, math_dtype_for, no_autocast,
                            run_chunks)
-from .loop.tokens import counted_target_weights, grad_scales, reduce_loss
+from .loop.tokens import counted_target_weights, grad_scales, reduce_loss, z_loss_term
 from .machinery import grads
 from .machinery.dispatch import LIB, kernel
 from .rowmath.ce import CETerms, dft_weight, grad_coefficients
@@ -224,19 +224,24 @@ def fwd(hidden, weight, target, bias, class_weight, *args, backend):
     if backend.check_values:
         checks.check_target_range(target, V, opts.ignore_index)
     scales = after_first_gemm(lambda: grad_scales(
-        target, class_weight, opts.ignore_index, opts.reduction, opts.z_loss,
-        math_dtype_for(hidden.dtype))) if any(needs) else None
+        target, class_weight, opts, math_dtype_for(hidden.dtype))) if any(needs) else None
     with no_autocast(hidden):
         (lse, nll, smooth, argmax, entropy), gradients = _chunks(
             hidden, weight, target, bias, class_weight, opts, shard, needs, scales, stats,
             backend)
-        loss = reduce_loss(nll, smooth, lse, target, class_weight, opts.ignore_index,
-                           opts.reduction, opts.label_smoothing, opts.z_loss, V)
+        loss = reduce_loss(nll, smooth, lse, target, class_weight, opts, V)
     none = (hidden.new_empty(0, dtype=lse.dtype), hidden.new_empty(0, dtype=torch.int64),
             hidden.new_empty(0, dtype=lse.dtype))
     return (loss, *grad_outputs(hidden, weight, bias, gradients, opts.accumulator == "fp32",
                                 shard.group is not None),
             *((lse, argmax, entropy) if stats else none))
+
+
+def stats_z_loss(lse, target, opts):
+    """LossStats' z_loss: the z-loss term of the loss, from the token statistics' lse
+    (as reduce_loss adds it)."""
+    return z_loss_term(lse, int64_if_needed(target, opts.ignore_index) != opts.ignore_index,
+                       opts)
 
 
 @kernel("linear_ce_bwd", hidden=1)
@@ -246,8 +251,7 @@ def bwd(grad_loss, hidden, weight, target, bias, class_weight, *args, backend):
     if backend.check_values:
         checks.check_target_range(target, shard.vocab(weight), opts.ignore_index)
     scales = after_first_gemm(lambda: grad_scales(
-        target, class_weight, opts.ignore_index, opts.reduction, opts.z_loss,
-        math_dtype_for(hidden.dtype), grad_loss=grad_loss))
+        target, class_weight, opts, math_dtype_for(hidden.dtype), grad_loss=grad_loss))
     with no_autocast(hidden):
         _, gradients = _chunks(hidden, weight, target, bias, class_weight, opts, shard,
                                needs, scales, False, backend)
