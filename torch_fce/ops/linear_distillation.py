@@ -14,6 +14,7 @@ logits (no gradient), the student's (the loop's), and the two gradient GEMMs; th
 backward scales them. The teacher receives no gradient.
 """
 
+import collections
 from typing import NamedTuple, Optional
 
 import torch
@@ -201,6 +202,10 @@ grads.register_forward_grads_autograd("linear_distillation_loss_fwd", (0, 1, 5),
 
 # ---- the implementation, on the chunk loop -----------------------------------------
 
+# The op's per-token outputs, in the order run_chunks writes them.
+_Outputs = collections.namedtuple("_Outputs", "loss divergence entropy")
+
+
 @kernel("linear_distillation_loss_fwd")
 def fwd(hidden, weight, teacher_hidden, teacher_weight, target, bias, teacher_bias,
         token_weights_, temperature, *args, backend):
@@ -217,7 +222,7 @@ def fwd(hidden, weight, teacher_hidden, teacher_weight, target, bias, teacher_bi
             checks.check_target_range(target, shard.vocab(weight), opts.ignore_index)
         checks.check_temperature_values(temperature)
     N, mdt = hidden.shape[0], math_dtype_for(hidden.dtype)
-    out = [hidden.new_empty(N, dtype=mdt) for _ in range(3)]  # loss_t, divergence, entropy
+    out = _Outputs(*(hidden.new_empty(N, dtype=mdt) for _ in _Outputs._fields))
     want = any(needs)
     row_math, extra = (backend.distill.divergence, {}) if shard.group is None else \
         (TORCH_DISTILL_ROWS.divergence, dict(shard=shard))
@@ -240,7 +245,7 @@ def fwd(hidden, weight, teacher_hidden, teacher_weight, target, bias, teacher_bi
                 logits, teacher(teacher_hidden[s:e]), None if target is None else target[s:e],
                 valid[s:e], inv_t[s:e], weights[s:e], opts, mdt, hidden.dtype, want,
                 **extra)
-            return (loss_t, div, ent), dz
+            return _Outputs(loss_t, div, ent), dz
 
         # the teacher's logits beside the student's chunk
         per_logit = teacher.dtype.itemsize + row_math.per_logit(ldt, hidden.dtype)

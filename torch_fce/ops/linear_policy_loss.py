@@ -18,6 +18,7 @@ logits gradient dz = g_lp * dlogprob/dz + g_h * dentropy/dz from the same chunk.
 loss type is a new entry of LOSS_TYPES: no calculus by hand.
 """
 
+import collections
 from typing import NamedTuple, Optional
 
 import torch
@@ -127,10 +128,24 @@ def _kl(lp, ref, r, opts):
     return r * kl if opts.kl_ratio else kl
 
 
+class _Terms(NamedTuple):
+    """A chunk's per-token results, each (n,): the weighted loss term, its derivatives
+    w.r.t. the token's log-prob and entropy (g_h None without an entropy term), the
+    ratio, the clip indicator and the KL, 0 at ignored tokens."""
+    loss: torch.Tensor
+    g_lp: torch.Tensor
+    g_h: Optional[torch.Tensor]
+    ratio: torch.Tensor
+    clipped: torch.Tensor
+    kl: torch.Tensor
+
+
+# The op's per-token outputs, in the order run_chunks writes them.
+_Outputs = collections.namedtuple("_Outputs", "loss logprob entropy ratio clipped kl")
+
+
 def _terms(logprob, entropy, valid, advantages, old, ref, weights, opts):
-    """(loss_t, g_lp, g_h, ratio, clipped, kl) each (n,): the weighted loss term of each
-    token, its derivatives w.r.t. the token's log-prob and entropy (g_h None without
-    an entropy term), 0 at ignored tokens. Autograd differentiates the formula on these
+    """The _Terms of a chunk's tokens. Autograd differentiates the formula on these
     (n,) vectors below the op's own autograd (inference_mode(False) lifts the
     dispatcher's exclusion of the autograd keys; the tensors entering that small graph
     are cloned, so none is an inference tensor). The formula is elementwise: the
@@ -153,9 +168,11 @@ def _terms(logprob, entropy, valid, advantages, old, ref, weights, opts):
         g_lp, g_h = torch.autograd.grad(loss_t.sum(), (lp, ent) if ent is not None else (lp,),
                                         allow_unused=True) + ((None,) if ent is None else ())
     zero = torch.zeros_like(logprob)
-    return (torch.where(valid, loss_t.detach(), zero), torch.where(valid, g_lp, zero), g_h,
-            torch.where(valid, r.detach(), zero), (clipped & valid).to(mdt),
-            zero if kl is None else torch.where(valid, kl.detach(), zero))
+    return _Terms(loss=torch.where(valid, loss_t.detach(), zero),
+                  g_lp=torch.where(valid, g_lp, zero), g_h=g_h,
+                  ratio=torch.where(valid, r.detach(), zero),
+                  clipped=(clipped & valid).to(mdt),
+                  kl=zero if kl is None else torch.where(valid, kl.detach(), zero))
 
 
 # ---- schemas and the public op -----------------------------------------------------
@@ -250,7 +267,7 @@ def fwd(hidden, weight, target, advantages, bias, old_logprobs, ref_logprobs,
         checks.check_target_range(target, shard.vocab(weight), opts.ignore_index)
         checks.check_temperature_values(temperature)
     N, mdt = hidden.shape[0], math_dtype_for(hidden.dtype)
-    out = [hidden.new_empty(N, dtype=mdt) for _ in range(6)]  # loss_t, logprob, ... kl
+    out = _Outputs(*(hidden.new_empty(N, dtype=mdt) for _ in _Outputs._fields))
     want = any(needs)
 
     @after_first_gemm
@@ -264,11 +281,11 @@ def fwd(hidden, weight, target, advantages, bias, old_logprobs, ref_logprobs,
         terms = []
 
         def upstream(logprob, entropy):
-            terms.extend(_terms(
+            terms.append(_terms(
                 logprob, entropy, valid[s:e], advantages[s:e],
                 None if old_logprobs is None else old_logprobs[s:e],
                 None if ref_logprobs is None else ref_logprobs[s:e], weights[s:e], opts))
-            return terms[1], terms[2]
+            return terms[0].g_lp, terms[0].g_h
 
         if want:
             lp, ent, *_, dz = backend.logprobs.stats_then_grad(
@@ -278,8 +295,8 @@ def fwd(hidden, weight, target, advantages, bias, old_logprobs, ref_logprobs,
                                        opts, True, mdt, shard)
             upstream(lp, ent)
             dz = None
-        loss_t, _, _, ratio, clipped, kl = terms
-        return (loss_t, lp, ent, ratio, clipped, kl), dz
+        t, = terms
+        return _Outputs(t.loss, lp, ent, t.ratio, t.clipped, t.kl), dz
 
     with no_autocast(hidden):
         ldt = logits_dtype_for(hidden, opts)
