@@ -8,7 +8,8 @@ import torch
 
 from ..transformers import capture_of, head_operands, is_attached
 
-# The TRL release whose trainer losses _grpo_loss and _sft_loss reproduce (and tests check).
+# The TRL release whose trainer losses grpo.loss, sft.loss and distill.loss reproduce
+# (and tests check).
 TRL_VERSION = "1.16"
 
 
