@@ -152,3 +152,23 @@ def soft_ce_reference(h, w, b, idx, probs, temperature=1.0, token_weights=None, 
     wts = valid.to(wide) / valid.sum().clamp(min=1) if token_weights is None \
         else token_weights.to(wide)
     return torch.where(valid, wts * per, 0.0).sum()
+
+
+def topk_reference(hidden, weight, k, bias=None, target=None, temperature=1.0,
+                   logit_scale=1.0, softcap=None, ignore_index=-100):
+    """(indices, logprobs, target_logprob) of the float64 log-softmax of
+    softcap(logit_scale * logits) / T: a full stable sort of each row by value
+    descending (equal values by ascending class), its first k."""
+    z = F.linear(hidden.double(), weight.double(), None if bias is None else bias.double())
+    z = z * logit_scale
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    t = torch.as_tensor(temperature, dtype=torch.float64, device=z.device)
+    logp = (z / t.expand(z.shape[:-1])[..., None]).log_softmax(-1)
+    order = torch.sort(logp, dim=-1, descending=True, stable=True).indices[..., :k]
+    target_lp = None
+    if target is not None:
+        valid = target != ignore_index
+        target_lp = torch.where(
+            valid, logp.gather(-1, torch.where(valid, target, 0)[..., None])[..., 0], 0.0)
+    return order, logp.gather(-1, order), target_lp

@@ -15,6 +15,8 @@ modifies its inputs:
                                                           student-teacher divergence
     linear_soft_cross_entropy(hidden, weight, idx, probs, ...)
                                                           cross entropy to sparse targets
+    linear_topk_logprobs(hidden, weight, k, ...)          a teacher's top-k classes and
+                                                          log-probs (no gradient)
     LinearCrossEntropyLoss                                the cross entropy as a module
     workspace(bytes) / set_workspace(bytes)               the logits workspace's size
 
@@ -29,16 +31,16 @@ the project's source repository and source distribution; "docs/NAME.md" in a doc
 names one of those files.
 """
 
-from . import ops  # noqa: F401  (registers the ops
+from . import ops  # noqa: F401  (registers the ops)
 from .functional import (linear_cross_entropy, linear_distillation_loss, linear_logprobs,
-                         linear_policy_loss, linear_soft_cross_entropy)
+                         linear_policy_loss, linear_soft_cross_entropy,
+                         linear_topk_logprobs)
 from .modules import LinearCrossEntropyLoss
 from .ops.loop.workspace import set_workspace, workspace
-from .results import DistillationStats, LogProbs, LossStats, PolicyStats
+from .results import DistillationStats, LogProbs, LossStats, PolicyStats, TopKLogprobs
 
 __all__ = ["linear_cross_entropy", "linear_logprobs", "linear_policy_loss",
-           "linear_distillation_loss", "linear_soft_cross_entropy", "LogProbs", "LossStats", "PolicyStats",
-           "DistillationStats",
-           "LinearCrossEntropyLoss",
-           "set_workspace", "workspace"]
+           "linear_distillation_loss", "linear_soft_cross_entropy", "linear_topk_logprobs",
+           "LogProbs", "LossStats", "PolicyStats", "DistillationStats", "TopKLogprobs",
+           "LinearCrossEntropyLoss", "set_workspace", "workspace"]
 __version__ = "0.1.0"

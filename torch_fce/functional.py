@@ -14,11 +14,12 @@ from .ops.linear_distillation import DistillOptions, DistillTensors
 from .ops.linear_logprobs import LogProbOptions
 from .ops.linear_policy_loss import PolicyOptions, PolicyTensors
 from .ops.linear_soft_ce import SoftCEOptions
-from .results import DistillationStats, LogProbs, LossStats, PolicyStats
+from .ops.linear_topk_logprobs import TopKOptions
+from .results import DistillationStats, LogProbs, LossStats, PolicyStats, TopKLogprobs
 
 # The records' defaults, the only place they are written (the signatures read them).
 _CE, _LP, _PL = CEOptions(), LogProbOptions(), PolicyOptions()
-_DI, _SC = DistillOptions(), SoftCEOptions()
+_DI, _SC, _TK = DistillOptions(), SoftCEOptions(), TopKOptions()
 
 
 def shift_targets(target, ignore_index):
@@ -322,6 +323,51 @@ def linear_soft_cross_entropy(hidden, weight, target_indices, target_probs, bias
     return torch.ops.fce.linear_soft_cross_entropy(
         hidden, weight, target_indices, target_probs, bias, token_weights, temperature,
         **opts._asdict())
+
+
+def linear_topk_logprobs(hidden, weight, k, bias=None, *, target=None, temperature=1.0,
+                         logit_scale=_TK.logit_scale, softcap=_TK.softcap,
+                         ignore_index=_TK.ignore_index, shift=False,
+                         logits_dtype=_TK.logits_dtype):
+    """The k most likely next tokens of softmax(softcap(logit_scale * F.linear(hidden,
+    weight, bias)) / temperature) and their log-probs, per token, without the logits:
+    a teacher's top-k (on-policy distillation with an in-process teacher, or offline
+    distillation's data) from one pass of its head (docs/distillation.md).
+
+    Args:
+        hidden: (*, D) bfloat16, float16 or float32. weight: (V, D). bias: optional (V,).
+        k: 1 to min(256, V) classes per token.
+        target: None or (*) classes whose log-prob to return beside the top-k
+            (ignore_index: 0 there), as a server returns the sampled token's.
+        temperature: a float > 0 or a tensor of the tokens' shape.
+        shift: pair hidden[..., t, :] with target[..., t + 1] (needs a target).
+        logits_dtype: None (the logits rounded to hidden's dtype, as an inference
+            engine's) or torch.float32 (the GEMM's float32 sums).
+
+    Returns:
+        TopKLogprobs(indices (*, k) int64, logprobs (*, k), target_logprob (*) or None),
+        detached (no gradient): by probability descending, equal probabilities by
+        ascending class.
+    """
+    opts = TopKOptions(k=k, logit_scale=logit_scale, softcap=softcap,
+                       ignore_index=ignore_index, logits_dtype=logits_dtype)
+    if not torch.compiler.is_compiling():  # as linear_cross_entropy
+        opts.check()
+    for name, t in (("hidden", hidden), ("weight", weight)):
+        if not isinstance(t, torch.Tensor):  # named here, before the schema's cast error
+            raise TypeError(f"{name} must be a Tensor, got {type(t).__name__}")
+    if target is None:
+        if shift:
+            raise ValueError("shift=True needs a target (it pairs position t with target "
+                             "t + 1)")
+        tokens = hidden[..., 0]
+    else:
+        target = _shifted(hidden, weight, target, bias, None, ignore_index, shift)
+        tokens = target
+    temperature = temperature_tensor(temperature, tokens)
+    out = torch.ops.fce.linear_topk_logprobs(hidden, weight, bias, target, temperature,
+                                             **opts._asdict())
+    return TopKLogprobs(out[0], out[1], None if target is None else out[2])
 
 
 def _is_dtensor(t):

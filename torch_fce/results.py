@@ -41,6 +41,16 @@ class PolicyStats(NamedTuple):
     kl: torch.Tensor
 
 
+class TopKLogprobs(NamedTuple):
+    """linear_topk_logprobs' outputs, detached: per token the k most likely classes
+    (int64, by probability descending, equal ones by ascending class) and their
+    log-probs, each (*, k), and the target's log-prob (*) (None without a target; 0 at
+    ignored targets); float32 (float64 for float64 inputs)."""
+    indices: torch.Tensor
+    logprobs: torch.Tensor
+    target_logprob: Optional[torch.Tensor]
+
+
 class DistillationStats(NamedTuple):
     """linear_distillation_loss' per-token statistics, each of the tokens' shape, float32
     (float64 for float64 inputs), detached, 0 at tokens not counted: the divergence

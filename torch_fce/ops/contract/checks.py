@@ -22,9 +22,10 @@ ACCUMULATORS = ("fp32", "kahan", "input")
 
 
 def check_common(opts):
-    """The options every op's record has: ignore_index, accumulator, logits_dtype, and
-    softcap where it has one."""
-    check_choice("accumulator", opts.accumulator, ACCUMULATORS)
+    """The options every op's record has: ignore_index, logits_dtype, and accumulator
+    (the ops with gradients) and softcap where it has them."""
+    if hasattr(opts, "accumulator"):
+        check_choice("accumulator", opts.accumulator, ACCUMULATORS)
     if opts.logits_dtype not in (None, torch.float32):
         raise ValueError(f"logits_dtype must be None (hidden's dtype) or torch.float32, "
                          f"got {opts.logits_dtype!r}")

@@ -1,0 +1,131 @@
+"""The top-k log-probs' room: fce::linear_topk_logprobs, whole.
+
+Its options (TopKOptions), the schemas, the public op's entry, the fake kernel and the
+implementation on the chunk loop (token chunks, one device). Per token the k most
+likely classes of softmax(softcap(logit_scale * logits) / T) and their log-probs
+(rowmath/topk.py has the formulas and the tie rule), and the log-prob of a given
+target: what an inference server returns beside its top-k, from the head's inputs in
+one pass of its GEMM, without the N x V logits. No gradient: the outputs are a
+teacher's (the public op detaches its inputs).
+"""
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from .contract import checks
+from .contract.entry import (autocast_operands, flat, int64_if_needed, refuse_transforms,
+                             token_rows)
+from .contract.options import (as_float, check_int, got, schema_args, take, tensor_args,
+                               tensor_record, value)
+from .loop.chunked import (chunk_rows_for, inverse_temperature, logits_dtype_for,
+                           math_dtype_for, no_autocast, run_chunks)
+from .machinery.dispatch import LIB, kernel
+from .rowmath.topk import topk_rows
+
+MAX_K = 256  # the row math keeps k candidates per row; larger k is a full sort's job
+
+
+class TopKOptions(NamedTuple):
+    """linear_topk_logprobs' options (docs/distillation.md), in the schemas' order."""
+    k: int = 8
+    logit_scale: float = 1.0
+    softcap: Optional[float] = None
+    ignore_index: int = -100
+    logits_dtype: Optional[torch.dtype] = None  # torch.float32: the GEMM's float32 sums
+
+    def check(self):
+        """Raises naming the option; returns the record."""
+        check_int("k", self.k)
+        if not 1 <= self.k <= MAX_K:
+            raise ValueError(f"k must be in [1, {MAX_K}]{got(self.k)}")
+        checks.check_common(self)
+        if not 0.0 < as_float("logit_scale", self.logit_scale) < float("inf"):
+            raise ValueError(f"logit_scale must be a finite float > 0{got(self.logit_scale)}")
+        return self
+
+
+# linear_topk_logprobs' optional tensors: the bias, the target (the tokens' shape) whose
+# log-prob is returned beside the top-k, the per-token temperature
+TopKTensors = tensor_record("TopKTensors", "bias", "target", "temperature")
+
+# (indices (*, k) int64, logprobs (*, k), target_logprob (*): 0 without a target)
+LIB.define(f"linear_topk_logprobs(Tensor hidden, Tensor weight, {tensor_args(TopKTensors, True)}"
+           f", *, {schema_args(TopKOptions, True)}) -> (Tensor indices, Tensor logprobs, "
+           "Tensor target_logprob)")
+# hidden (N, D), target and temperature (N,).
+LIB.define(f"linear_topk_logprobs_fwd(Tensor hidden, Tensor weight, {tensor_args(TopKTensors)}"
+           f", {schema_args(TopKOptions)}) -> (Tensor indices, Tensor logprobs, "
+           "Tensor target_logprob)")
+
+
+def check_topk_inputs(hidden, weight, tensors, opts):
+    """The tensors' checks, in eager mode and in the fake kernel (under torch.compile)."""
+    tokens = tensors.target if tensors.target is not None else \
+        hidden.new_empty(hidden.shape[:-1], dtype=torch.int64)
+    checks.check_head_inputs(hidden, weight, tokens, tensors.bias, None)
+    value(opts.k <= weight.shape[0],
+          f"k must be at most the vocabulary's {weight.shape[0]} classes, got {opts.k}")
+    checks.check_temperature(tensors.temperature, tokens)
+
+
+def forward(hidden, weight, tensors, opts):
+    """(indices, logprobs, target_logprob) for checked options and a TopKTensors."""
+    refuse_transforms((hidden, weight, *tensors))
+    hidden, weight, bias = autocast_operands(hidden, weight, tensors.bias)
+    # a teacher's outputs: nothing to differentiate
+    tensors = tensors._replace(bias=None if bias is None else bias.detach())
+    hidden, weight = hidden.detach(), weight.detach()
+    check_topk_inputs(hidden, weight, tensors, opts)
+    shape = hidden.shape[:-1]
+    target = int64_if_needed(tensors.target, opts.ignore_index)
+    idx, lp, target_lp = torch.ops.fce.linear_topk_logprobs_fwd(
+        token_rows(hidden), weight, tensors.bias, flat(target), flat(tensors.temperature),
+        *opts)
+    return idx.reshape(*shape, opts.k), lp.reshape(*shape, opts.k), target_lp.reshape(shape)
+
+
+@torch.library.impl(LIB, "linear_topk_logprobs", "CompositeImplicitAutograd")
+def _linear_topk_logprobs(hidden, weight, bias=None, target=None, temperature=None,
+                          **options):
+    return forward(hidden, weight, TopKTensors(bias=bias, target=target,
+                                               temperature=temperature),
+                   TopKOptions(**options).check())
+
+
+@torch.library.register_fake("fce::linear_topk_logprobs_fwd")
+def _fwd_fake(hidden, weight, *args):
+    tensors, args = take(TopKTensors, args)
+    opts = take(TopKOptions, args)[0].check()
+    check_topk_inputs(hidden, weight, tensors, opts)
+    N, mdt = hidden.shape[0], torch.promote_types(hidden.dtype, torch.float32)
+    return (hidden.new_empty(N, opts.k, dtype=torch.int64),
+            hidden.new_empty(N, opts.k, dtype=mdt), hidden.new_empty(N, dtype=mdt))
+
+
+# ---- the implementation, on the chunk loop -----------------------------------------
+
+@kernel("linear_topk_logprobs_fwd")
+def fwd(hidden, weight, bias, target, temperature, *args, backend):
+    """Per chunk the logits, then the top-k rows (the PyTorch rows on every device)."""
+    opts = take(TopKOptions, args)[0].check()
+    if backend.check_values:
+        if target is not None:
+            checks.check_target_range(target, weight.shape[0], opts.ignore_index)
+        checks.check_temperature_values(temperature)
+    N, mdt = hidden.shape[0], math_dtype_for(hidden.dtype)
+    out = (hidden.new_empty(N, opts.k, dtype=torch.int64),
+           hidden.new_empty(N, opts.k, dtype=mdt), hidden.new_empty(N, dtype=mdt))
+    inv_t = inverse_temperature(temperature, N, hidden.device, mdt)
+
+    def row_fn(logits, s, e):
+        return topk_rows(logits, None if target is None else target[s:e], inv_t[s:e], opts,
+                         mdt), None
+
+    with no_autocast(hidden):
+        ldt = logits_dtype_for(hidden, opts)
+        # the row math holds float32 z, two boolean masks and an int32 rank beside them
+        per_logit = ldt.itemsize + 4 + 2 + 4 + 4
+        run_chunks(hidden, weight, bias, row_fn, out, (False,) * 3, "fp32",
+                   chunk_rows_for(hidden, weight, per_logit=per_logit), logits_dtype=ldt)
+    return out
