@@ -41,6 +41,17 @@ def _shifted(hidden, weight, target, bias, class_weight, ignore_index, shift):
     return shift_targets(int64_if_needed(target, ignore_index), ignore_index)
 
 
+def _optional_target(hidden, weight, target, bias, ignore_index, shift):
+    """(target, shifted when shift=True, and a tensor of the tokens' shape for the
+    per-token checks) of an op whose target is optional."""
+    if target is not None:
+        target = _shifted(hidden, weight, target, bias, None, ignore_index, shift)
+        return target, target
+    if shift:
+        raise ValueError("shift=True needs a target (it pairs position t with target t + 1)")
+    return None, hidden[..., 0]
+
+
 def linear_cross_entropy(hidden, weight, target, bias=None, class_weight=None, *,
                          ignore_index=_CE.ignore_index, reduction=_CE.reduction,
                          label_smoothing=_CE.label_smoothing, softcap=_CE.softcap,
@@ -250,14 +261,7 @@ def linear_distillation_loss(hidden, weight, teacher_hidden, teacher_weight, tar
                     ("teacher_weight", teacher_weight)):
         if not isinstance(t, torch.Tensor):  # named here, before the schema's cast error
             raise TypeError(f"{name} must be a Tensor, got {type(t).__name__}")
-    if target is None:
-        if shift:
-            raise ValueError("shift=True needs a target (it pairs position t with target "
-                             "t + 1)")
-        tokens = hidden[..., 0]
-    else:
-        target = _shifted(hidden, weight, target, bias, None, ignore_index, shift)
-        tokens = target
+    target, tokens = _optional_target(hidden, weight, target, bias, ignore_index, shift)
     temperature = temperature_tensor(temperature, tokens)
     if _is_dtensor(weight):  # sharded by vocabulary: the vocab-parallel distillation
         from .distributed.dtensor import dtensor_linear_distillation_loss
@@ -356,14 +360,7 @@ def linear_topk_logprobs(hidden, weight, k, bias=None, *, target=None, temperatu
     for name, t in (("hidden", hidden), ("weight", weight)):
         if not isinstance(t, torch.Tensor):  # named here, before the schema's cast error
             raise TypeError(f"{name} must be a Tensor, got {type(t).__name__}")
-    if target is None:
-        if shift:
-            raise ValueError("shift=True needs a target (it pairs position t with target "
-                             "t + 1)")
-        tokens = hidden[..., 0]
-    else:
-        target = _shifted(hidden, weight, target, bias, None, ignore_index, shift)
-        tokens = target
+    target, tokens = _optional_target(hidden, weight, target, bias, ignore_index, shift)
     temperature = temperature_tensor(temperature, tokens)
     out = torch.ops.fce.linear_topk_logprobs(hidden, weight, bias, target, temperature,
                                              **opts._asdict())
