@@ -172,3 +172,58 @@ def topk_reference(hidden, weight, k, bias=None, target=None, temperature=1.0,
         target_lp = torch.where(
             valid, logp.gather(-1, torch.where(valid, target, 0)[..., None])[..., 0], 0.0)
     return order, logp.gather(-1, order), target_lp
+
+
+def sparse_divergence_reference(hidden, weight, support, teacher_lp, bias=None, beta=0.0,
+                                tail=False, temperature=1.0, logit_scale=1.0, softcap=None,
+                                token_weights=None, ignore_index=-100):
+    """(loss, divergence, student_mass) in float64 as TRL 1.16's server distillation
+    forms them (_compute_server_forward_kl_loss, _add_tail_bucket, _jsd_divergence with
+    a support mask) from the student's full log-softmax, differentiable w.r.t. hidden,
+    weight and bias; a support entry equal to ignore_index is invalid too, a token
+    without valid entries not counted; token_weights None: 1 / the tokens counted."""
+    z = F.linear(hidden, weight, bias).double() * logit_scale
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    T = torch.as_tensor(temperature, dtype=torch.float64, device=z.device)
+    log_q = (z / T.expand(z.shape[:-1])[..., None]).log_softmax(-1)
+    teacher_lp = teacher_lp.double()
+    valid = (support != ignore_index) & (teacher_lp > float("-inf"))
+    counted = valid.any(-1)
+    neg_inf = torch.tensor(float("-inf"), dtype=torch.float64, device=z.device)
+    s = torch.where(valid, log_q.gather(-1, torch.where(valid, support, 0)), neg_inf)
+    t = torch.where(valid, teacher_lp, neg_inf)
+    # a token not counted gets one dummy entry (its divergence is dropped below)
+    dummy = torch.zeros_like(valid)
+    dummy[..., 0] = True
+    mask = torch.where(counted[..., None], valid, dummy)
+    s = torch.where(mask & ~valid, 0.0, s)
+    t = torch.where(mask & ~valid, 0.0, t)
+
+    def add_tail(lp):
+        log_sum = torch.logsumexp(lp, dim=-1, keepdim=True).clamp(max=-1e-7)
+        return torch.cat([lp, torch.log(-torch.expm1(log_sum))], dim=-1)
+
+    if tail:
+        s, t = add_tail(s), add_tail(t)
+        mask = torch.cat([mask, torch.ones_like(mask[..., :1])], dim=-1)
+    else:
+        s = s - torch.logsumexp(s, dim=-1, keepdim=True)
+        t = t - torch.logsumexp(t, dim=-1, keepdim=True)
+    s0, t0 = torch.where(mask, s, 0.0), torch.where(mask, t, 0.0)
+    q, p = torch.where(mask, s.exp(), 0.0), torch.where(mask, t.exp(), 0.0)
+    if beta == 0.0:
+        jsd = torch.nan_to_num(p * (t0 - s0), nan=0.0)
+    elif beta == 1.0:
+        jsd = torch.nan_to_num(q * (s0 - t0), nan=0.0)
+    else:
+        tiny = torch.finfo(torch.float64).tiny
+        m = torch.where(mask, torch.log(((1 - beta) * q + beta * p).clamp_min(tiny)), 0.0)
+        jsd = beta * torch.nan_to_num(p * (t0 - m), nan=0.0) + \
+            (1 - beta) * torch.nan_to_num(q * (s0 - m), nan=0.0)
+    div = torch.where(counted, jsd.sum(-1), 0.0)
+    w = counted.double() / counted.sum().clamp(min=1) if token_weights is None \
+        else token_weights.double()
+    mass = torch.where(valid, log_q.gather(-1, torch.where(valid, support, 0)).exp(), 0.0)
+    return (torch.where(counted, w * div, 0.0).sum(), div.detach(),
+            torch.where(counted, mass.sum(-1), 0.0).detach())

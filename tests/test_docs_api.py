@@ -25,7 +25,8 @@ def test_docs_api_schema_matches_the_registered_op():
     for op in (torch.ops.fce.linear_ce, torch.ops.fce.linear_ce_stats,
                torch.ops.fce.linear_logprobs, torch.ops.fce.linear_policy_loss,
                torch.ops.fce.linear_distillation_loss,
-               torch.ops.fce.linear_soft_cross_entropy, torch.ops.fce.linear_topk_logprobs):
+               torch.ops.fce.linear_soft_cross_entropy, torch.ops.fce.linear_topk_logprobs,
+               torch.ops.fce.linear_sparse_divergence):
         assert str(op.default._schema) in API
 
 
@@ -37,6 +38,7 @@ def test_docs_api_python_signatures_match():
         "torch_fce.linear_distillation_loss": torch_fce.linear_distillation_loss,
         "torch_fce.linear_soft_cross_entropy": torch_fce.linear_soft_cross_entropy,
         "torch_fce.linear_topk_logprobs": torch_fce.linear_topk_logprobs,
+        "torch_fce.linear_sparse_divergence": torch_fce.linear_sparse_divergence,
         "torch_fce.set_workspace": torch_fce.set_workspace,
         "torch_fce.workspace": torch_fce.workspace,
         "torch_fce.integrations.trl.per_token_logps_and_entropies":

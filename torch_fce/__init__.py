@@ -17,6 +17,9 @@ modifies its inputs:
                                                           cross entropy to sparse targets
     linear_topk_logprobs(hidden, weight, k, ...)          a teacher's top-k classes and
                                                           log-probs (no gradient)
+    linear_sparse_divergence(hidden, weight, support, teacher_logprobs, ...)
+                                                          a student's divergence from a
+                                                          teacher's top-k
     LinearCrossEntropyLoss                                the cross entropy as a module
     workspace(bytes) / set_workspace(bytes)               the logits workspace's size
 
@@ -34,13 +37,15 @@ names one of those files.
 from . import ops  # noqa: F401  (registers the ops)
 from .functional import (linear_cross_entropy, linear_distillation_loss, linear_logprobs,
                          linear_policy_loss, linear_soft_cross_entropy,
-                         linear_topk_logprobs)
+                         linear_sparse_divergence, linear_topk_logprobs)
 from .modules import LinearCrossEntropyLoss
 from .ops.loop.workspace import set_workspace, workspace
-from .results import DistillationStats, LogProbs, LossStats, PolicyStats, TopKLogprobs
+from .results import (DistillationStats, LogProbs, LossStats, PolicyStats,
+                      SparseDivergenceStats, TopKLogprobs)
 
 __all__ = ["linear_cross_entropy", "linear_logprobs", "linear_policy_loss",
-           "linear_distillation_loss", "linear_soft_cross_entropy", "linear_topk_logprobs",
-           "LogProbs", "LossStats", "PolicyStats", "DistillationStats", "TopKLogprobs",
+           "linear_distillation_loss", "linear_soft_cross_entropy", "linear_sparse_divergence",
+           "linear_topk_logprobs", "LogProbs", "LossStats", "PolicyStats", "DistillationStats",
+           "SparseDivergenceStats", "TopKLogprobs",
            "LinearCrossEntropyLoss", "set_workspace", "workspace"]
 __version__ = "0.1.0"

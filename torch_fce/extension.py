@@ -15,13 +15,15 @@ from .ops.linear_distillation import DistillOptions
 from .ops.linear_logprobs import LogProbOptions
 from .ops.linear_policy_loss import PolicyOptions
 from .ops.linear_soft_ce import SoftCEOptions
+from .ops.linear_sparse_divergence import SparseDivOptions
 from .ops.linear_topk_logprobs import TopKOptions
 
 __all__ = ["check_options", "autocast_operands", "FLOAT_DTYPES"]
 
 _RECORDS = {"linear_cross_entropy": CEOptions, "linear_logprobs": LogProbOptions,
             "linear_policy_loss": PolicyOptions, "linear_distillation_loss": DistillOptions,
-            "linear_soft_cross_entropy": SoftCEOptions, "linear_topk_logprobs": TopKOptions}
+            "linear_soft_cross_entropy": SoftCEOptions, "linear_topk_logprobs": TopKOptions,
+            "linear_sparse_divergence": SparseDivOptions}
 
 
 def check_options(op, **options):

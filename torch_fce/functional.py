@@ -1,9 +1,11 @@
 """The public functions, the Python entries to the ops: linear_cross_entropy,
-linear_logprobs, linear_policy_loss, linear_distillation_loss and
-linear_soft_cross_entropy. Each converts the user's arguments (shift, a scalar
+linear_logprobs, linear_policy_loss, linear_distillation_loss,
+linear_soft_cross_entropy, linear_sparse_divergence and linear_topk_logprobs. Each converts the user's arguments (shift, a scalar
 temperature, per-sequence advantages), builds its op's options record by keyword (the
 defaults are the record's: `_CE` and the others below) and calls the op, or its
 vocab-parallel form for a DTensor weight."""
+
+import math
 
 import torch
 
@@ -14,12 +16,15 @@ from .ops.linear_distillation import DistillOptions, DistillTensors
 from .ops.linear_logprobs import LogProbOptions
 from .ops.linear_policy_loss import PolicyOptions, PolicyTensors
 from .ops.linear_soft_ce import SoftCEOptions
+from .ops.linear_sparse_divergence import SparseDivOptions
 from .ops.linear_topk_logprobs import TopKOptions
-from .results import DistillationStats, LogProbs, LossStats, PolicyStats, TopKLogprobs
+from .results import (DistillationStats, LogProbs, LossStats, PolicyStats,
+                      SparseDivergenceStats, TopKLogprobs)
 
 # The records' defaults, the only place they are written (the signatures read them).
 _CE, _LP, _PL = CEOptions(), LogProbOptions(), PolicyOptions()
 _DI, _SC, _TK = DistillOptions(), SoftCEOptions(), TopKOptions()
+_SD = SparseDivOptions()
 
 
 def shift_targets(target, ignore_index):
@@ -39,6 +44,18 @@ def _shifted(hidden, weight, target, bias, class_weight, ignore_index, shift):
     if target.dim() == 0:
         raise ValueError("shift=True needs target with a sequence dimension, got a 0-d tensor")
     return shift_targets(int64_if_needed(target, ignore_index), ignore_index)
+
+
+def _checked(opts, **tensors):
+    """Checks the options record (outside torch.compile: there the op's fake kernel
+    checks it, since an error raised here would reach the caller as Dynamo's "Observed
+    exception", without its message) and that each of `tensors` is a Tensor (named here,
+    before the schema's cast error would not name it)."""
+    if not torch.compiler.is_compiling():
+        opts.check()
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a Tensor, got {type(t).__name__}")
 
 
 def _optional_target(hidden, weight, target, bias, ignore_index, shift):
@@ -90,15 +107,11 @@ def linear_cross_entropy(hidden, weight, target, bias=None, class_weight=None, *
         float32 loss: () for "mean"/"sum", target.shape for "none"; with return_stats,
         (loss, LossStats).
     """
-    # Checked here too: the dispatcher's own type errors would not name the option.
-    # Under torch.compile the op's fake kernel checks them: an error raised here would
-    # reach the caller as Dynamo's "Observed exception", without its message.
     opts = CEOptions(ignore_index=ignore_index, reduction=reduction,
                      label_smoothing=label_smoothing, softcap=softcap, z_loss=z_loss,
                      accumulator=accumulator, logits_dtype=logits_dtype, dft=dft,
                      head_bound=head_bound)
-    if not torch.compiler.is_compiling():
-        opts.check()
+    _checked(opts)
     target = _shifted(hidden, weight, target, bias, class_weight, ignore_index, shift)
     if not isinstance(return_stats, bool):
         raise TypeError(f"return_stats must be a bool, got {type(return_stats).__name__}")
@@ -140,11 +153,9 @@ def linear_logprobs(hidden, weight, target, bias=None, *, temperature=1.0,
         w.r.t. hidden, weight and bias for any upstream gradients (docs/rl.md). A DTensor
         weight sharded on dim 0 runs the vocab-parallel version (torch_fce.distributed).
     """
-    # Checked here too, as for linear_cross_entropy (under torch.compile: by the op).
     opts = LogProbOptions(softcap=softcap, ignore_index=ignore_index, entropy=entropy,
                           accumulator=accumulator, logits_dtype=logits_dtype)
-    if not torch.compiler.is_compiling():
-        opts.check()
+    _checked(opts)
     temperature = temperature_tensor(temperature, target)
     target = _shifted(hidden, weight, target, bias, None, ignore_index, shift)
     if _is_dtensor(weight):  # sharded by vocabulary: the vocab-parallel log-probs
@@ -199,8 +210,7 @@ def linear_policy_loss(hidden, weight, target, advantages, bias=None, *, old_log
                          kl_ratio=kl_ratio, entropy_coef=entropy_coef, softcap=softcap,
                          ignore_index=ignore_index, accumulator=accumulator,
                          logits_dtype=logits_dtype)
-    if not torch.compiler.is_compiling():  # as linear_cross_entropy: under compile, the op
-        opts.check()
+    _checked(opts)
     temperature = temperature_tensor(temperature, target)
     target = _shifted(hidden, weight, target, bias, None, ignore_index, shift)
     advantages = advantages_tensor(advantages, target)
@@ -255,12 +265,8 @@ def linear_distillation_loss(hidden, weight, teacher_hidden, teacher_weight, tar
                           teacher_logit_scale=teacher_logit_scale, softcap=softcap,
                           teacher_softcap=teacher_softcap, ignore_index=ignore_index,
                           accumulator=accumulator, logits_dtype=logits_dtype)
-    if not torch.compiler.is_compiling():  # as linear_cross_entropy
-        opts.check()
-    for name, t in (("hidden", hidden), ("weight", weight), ("teacher_hidden", teacher_hidden),
-                    ("teacher_weight", teacher_weight)):
-        if not isinstance(t, torch.Tensor):  # named here, before the schema's cast error
-            raise TypeError(f"{name} must be a Tensor, got {type(t).__name__}")
+    _checked(opts, hidden=hidden, weight=weight, teacher_hidden=teacher_hidden,
+             teacher_weight=teacher_weight)
     target, tokens = _optional_target(hidden, weight, target, bias, ignore_index, shift)
     temperature = temperature_tensor(temperature, tokens)
     if _is_dtensor(weight):  # sharded by vocabulary: the vocab-parallel distillation
@@ -304,29 +310,82 @@ def linear_soft_cross_entropy(hidden, weight, target_indices, target_probs, bias
     """
     opts = SoftCEOptions(ignore_index=ignore_index, accumulator=accumulator,
                          logits_dtype=logits_dtype)
-    if not torch.compiler.is_compiling():  # as linear_cross_entropy
-        opts.check()
-    for name, t in (("hidden", hidden), ("weight", weight),
-                    ("target_indices", target_indices), ("target_probs", target_probs)):
-        if not isinstance(t, torch.Tensor):  # named here, before the schema's cast error
-            raise TypeError(f"{name} must be a Tensor, got {type(t).__name__}")
-    if not isinstance(shift, bool):
-        raise TypeError(f"shift must be a bool, got {type(shift).__name__}")
-    if shift:
-        if target_indices.dim() < 2 or target_probs.dim() != target_indices.dim():
-            raise ValueError(f"shift=True needs target_indices and target_probs of shape "
-                             f"(*, T, k) with a sequence dimension, got "
-                             f"{tuple(target_indices.shape)} and {tuple(target_probs.shape)}")
-        pad = target_indices.new_full((*target_indices.shape[:-2], 1,
-                                       target_indices.shape[-1]), ignore_index)
-        target_indices = torch.cat([target_indices[..., 1:, :], pad], dim=-2)
-        target_probs = torch.cat([target_probs[..., 1:, :],
-                                  torch.zeros_like(target_probs[..., :1, :])], dim=-2)
-    tokens = target_indices[..., 0] if target_indices.dim() > 0 else target_indices
+    _checked(opts, hidden=hidden, weight=weight, target_indices=target_indices,
+             target_probs=target_probs)
+    target_indices, target_probs, tokens = _sparse_targets(target_indices, target_probs,
+                                                           ignore_index, 0.0, shift)
     temperature = temperature_tensor(temperature, tokens)
     return torch.ops.fce.linear_soft_cross_entropy(
         hidden, weight, target_indices, target_probs, bias, token_weights, temperature,
         **opts._asdict())
+
+
+def linear_sparse_divergence(hidden, weight, support, teacher_logprobs, bias=None, *,
+                             beta=_SD.beta, tail=_SD.tail, temperature=1.0,
+                             logit_scale=_SD.logit_scale, softcap=_SD.softcap,
+                             token_weights=None, ignore_index=_SD.ignore_index, shift=False,
+                             logits_dtype=torch.float32, accumulator=_SD.accumulator):
+    """The divergence of a student's next-token distribution from a teacher's top-k (a
+    server's, or linear_topk_logprobs'), over that support, without the student's
+    logits: three GEMMs (docs/distillation.md).
+
+    Per token, S the support's valid entries (an index equal to ignore_index or a
+    teacher log-prob of -inf is not; a token without one is not counted) and s_j the
+    student's full-vocabulary log-softmax of softcap(logit_scale * logits) /
+    temperature: with tail=True both distributions get a (K+1)-th bucket log(1 -
+    sum_S exp(.)), with tail=False both are renormalised over S (TRL 1.16's server
+    distillation); then TRL's generalized JSD over it (beta 0 KL(teacher || student),
+    1 KL(student || teacher)). loss = sum over the tokens counted of token_weights *
+    divergence.
+
+    Args:
+        hidden: (*, D) bfloat16, float16 or float32 (float64 for gradcheck). weight:
+            (V, D). bias: optional (V,).
+        support: (*, K) int64/int32 classes; teacher_logprobs: (*, K) their log-probs
+            under the teacher (not differentiated).
+        temperature: a float > 0 or a tensor of the tokens' shape (the student's).
+        token_weights: None (1 / the number of tokens counted) or the tokens' shape.
+        shift: pair hidden[..., t, :] with the support of position t + 1.
+        logits_dtype: torch.float32 (default: the GEMM's float32 sums) or None.
+
+    Returns:
+        (loss, SparseDivergenceStats): the float32 scalar loss (differentiable w.r.t.
+        hidden, weight and bias) and the detached per-token divergence and the
+        student's mass on the support.
+    """
+    opts = SparseDivOptions(beta=beta, tail=tail, logit_scale=logit_scale, softcap=softcap,
+                            ignore_index=ignore_index, accumulator=accumulator,
+                            logits_dtype=logits_dtype)
+    _checked(opts, hidden=hidden, weight=weight, support=support,
+             teacher_logprobs=teacher_logprobs)
+    support, teacher_logprobs, tokens = _sparse_targets(support, teacher_logprobs,
+                                                        ignore_index, -math.inf, shift)
+    temperature = temperature_tensor(temperature, tokens)
+    out = torch.ops.fce.linear_sparse_divergence(
+        hidden, weight, support, teacher_logprobs, bias, token_weights, temperature,
+        **opts._asdict())
+    return out[0], SparseDivergenceStats(*out[1:])
+
+
+def _sparse_targets(idx, values, ignore_index, fill, shift):
+    """(idx, values, a tensor of the tokens' shape) of sparse per-token targets (*, k);
+    with shift, those of position t + 1 at position t (*, T, k), the last position's
+    entries skipped (ignore_index, values `fill`)."""
+    if not isinstance(shift, bool):
+        raise TypeError(f"shift must be a bool, got {type(shift).__name__}")
+    if shift:
+        idx, values = _shifted_sparse(idx, values, ignore_index, fill)
+    return idx, values, idx[..., 0] if idx.dim() > 0 else idx
+
+
+def _shifted_sparse(idx, values, ignore_index, fill):
+    if idx.dim() < 2 or values.dim() != idx.dim():
+        raise ValueError(f"shift=True needs sparse targets of shape (*, T, k) with a "
+                         f"sequence dimension, got {tuple(idx.shape)} and "
+                         f"{tuple(values.shape)}")
+    pad = idx.new_full((*idx.shape[:-2], 1, idx.shape[-1]), ignore_index)
+    return (torch.cat([idx[..., 1:, :], pad], dim=-2),
+            torch.cat([values[..., 1:, :], torch.full_like(values[..., :1, :], fill)], dim=-2))
 
 
 def linear_topk_logprobs(hidden, weight, k, bias=None, *, target=None, temperature=1.0,
@@ -355,11 +414,7 @@ def linear_topk_logprobs(hidden, weight, k, bias=None, *, target=None, temperatu
     """
     opts = TopKOptions(k=k, logit_scale=logit_scale, softcap=softcap,
                        ignore_index=ignore_index, logits_dtype=logits_dtype)
-    if not torch.compiler.is_compiling():  # as linear_cross_entropy
-        opts.check()
-    for name, t in (("hidden", hidden), ("weight", weight)):
-        if not isinstance(t, torch.Tensor):  # named here, before the schema's cast error
-            raise TypeError(f"{name} must be a Tensor, got {type(t).__name__}")
+    _checked(opts, hidden=hidden, weight=weight)
     target, tokens = _optional_target(hidden, weight, target, bias, ignore_index, shift)
     temperature = temperature_tensor(temperature, tokens)
     out = torch.ops.fce.linear_topk_logprobs(hidden, weight, bias, target, temperature,

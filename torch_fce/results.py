@@ -41,6 +41,15 @@ class PolicyStats(NamedTuple):
     kl: torch.Tensor
 
 
+class SparseDivergenceStats(NamedTuple):
+    """linear_sparse_divergence's per-token statistics, each of the tokens' shape,
+    float32 (float64 for float64 inputs), detached, 0 at tokens not counted: the
+    divergence over the support and the student's probability mass on the support's
+    valid entries."""
+    divergence: torch.Tensor
+    student_mass: torch.Tensor
+
+
 class TopKLogprobs(NamedTuple):
     """linear_topk_logprobs' outputs, detached: per token the k most likely classes
     (int64, by probability descending, equal ones by ascending class) and their

@@ -9,7 +9,7 @@ import torch.autograd.forward_ad as fwAD
 _NO_TRANSFORMS = (
     "torch_fce's ops (fce::linear_ce, fce::linear_logprobs, fce::linear_policy_loss, "
     "fce::linear_distillation_loss, fce::linear_soft_cross_entropy, "
-    "fce::linear_topk_logprobs) have "
+    "fce::linear_sparse_divergence, fce::linear_topk_logprobs) have "
     "no forward-mode derivative and no torch.func derivative "
     "(grad, jvp, jacrev, hessian, dual tensors; vmap of the forward alone runs): use "
     "torch.autograd (loss.backward() or torch.autograd.grad) for its gradients"

@@ -17,7 +17,8 @@ from .dispatch import HAS_TRITON, LIB
 
 _NO_DOUBLE = (
     "torch_fce's ops (fce::linear_ce, fce::linear_logprobs, fce::linear_policy_loss, "
-    "fce::linear_distillation_loss, fce::linear_soft_cross_entropy) do "
+    "fce::linear_distillation_loss, fce::linear_soft_cross_entropy, "
+    "fce::linear_sparse_divergence) do "
     "not support double backward: their gradients are first order (create_graph=True "
     "gives usable gradients that cannot be differentiated again)"
 )

@@ -144,31 +144,50 @@ def sparse_targets(idx, probs, V, ignore_index, mdt):
     return skip, ~skip.all(-1), torch.where(skip | bad, 0, idx).long(), p
 
 
+def sparse_rows(z, idx, inv_t, terms, mdt, dz_dtype, want_grad, logit_scale=1.0,
+                softcap=None):
+    """(out, dz) of a loss over a few classes of each row, the support idx (n, k) (made
+    safe to read): with a = softcap(logit_scale * z), u = a / T and log q =
+    log_softmax(u), terms(log_q[idx]) gives (loss_t, g, *stats) with g = d loss_t /
+    d log_q[idx] (n, k), and
+        d loss_t / d u = scatter(g) - (sum_k g_k) q,
+    times d u / d z = softcap'(.) logit_scale / T (dz None without want_grad). log q is
+    formed relative to the row max, so a confident row keeps float32 precision (not
+    lse's). Overwrites z where it can."""
+    a, da = _capped(z, logit_scale, softcap, mdt) if logit_scale != 1.0 or softcap \
+        is not None else (z.to(mdt), None)
+    u = a.mul_(inv_t[:, None])
+    m = u.amax(-1, keepdim=True).clamp_min(torch.finfo(mdt).min)  # finite if all -inf
+    u_k = u.gather(1, idx)
+    e = u.sub_(m).exp_()  # u is consumed from here on
+    total = e.sum(-1, keepdim=True)
+    loss_t, g, *stats = terms((u_k - m) - total.log())
+    if not want_grad:
+        return (loss_t, *stats), None
+    c = inv_t[:, None] * logit_scale  # d u / d (logit_scale z), times logit_scale
+    dz = e.mul_(-g.sum(-1, keepdim=True) * c / total)
+    dz.scatter_add_(1, idx, g * c)
+    if da is not None:  # softcap'(.): da is d a / d z, the scale included
+        dz = dz.mul_(da / logit_scale)
+    return (loss_t, *stats), dz.to(dz_dtype)
+
+
 def soft_ce_rows(z, idx, probs, inv_t, weights, opts, mdt, dz_dtype, want_grad):
     """(loss_t, dz) of a chunk's cross entropy to sparse targets: z (n, V) the logits,
     idx and probs (n, k) the targets' classes and probabilities (an index equal to
     opts.ignore_index is skipped, a token with every index skipped not counted), inv_t,
-    weights (n,) 1 / T and w_t. With u = z / T, log q = log_softmax(u) and P = sum_k
-    p_k: loss_t = -w_t sum_k p_k log q[idx_k], d loss_t / d z = w_t (P q -
-    scatter(p)) / T. An index outside [0, V) makes its token's loss NaN (nothing is
-    read out of bounds). Overwrites z where it can."""
+    weights (n,) 1 / T and w_t: loss_t = -w_t sum_k p_k log q[idx_k], so g = -w_t p
+    (sparse_rows forms dz). An index outside [0, V) makes its token's loss NaN (nothing
+    is read out of bounds). Overwrites z where it can."""
     skip, valid, safe, p = sparse_targets(idx, probs, z.shape[1], opts.ignore_index, mdt)
-    u = z.to(mdt).mul_(inv_t[:, None])
-    m = u.amax(-1, keepdim=True).clamp_min(torch.finfo(mdt).min)  # finite if all -inf
-    u_k = u.gather(1, safe)
-    e = u.sub_(m).exp_()  # u is consumed from here on
-    total = e.sum(-1, keepdim=True)
-    # log q relative to the max: a confident row keeps float32 precision (not lse's)
-    log_q = (u_k - m) - total.log()
-    w = torch.where(valid, weights, 0.0)
-    loss_t = -w * torch.where(skip, 0.0, p * log_q).sum(-1)
-    if not want_grad:
-        return loss_t, None
-    c = (w * inv_t)[:, None]
-    dz = e.mul_(p.sum(-1, keepdim=True) * c / total)
-    dz.scatter_add_(1, safe, -p * c)
+    w = torch.where(valid, weights, 0.0)[:, None]
+
+    def terms(log_q):
+        return -(w[:, 0] * torch.where(skip, 0.0, p * log_q).sum(-1)), -w * p
+
+    (loss_t,), dz = sparse_rows(z, safe, inv_t, terms, mdt, dz_dtype, want_grad)
     # tokens not counted: exactly 0, also where their logits are not finite
-    return loss_t, dz.masked_fill_(~valid[:, None], 0.0).to(dz_dtype)
+    return loss_t, None if dz is None else dz.masked_fill_(~valid[:, None], 0.0)
 
 
 TORCH_DISTILL_ROWS = DistillRows(RowMath(divergence_rows, temporaries=6),

@@ -1,0 +1,201 @@
+"""linear_sparse_divergence against a float64 composition of TRL 1.16's server
+distillation (tests/references.py): beta 0, between and 1, tail on and off, supports
+with duplicates, invalid and all-invalid entries, teacher mass near 0 and near 1, token
+weights, temperatures, softcap and logit scale, bias, odd V, several chunks; confident
+rows at large magnitude in float32; gradcheck; compile; opcheck; float16 with a loss
+scale; bad input named; inputs unchanged."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, strategies as st
+
+import torch_fce
+from torch_fce.testing import rel_err
+
+from tests.helpers import DEVICE, chunks, confident_inputs
+from tests.references import sparse_divergence_reference as reference
+
+
+@st.composite
+def problems(draw):
+    N, D, K = draw(st.integers(1, 9)), draw(st.integers(1, 6)), draw(st.integers(1, 6))
+    V = draw(st.sampled_from([2, 7, 37, 61]))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+    h = torch.randn(N, D, generator=g, dtype=torch.float64) * draw(st.sampled_from([1.0, 4.0]))
+    w = torch.randn(V, D, generator=g, dtype=torch.float64)
+    b = torch.randn(V, generator=g, dtype=torch.float64) if draw(st.booleans()) else None
+    support = torch.randint(0, V, (N, K), generator=g)
+    if draw(st.booleans()):  # duplicates
+        support[:, -1] = support[:, 0]
+    # teacher log-probs: a top-k's, with mass on the support near 0, moderate or near 1
+    mass = draw(st.sampled_from([1e-6, 0.5, 1.0 - 1e-6]))
+    lp = torch.randn(N, K, generator=g, dtype=torch.float64).log_softmax(-1) + math.log(mass)
+    invalid = torch.rand(N, K, generator=g) < draw(st.sampled_from([0.0, 0.3]))
+    support = torch.where(invalid & (torch.rand(N, K, generator=g) < 0.5), -100, support)
+    lp = torch.where(invalid & (support != -100), float("-inf"), lp)
+    if draw(st.booleans()):  # a token without any valid entry
+        support[0] = -100
+    weights = torch.rand(N, generator=g, dtype=torch.float64) if draw(st.booleans()) else None
+    T = draw(st.sampled_from([1.0, 0.7, "tensor"]))
+    if T == "tensor":
+        T = torch.rand(N, generator=g, dtype=torch.float64) + 0.5
+    options = dict(beta=draw(st.sampled_from([0.0, 0.4, 1.0])), tail=draw(st.booleans()),
+                   softcap=draw(st.sampled_from([None, 3.0])),
+                   logit_scale=draw(st.sampled_from([1.0, 0.5])))
+    return dict(h=h, w=w, b=b, support=support, lp=lp, weights=weights, T=T,
+                options=options, rows=draw(st.sampled_from([None, 2])))
+
+
+def _dev(x):
+    return x.to(DEVICE) if isinstance(x, torch.Tensor) else x
+
+
+def _run(fn, leaves, **kw):
+    leaves = [t.detach().clone().requires_grad_() for t in leaves]
+    loss, *stats = fn(*leaves, **kw)
+    return [loss.detach(), *[s.detach() for s in stats]] + list(
+        torch.autograd.grad(loss, leaves))
+
+
+@given(problems())
+def test_matches_the_float64_composition_of_trls(p):
+    h, w, b, support, lp, weights, T = (_dev(p[k]) for k in
+                                        ("h", "w", "b", "support", "lp", "weights", "T"))
+    leaves = [h, w] + ([b] if b is not None else [])
+
+    def ours(h, w, b=None):
+        loss, stats = torch_fce.linear_sparse_divergence(
+            h, w, support, lp, b, temperature=T, token_weights=weights, **p["options"])
+        return loss, stats.divergence, stats.student_mass
+
+    def theirs(h, w, b=None):
+        return reference(h, w, support, lp, b, temperature=T, token_weights=weights,
+                         **p["options"])
+
+    want = _run(theirs, leaves)
+    if p["rows"]:
+        with chunks(p["rows"], h, w):
+            got = _run(ours, leaves)
+    else:
+        got = _run(ours, leaves)
+    for name, a, r in zip(("loss", "divergence", "mass", "hidden", "weight", "bias"), got,
+                          want):
+        # float64 both: relative 1e-9, or rounding noise where the value is 0 (a support
+        # of one class renormalised leaves the student nothing to move)
+        assert (a - r).norm() <= 1e-9 * r.norm() + 1e-13, name
+
+
+def test_gradcheck_float64():
+    g = torch.Generator().manual_seed(1)
+    h = torch.randn(2, 3, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(13, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(13, generator=g, dtype=torch.float64, requires_grad=True)
+    support = torch.randint(0, 13, (2, 3, 4), generator=g)
+    lp = torch.randn(2, 3, 4, generator=g, dtype=torch.float64).log_softmax(-1) - 0.3
+    for beta, tail in ((0.0, True), (0.5, False), (1.0, True)):
+        torch.autograd.gradcheck(
+            lambda h, w, b: torch_fce.linear_sparse_divergence(
+                h, w, support, lp, b, beta=beta, tail=tail, temperature=0.8, softcap=5.0,
+                logit_scale=0.9)[0], (h, w, b))
+
+
+def test_float32_confident_rows_at_large_magnitude():
+    # logits about 50 +- 20, the teacher's top-4 carrying nearly all the mass: float32
+    # logits (the default) within float32's rounding of the float64 composition
+    h, w, y = (x.to(DEVICE) for x in confident_inputs(48, 24, 257, offset=50.0))
+    top = torch_fce.linear_topk_logprobs(h.double(), w.double(), 4)
+    for tail in (False, True):
+        loss, _ = torch_fce.linear_sparse_divergence(h, w, top.indices, top.logprobs.float(),
+                                                     tail=tail)
+        want = reference(h.double(), w.double(), top.indices, top.logprobs, tail=tail)[0]
+        assert abs(loss.double() - want) <= 1e-5 * max(1.0, abs(want.item())), tail
+
+
+def test_shift_equals_the_shifted_support_and_inputs_unchanged():
+    g = torch.Generator().manual_seed(2)
+    h = torch.randn(2, 5, 8, generator=g).to(DEVICE)
+    w = torch.randn(11, 8, generator=g).to(DEVICE)
+    support = torch.randint(0, 11, (2, 5, 3), generator=g).to(DEVICE)
+    lp = torch.randn(2, 5, 3, generator=g).log_softmax(-1).to(DEVICE)
+    before = [x.clone() for x in (h, w, support, lp)]
+    got = _run(lambda h, w: torch_fce.linear_sparse_divergence(h, w, support, lp,
+                                                               shift=True)[:1], [h, w])
+    shifted = torch.cat([support[:, 1:], torch.full_like(support[:, :1], -100)], 1)
+    want = _run(lambda h, w: torch_fce.linear_sparse_divergence(
+        h, w, shifted, torch.cat([lp[:, 1:], lp[:, :1]], 1))[:1], [h, w])
+    for a, r in zip(got, want):
+        assert torch.equal(a, r)
+    assert all(torch.equal(a, b) for a, b in zip((h, w, support, lp), before))
+
+
+def test_float16_takes_the_loss_scale_before_rounding():
+    g = torch.Generator().manual_seed(3)
+    h = torch.randn(24, 16, generator=g).half().to(DEVICE)
+    w = (torch.randn(53, 16, generator=g) * 0.5).half().to(DEVICE)
+    support = torch.randint(0, 53, (24, 4), generator=g).to(DEVICE)
+    lp = torch.randn(24, 4, generator=g).log_softmax(-1).to(DEVICE)
+    weights = torch.full((24,), 1e-6, device=DEVICE)  # unit-scale dz would underflow
+    scale = 2.0 ** 16
+    got = _run(lambda h, w: (torch_fce.linear_sparse_divergence(
+        h, w, support, lp, token_weights=weights, beta=0.5)[0] * scale,), [h, w])
+    want = _run(lambda h, w: (reference(h.double(), w.double(), support, lp,
+                                        token_weights=weights, beta=0.5)[0] * scale,), [h, w])
+    for a, r in zip(got[1:], want[1:]):
+        assert a.dtype == torch.float16 and a.abs().max() > 0
+        assert rel_err(a.double(), r) <= 4 * 2.0 ** -10
+
+
+def test_compiled_fullgraph_dynamic_equals_eager():
+    g = torch.Generator().manual_seed(4)
+    h = torch.randn(9, 8, generator=g).to(DEVICE)
+    w = torch.randn(29, 8, generator=g).to(DEVICE)
+    support = torch.randint(0, 29, (9, 3), generator=g).to(DEVICE)
+    lp = torch.randn(9, 3, generator=g).log_softmax(-1).to(DEVICE)
+
+    def fn(h, w):
+        return torch_fce.linear_sparse_divergence(h, w, support, lp, beta=0.3, tail=True)[0],
+
+    eager = _run(fn, [h, w])
+    compiled = _run(torch.compile(fn, fullgraph=True, dynamic=True), [h, w])
+    for a, c in zip(eager, compiled):
+        assert torch.equal(a, c)
+
+
+@pytest.mark.parametrize("accumulator", ["fp32", "kahan"])
+def test_opcheck(accumulator):
+    g = torch.Generator().manual_seed(5)
+    args = (torch.randn(6, 4, generator=g, requires_grad=True),
+            torch.randn(13, 4, generator=g, requires_grad=True),
+            torch.randint(0, 13, (6, 3), generator=g),
+            torch.randn(6, 3, generator=g).log_softmax(-1))
+    torch.library.opcheck(torch.ops.fce.linear_sparse_divergence.default, args,
+                          dict(beta=0.5, tail=True, accumulator=accumulator))
+
+
+def _small():
+    g = torch.Generator().manual_seed(6)
+    return (torch.randn(3, 4, generator=g), torch.randn(7, 4, generator=g),
+            torch.randint(0, 7, (3, 2), generator=g),
+            torch.randn(3, 2, generator=g).log_softmax(-1))
+
+
+@pytest.mark.parametrize("change, error, named", [
+    (dict(beta=1.5), ValueError, "beta"),
+    (dict(tail=1), TypeError, "tail"),
+    (dict(logit_scale=0.0), ValueError, "logit_scale"),
+    (dict(support=torch.zeros(3, 2)), TypeError, "support"),
+    (dict(teacher_logprobs=torch.zeros(3, 3)), ValueError, "teacher_logprobs"),
+    (dict(support=torch.zeros(3, dtype=torch.long)), ValueError, "support"),
+    (dict(token_weights=torch.ones(4)), ValueError, "token_weights"),
+    (dict(shift=1), TypeError, "shift"),
+    (dict(accumulator="fp64"), ValueError, "accumulator"),
+])
+def test_bad_input_is_named(change, error, named):
+    h, w, support, lp = _small()
+    args = dict(hidden=h, weight=w, support=support, teacher_logprobs=lp)
+    args.update({k: v for k, v in change.items() if k in args})
+    options = {k: v for k, v in change.items() if k not in args}
+    with pytest.raises(error, match=named):
+        torch_fce.linear_sparse_divergence(**args, **options)
