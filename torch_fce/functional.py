@@ -15,8 +15,8 @@ from .ops.linear_ce import CEOptions, stats_z_loss
 from .ops.linear_distillation import DistillOptions, DistillTensors
 from .ops.linear_logprobs import LogProbOptions
 from .ops.linear_policy_loss import PolicyOptions, PolicyTensors
-from .ops.linear_soft_ce import SoftCEOptions
-from .ops.linear_sparse_divergence import SparseDivOptions
+from .ops.linear_soft_ce import SoftCEOptions, SoftCETensors
+from .ops.linear_sparse_divergence import SparseDivOptions, SparseDivTensors
 from .ops.linear_topk_logprobs import TopKOptions
 from .results import (DistillationStats, LogProbs, LossStats, PolicyStats,
                       SparseDivergenceStats, TopKLogprobs)
@@ -315,6 +315,13 @@ def linear_soft_cross_entropy(hidden, weight, target_indices, target_probs, bias
     target_indices, target_probs, tokens = _sparse_targets(target_indices, target_probs,
                                                            ignore_index, 0.0, shift)
     temperature = temperature_tensor(temperature, tokens)
+    if _is_dtensor(weight):  # sharded by vocabulary: the vocab-parallel form
+        from .distributed.dtensor import dtensor_linear_soft_cross_entropy
+
+        return dtensor_linear_soft_cross_entropy(
+            hidden, weight, target_indices, target_probs,
+            SoftCETensors(bias=bias, token_weights=token_weights, temperature=temperature),
+            opts)
     return torch.ops.fce.linear_soft_cross_entropy(
         hidden, weight, target_indices, target_probs, bias, token_weights, temperature,
         **opts._asdict())
@@ -361,6 +368,13 @@ def linear_sparse_divergence(hidden, weight, support, teacher_logprobs, bias=Non
     support, teacher_logprobs, tokens = _sparse_targets(support, teacher_logprobs,
                                                         ignore_index, -math.inf, shift)
     temperature = temperature_tensor(temperature, tokens)
+    if _is_dtensor(weight):  # sharded by vocabulary: the vocab-parallel form
+        from .distributed.dtensor import dtensor_linear_sparse_divergence
+
+        return dtensor_linear_sparse_divergence(
+            hidden, weight, support, teacher_logprobs,
+            SparseDivTensors(bias=bias, token_weights=token_weights, temperature=temperature),
+            opts)
     out = torch.ops.fce.linear_sparse_divergence(
         hidden, weight, support, teacher_logprobs, bias, token_weights, temperature,
         **opts._asdict())

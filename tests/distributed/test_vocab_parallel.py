@@ -12,8 +12,10 @@ import torch.multiprocessing as mp
 import torch_fce
 from torch_fce.distributed import (vocab_parallel_linear_cross_entropy,
                                    vocab_parallel_linear_distillation_loss,
+                                   vocab_parallel_linear_logprobs,
                                    vocab_parallel_linear_policy_loss,
-                                   vocab_parallel_linear_logprobs)
+                                   vocab_parallel_linear_soft_cross_entropy,
+                                   vocab_parallel_linear_sparse_divergence)
 from torch_fce.testing import make_inputs, rel_err
 from tests.helpers import (
     LOSS_TOL, confident_grads, confident_inputs, grad_tol, logprob_composition)
@@ -375,6 +377,62 @@ def _check_distillation(rank, world):
         run(torch_fce.linear_distillation_loss, w, b, t["weight"], None, cases[2])
 
 
+def _check_sparse(rank, world):
+    # linear_sparse_divergence (every beta, tail on and off, invalid entries, options)
+    # and linear_soft_cross_entropy over uneven shards and many chunks, and through a
+    # Shard(0) DTensor weight, against one process: the loss, the statistics, the
+    # gradients (the weight's and bias's: this rank's rows).
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+
+    x = make_inputs(24, 8, V, bias=True, seed=21, weight_scale=2.0)
+    g = torch.Generator().manual_seed(6)
+    support = torch.randint(0, V, (24, 5), generator=g)
+    support[3, 1] = -100
+    support[5] = -100  # a token without valid entries
+    lp = torch.randn(24, 5, generator=g).log_softmax(-1) - 0.2
+    lp[7, 2] = float("-inf")
+    probs = torch.rand(24, 5, generator=g)
+    T, tw = torch.rand(24, generator=g) + 0.5, torch.rand(24, generator=g)
+    start, end = SPLITS[world][rank], SPLITS[world][rank + 1]
+    cases = [(torch_fce.linear_sparse_divergence, vocab_parallel_linear_sparse_divergence,
+              lp, opts) for opts in (
+        dict(beta=0.0, tail=True, temperature=T), dict(beta=0.4, token_weights=tw),
+        dict(beta=1.0, tail=True, softcap=4.0, logit_scale=0.8))] + [
+        (torch_fce.linear_soft_cross_entropy, vocab_parallel_linear_soft_cross_entropy,
+         probs, dict(temperature=0.8, token_weights=tw))]
+
+    def run(fn, weight, bias, values, opts, **extra):
+        h = x["hidden"].clone().requires_grad_()
+        out = fn(h, weight, support, values, bias, **opts, **extra)
+        loss, stats = out if isinstance(out, tuple) else (out, ())
+        return loss, stats, torch.autograd.grad(loss * 0.5, [h, weight, bias])
+
+    tol = grad_tol(torch.float32, V)
+    for one, parallel, values, opts in cases:
+        full = [x[k].clone().requires_grad_() for k in ("weight", "bias")]
+        want = run(one, *full, values, opts)
+        mine = [x[k][start:end].clone().requires_grad_() for k in ("weight", "bias")]
+        with torch_fce.workspace(3 * -(-V // world) * 4 * 10):
+            got = run(parallel, *mine, values, opts, vocab_start=start, vocab_size=V)
+        name = f"{one.__name__} {sorted(opts)}"
+        assert rel_err(got[0], want[0]) <= LOSS_TOL, name
+        for a, b in zip(got[1], want[1]):
+            assert rel_err(a, b) <= LOSS_TOL, name
+        assert rel_err(got[2][0], want[2][0]) <= tol, name
+        assert rel_err(got[2][1], want[2][1][start:end]) <= tol, name
+        assert rel_err(got[2][2], want[2][2][start:end]) <= tol, name
+
+    mesh = init_device_mesh("cpu", (world,))
+    w, b = (distribute_tensor(v, mesh, [Shard(0)]).requires_grad_() for v in
+            (x["weight"], x["bias"]))
+    full = [x[k].clone().requires_grad_() for k in ("weight", "bias")]
+    for one, _, values, opts in cases[1:]:
+        want = run(one, *full, values, opts)
+        got = run(one, w, b, values, opts)
+        assert rel_err(got[0], want[0]) <= LOSS_TOL
+        assert rel_err(got[2][1].full_tensor(), want[2][1]) <= tol
+
+
 def _check_verl(rank, world):
     # verl's call with its tensor-parallel group: equal contiguous shards, the same
     # values and gradients as one process.
@@ -412,6 +470,7 @@ def _worker(rank, world, path):
         _check_logprob_edges(rank, world)
         _check_policy_loss(rank, world)
         _check_distillation(rank, world)
+        _check_sparse(rank, world)
         _check_verl(rank, world)
         _check_fsdp2(rank, world)
         # Shards that do not tile V: every rank raises the same clear error, none hangs.

@@ -14,7 +14,7 @@ from torch_fce.ops import linear_soft_ce
 from torch_fce.testing import rel_err
 from tests.references import soft_ce_reference as reference
 
-from tests.helpers import TRITON, chunks
+from tests.helpers import ONE_DEVICE, TRITON, chunks
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -91,7 +91,7 @@ def test_triton_rows_match_the_float64_reference(problem, rows, logits_dtype):
     rec = linear_soft_ce.SoftCEOptions(logits_dtype=logits_dtype)
     with chunks(rows, x["h"], x["w"]):
         loss, gh, gw, gb = linear_soft_ce.fwd(x["h"], x["w"], idx, probs, x["b"], tw, T,
-                                              *rec, [True, True, x["b"] is not None],
+                                              *rec, *ONE_DEVICE, [True, True, x["b"] is not None],
                                               backend=TRITON)
     leaves = [None if t is None else t.double().requires_grad_() for t in x.values()]
     want = reference(leaves[0], leaves[1], leaves[2], idx, probs,

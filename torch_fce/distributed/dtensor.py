@@ -1,5 +1,6 @@
 """DTensor entry: a weight sharded by vocabulary (Shard(0)) runs the vocab-parallel loss,
-log-probs, policy loss and distillation."""
+log-probs, policy loss, distillation, sparse divergence and sparse-target cross
+entropy."""
 
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -7,7 +8,9 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from .vocab_parallel import (vocab_parallel_linear_cross_entropy,
                              vocab_parallel_linear_distillation_loss,
                              vocab_parallel_linear_logprobs,
-                             vocab_parallel_linear_policy_loss)
+                             vocab_parallel_linear_policy_loss,
+                             vocab_parallel_linear_soft_cross_entropy,
+                             vocab_parallel_linear_sparse_divergence)
 
 
 def _local(t):
@@ -88,3 +91,23 @@ def dtensor_linear_distillation_loss(hidden, weight, teacher_hidden, teacher_wei
         None if teacher_bias is None else teacher_bias.to_local(),
         token_weights=_local(token_weights), temperature=_local(temperature),
         vocab_start=start, vocab_size=V, group=group, **opts._asdict())
+
+
+def dtensor_sparse(fn, hidden, weight, idx, values, tensors, opts):
+    """linear_sparse_divergence or linear_soft_cross_entropy (fn, the vocab-parallel
+    form) for a vocab-sharded DTensor weight (tensors: the op's record of bias,
+    token_weights, temperature); plain outputs, the same on every rank."""
+    group, start, V = _vocab_shard(weight, tensors.bias)
+    return fn(_local(hidden), weight.to_local(), _local(idx), _local(values),
+              None if tensors.bias is None else tensors.bias.to_local(),
+              token_weights=_local(tensors.token_weights),
+              temperature=_local(tensors.temperature), vocab_start=start, vocab_size=V,
+              group=group, **opts._asdict())
+
+
+def dtensor_linear_sparse_divergence(*args):
+    return dtensor_sparse(vocab_parallel_linear_sparse_divergence, *args)
+
+
+def dtensor_linear_soft_cross_entropy(*args):
+    return dtensor_sparse(vocab_parallel_linear_soft_cross_entropy, *args)

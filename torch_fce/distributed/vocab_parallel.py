@@ -12,10 +12,11 @@ agrees on the tiling (before the op, outside torch.compile) and the result types
 """
 
 
-from ..ops import linear_ce, linear_distillation, linear_logprobs, linear_policy_loss
+from ..ops import (linear_ce, linear_distillation, linear_logprobs, linear_policy_loss,
+                   linear_soft_ce, linear_sparse_divergence)
 from ..ops.contract.entry import advantages_tensor, temperature_tensor
 from ..ops.machinery.shards import checked_shard
-from ..results import DistillationStats, LogProbs, PolicyStats
+from ..results import DistillationStats, LogProbs, PolicyStats, SparseDivergenceStats
 
 
 def vocab_parallel_linear_cross_entropy(hidden, weight, target, bias=None, class_weight=None,
@@ -106,3 +107,46 @@ def vocab_parallel_linear_distillation_loss(hidden, weight, teacher_hidden, teac
                                            token_weights=token_weights,
                                            temperature=temperature), opts, shard)
     return loss, DistillationStats(*stats)
+
+
+def vocab_parallel_linear_sparse_divergence(hidden, weight, support, teacher_logprobs,
+                                            bias=None, *, vocab_start, vocab_size,
+                                            group=None, temperature=1.0, token_weights=None,
+                                            **options):
+    """torch_fce.linear_sparse_divergence with the student head's rows split across
+    `group`: the support holds whole-vocabulary classes (the same on every rank, as
+    hidden, teacher_logprobs and the per-token tensors), each support class's student
+    log-prob comes from the rank holding it.
+
+    Returns:
+        (loss, SparseDivergenceStats), identical on every rank.
+    """
+    opts = linear_sparse_divergence.SparseDivOptions(**options).check()
+    tokens = support[..., 0]
+    temperature = temperature_tensor(1.0 if temperature is None else temperature, tokens)
+    shard = checked_shard(hidden, weight, tokens, vocab_start, vocab_size, group)
+    loss, *stats = linear_sparse_divergence.forward(
+        hidden, weight, support, teacher_logprobs,
+        linear_sparse_divergence.SparseDivTensors(bias=bias, token_weights=token_weights,
+                                                  temperature=temperature), opts, shard)
+    return loss, SparseDivergenceStats(*stats)
+
+
+def vocab_parallel_linear_soft_cross_entropy(hidden, weight, target_indices, target_probs,
+                                             bias=None, *, vocab_start, vocab_size,
+                                             group=None, temperature=1.0, token_weights=None,
+                                             **options):
+    """torch_fce.linear_soft_cross_entropy with the head's rows split across `group`
+    (target_indices: whole-vocabulary classes, the same on every rank).
+
+    Returns:
+        The loss, identical on every rank.
+    """
+    opts = linear_soft_ce.SoftCEOptions(**options).check()
+    tokens = target_indices[..., 0]
+    temperature = temperature_tensor(1.0 if temperature is None else temperature, tokens)
+    shard = checked_shard(hidden, weight, tokens, vocab_start, vocab_size, group)
+    return linear_soft_ce.forward(
+        hidden, weight, target_indices, target_probs,
+        linear_soft_ce.SoftCETensors(bias=bias, token_weights=token_weights,
+                                     temperature=temperature), opts, shard)

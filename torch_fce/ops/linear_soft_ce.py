@@ -20,12 +20,13 @@ from .contract import checks
 from .contract.entry import (autocast_operands, flat, forward_needs_grad, refuse_transforms,
                              token_rows)
 from .contract.options import take, tensor_record
-from .loop.chunked import (after_first_gemm, chunk_rows_for, grad_outputs,
-                           inverse_temperature, logits_dtype_for, math_dtype_for,
-                           no_autocast, run_chunks)
+from .loop.chunked import (ONE_DEVICE, VocabShard, after_first_gemm, chunk_rows_for,
+                           grad_outputs, inverse_temperature, logits_dtype_for,
+                           math_dtype_for, no_autocast, run_chunks)
 from .loop.tokens import token_weights
 from .machinery import grads
 from .machinery.dispatch import LIB, kernel
+from .rowmath.distill import TORCH_DISTILL_ROWS
 
 
 class SoftCEOptions(NamedTuple):
@@ -48,11 +49,11 @@ SoftCETensors = tensor_record("SoftCETensors", "bias", "token_weights", "tempera
 
 
 # The internal op takes hidden (N, D), target_indices and target_probs (N, k), the
-# per-token tensors (N,); one device only.
+# per-token tensors (N,), a VocabShard (weight and bias then this rank's classes).
 grads.define_forward_grads_ops(
     "linear_soft_cross_entropy",
     ("Tensor hidden", "Tensor weight", "Tensor target_indices", "Tensor target_probs"),
-    SoftCETensors, SoftCEOptions, (), shard=False)
+    SoftCETensors, SoftCEOptions, ())
 
 
 def check_soft_ce_inputs(hidden, weight, idx, probs, bias, token_weights_, temperature):
@@ -73,8 +74,9 @@ def check_soft_ce_inputs(hidden, weight, idx, probs, bias, token_weights_, tempe
     checks.check_temperature(temperature, tokens)
 
 
-def forward(hidden, weight, idx, probs, tensors, opts):
-    """The loss for checked options and a SoftCETensors."""
+def forward(hidden, weight, idx, probs, tensors, opts, shard=ONE_DEVICE):
+    """The loss for checked options and a SoftCETensors; also the vocab-parallel entry
+    (weight and bias then this rank's classes)."""
     bias, token_weights_, temperature = tensors
     refuse_transforms((hidden, weight, bias))
     hidden, weight, bias = autocast_operands(hidden, weight, bias)  # dtypes checked after
@@ -82,7 +84,8 @@ def forward(hidden, weight, idx, probs, tensors, opts):
     k = idx.shape[-1]
     loss, _, _, _ = torch.ops.fce.linear_soft_cross_entropy_fwd(
         token_rows(hidden), weight, idx.reshape(-1, k), probs.detach().reshape(-1, k), bias,
-        flat(token_weights_), flat(temperature), *opts, forward_needs_grad(hidden, weight, bias))
+        flat(token_weights_), flat(temperature), *opts, *shard,
+        forward_needs_grad(hidden, weight, bias))
     return loss
 
 
@@ -96,12 +99,14 @@ def _linear_soft_cross_entropy(hidden, weight, target_indices, target_probs, bia
 
 @torch.library.register_fake("fce::linear_soft_cross_entropy_fwd")
 def _fwd_fake(hidden, weight, idx, probs, bias, token_weights_, temperature, *args):
-    opts, (needs,) = take(SoftCEOptions, args)
+    opts, rest = take(SoftCEOptions, args)
     opts = opts.check()
+    shard, (needs,) = take(VocabShard, rest)
     check_soft_ce_inputs(hidden, weight, idx, probs, bias, token_weights_, temperature)
     mdt = torch.promote_types(hidden.dtype, torch.float32)
     return (hidden.new_empty((), dtype=mdt),
-            *grads.fake_grads(hidden, weight, bias, needs, opts.accumulator == "fp32"))
+            *grads.fake_grads(hidden, weight, bias, needs, opts.accumulator == "fp32",
+                              shard.group is not None))
 
 
 # ---- autograd: the forward's gradients scaled by the upstream gradient -------------
@@ -121,16 +126,19 @@ grads.register_forward_grads_autograd("linear_soft_cross_entropy_fwd", (0, 1, 4)
 @kernel("linear_soft_cross_entropy_fwd")
 def fwd(hidden, weight, idx, probs, bias, token_weights_, temperature, *args, backend):
     """(loss, grad_hidden, grad_weight, grad_bias): per chunk the logits, then the
-    backend's soft_ce rows (rowmath/distill.py) over them."""
-    opts, (needs,) = take(SoftCEOptions, args)
+    backend's soft_ce rows (rowmath/distill.py) over them; with a VocabShard the
+    PyTorch rows (the Triton kernel sweeps whole rows), their row sums all-reduced."""
+    opts, rest = take(SoftCEOptions, args)
     opts = opts.check()
-    V = weight.shape[0]
+    shard, (needs,) = take(VocabShard, rest)
+    V = shard.vocab(weight)
     if backend.check_values:
         checks.check_target_range(idx, V, opts.ignore_index, "target_indices")
         checks.check_temperature_values(temperature)
     N, mdt = hidden.shape[0], math_dtype_for(hidden.dtype)
     loss_t = hidden.new_empty(N, dtype=mdt)
-    row_math = backend.distill.soft_ce
+    row_math, extra = (backend.distill.soft_ce, {}) if shard.group is None else \
+        (TORCH_DISTILL_ROWS.soft_ce, dict(shard=shard))
 
     @after_first_gemm
     def per_token():  # 1 / T, w_t
@@ -144,12 +152,12 @@ def fwd(hidden, weight, idx, probs, bias, token_weights_, temperature, *args, ba
         def row_fn(logits, s, e):
             inv_t, weights = per_token()
             lt, dz = row_math.rows(logits, idx[s:e], probs[s:e], inv_t[s:e], weights[s:e],
-                                   opts, mdt, hidden.dtype, any(needs))
+                                   opts, mdt, hidden.dtype, any(needs), **extra)
             return (lt,), dz
 
-        chunk = chunk_rows_for(hidden, weight,
+        chunk = chunk_rows_for(hidden, weight, shard,
                                per_logit=row_math.per_logit(ldt, hidden.dtype))
         gradients = run_chunks(hidden, weight, bias, row_fn, [loss_t], needs,
-                               opts.accumulator, chunk, logits_dtype=ldt)
+                               opts.accumulator, chunk, shard=shard, logits_dtype=ldt)
     return (loss_t.sum(), *grad_outputs(hidden, weight, bias, gradients,
-                                        opts.accumulator == "fp32"))
+                                        opts.accumulator == "fp32", shard.group is not None))

@@ -30,9 +30,9 @@ from .contract import checks
 from .contract.entry import (autocast_operands, flat, forward_needs_grad, refuse_transforms,
                              token_rows)
 from .contract.options import as_float, check_bool, got, take, tensor_record
-from .loop.chunked import (after_first_gemm, chunk_rows_for, grad_outputs,
-                           inverse_temperature, logits_dtype_for, math_dtype_for,
-                           no_autocast, run_chunks)
+from .loop.chunked import (ONE_DEVICE, VocabShard, after_first_gemm, chunk_rows_for,
+                           grad_outputs, inverse_temperature, logits_dtype_for,
+                           math_dtype_for, no_autocast, run_chunks)
 from .loop.tokens import token_weights
 from .machinery import grads
 from .machinery.dispatch import LIB, kernel
@@ -146,11 +146,11 @@ def _terms(log_q, teacher, entries, weights, opts):
 # ---- schemas and the public op -----------------------------------------------------
 
 # The internal op takes hidden (N, D), support and teacher_logprobs (N, K), the
-# per-token tensors (N,); one device.
+# per-token tensors (N,), a VocabShard (weight and bias then this rank's classes).
 grads.define_forward_grads_ops(
     "linear_sparse_divergence",
     ("Tensor hidden", "Tensor weight", "Tensor support", "Tensor teacher_logprobs"),
-    SparseDivTensors, SparseDivOptions, ("divergence", "student_mass"), shard=False)
+    SparseDivTensors, SparseDivOptions, ("divergence", "student_mass"))
 
 
 def check_sparse_div_inputs(hidden, weight, support, teacher, tensors):
@@ -170,8 +170,9 @@ def check_sparse_div_inputs(hidden, weight, support, teacher, tensors):
     checks.check_temperature(tensors.temperature, tokens)
 
 
-def forward(hidden, weight, support, teacher, tensors, opts):
-    """(loss, divergence, student_mass) for checked options and a SparseDivTensors."""
+def forward(hidden, weight, support, teacher, tensors, opts, shard=ONE_DEVICE):
+    """(loss, divergence, student_mass) for checked options and a SparseDivTensors; also
+    the vocab-parallel entry (weight and bias then this rank's classes)."""
     refuse_transforms((hidden, weight, tensors.bias))
     hidden, weight, bias = autocast_operands(hidden, weight, tensors.bias)
     tensors = tensors._replace(bias=bias)  # dtypes checked after autocast
@@ -179,7 +180,7 @@ def forward(hidden, weight, support, teacher, tensors, opts):
     K, shape = support.shape[-1], hidden.shape[:-1]
     loss, _, _, _, div, mass = torch.ops.fce.linear_sparse_divergence_fwd(
         token_rows(hidden), weight, support.reshape(-1, K), teacher.detach().reshape(-1, K),
-        bias, flat(tensors.token_weights), flat(tensors.temperature), *opts,
+        bias, flat(tensors.token_weights), flat(tensors.temperature), *opts, *shard,
         forward_needs_grad(hidden, weight, bias))
     return loss, div.reshape(shape), mass.reshape(shape)
 
@@ -196,13 +197,15 @@ def _linear_sparse_divergence(hidden, weight, support, teacher_logprobs, bias=No
 @torch.library.register_fake("fce::linear_sparse_divergence_fwd")
 def _fwd_fake(hidden, weight, support, teacher, *args):
     tensors, args = take(SparseDivTensors, args)
-    opts, (needs,) = take(SparseDivOptions, args)
+    opts, rest = take(SparseDivOptions, args)
     opts = opts.check()
+    shard, (needs,) = take(VocabShard, rest)
     check_sparse_div_inputs(hidden, weight, support, teacher, tensors)
     mdt = torch.promote_types(hidden.dtype, torch.float32)
     N = hidden.shape[0]
     return (hidden.new_empty((), dtype=mdt),
-            *grads.fake_grads(hidden, weight, tensors.bias, needs, opts.accumulator == "fp32"),
+            *grads.fake_grads(hidden, weight, tensors.bias, needs, opts.accumulator == "fp32",
+                              shard.group is not None),
             hidden.new_empty(N, dtype=mdt), hidden.new_empty(N, dtype=mdt))
 
 
@@ -230,10 +233,11 @@ _Outputs = collections.namedtuple("_Outputs", "loss divergence student_mass")
 def fwd(hidden, weight, support, teacher, bias, token_weights_, temperature, *args, backend):
     """(loss, grad_hidden, grad_weight, grad_bias, divergence, student_mass): per chunk
     the logits, then sparse_rows with this op's terms (the PyTorch rows on every
-    device)."""
-    opts, (needs,) = take(SparseDivOptions, args)
+    device; a VocabShard's row sums all-reduced)."""
+    opts, rest = take(SparseDivOptions, args)
     opts = opts.check()
-    V = weight.shape[0]
+    shard, (needs,) = take(VocabShard, rest)
+    V = shard.vocab(weight)
     entries = (support != opts.ignore_index) & (teacher > -math.inf)
     if backend.check_values:
         checks.check_target_range(support, V, opts.ignore_index, "support")
@@ -259,7 +263,7 @@ def fwd(hidden, weight, support, teacher, bias, token_weights_, temperature, *ar
 
         (loss_t, div, mass), dz = sparse_rows(logits, safe[s:e], inv_t[s:e], terms, mdt,
                                               hidden.dtype, any(needs), opts.logit_scale,
-                                              opts.softcap)
+                                              opts.softcap, shard)
         counted = entries[s:e].any(-1)
         return _Outputs(loss_t, div, mass), \
             None if dz is None else dz.masked_fill_(~counted[:, None], 0.0)
@@ -269,8 +273,8 @@ def fwd(hidden, weight, support, teacher, bias, token_weights_, temperature, *ar
         per_logit = ldt.itemsize + _TEMPORARIES * mdt.itemsize + \
             (hidden.dtype.itemsize if ldt != hidden.dtype else 0)
         gradients = run_chunks(hidden, weight, bias, row_fn, out, needs, opts.accumulator,
-                               chunk_rows_for(hidden, weight, per_logit=per_logit),
-                               logits_dtype=ldt)
+                               chunk_rows_for(hidden, weight, shard, per_logit=per_logit),
+                               shard=shard, logits_dtype=ldt)
     return (out.loss.sum(), *grad_outputs(hidden, weight, bias, gradients,
-                                          opts.accumulator == "fp32"),
+                                          opts.accumulator == "fp32", shard.group is not None),
             out.divergence, out.student_mass)

@@ -145,47 +145,57 @@ def sparse_targets(idx, probs, V, ignore_index, mdt):
 
 
 def sparse_rows(z, idx, inv_t, terms, mdt, dz_dtype, want_grad, logit_scale=1.0,
-                softcap=None):
-    """(out, dz) of a loss over a few classes of each row, the support idx (n, k) (made
-    safe to read): with a = softcap(logit_scale * z), u = a / T and log q =
-    log_softmax(u), terms(log_q[idx]) gives (loss_t, g, *stats) with g = d loss_t /
-    d log_q[idx] (n, k), and
+                softcap=None, shard=ONE_DEVICE):
+    """(out, dz) of a loss over a few classes of each row, the support idx (n, k) of
+    whole-vocabulary classes (made safe to read): with a = softcap(logit_scale * z),
+    u = a / T and log q = log_softmax(u), terms(log_q[idx]) gives (loss_t, g, *stats)
+    with g = d loss_t / d log_q[idx] (n, k), and
         d loss_t / d u = scatter(g) - (sum_k g_k) q,
     times d u / d z = softcap'(.) logit_scale / T (dz None without want_grad). log q is
     formed relative to the row max, so a confident row keeps float32 precision (not
-    lse's). Overwrites z where it can."""
+    lse's). A vocabulary shard's z holds its classes: the max, the sum of exps and each
+    support class's u (from the shard holding it) are all-reduced before terms, which
+    every rank forms alike; its dz is its own classes'. Overwrites z where it can."""
     a, da = _capped(z, logit_scale, softcap, mdt) if logit_scale != 1.0 or softcap \
         is not None else (z.to(mdt), None)
     u = a.mul_(inv_t[:, None])
-    m = u.amax(-1, keepdim=True).clamp_min(torch.finfo(mdt).min)  # finite if all -inf
-    u_k = u.gather(1, idx)
+    m = shard.all_reduce(u.amax(-1, keepdim=True), "max").clamp_min(torch.finfo(mdt).min)
+    col = idx - shard.vocab_start  # each support class's column in this shard
+    here = (col >= 0) & (col < u.shape[1])
+    col = torch.where(here, col, 0)
+    u_k = shard.all_reduce(torch.where(here, u.gather(1, col), 0.0), "sum") \
+        if shard.group is not None else u.gather(1, col)
     e = u.sub_(m).exp_()  # u is consumed from here on
-    total = e.sum(-1, keepdim=True)
+    total = shard.all_reduce(e.sum(-1, keepdim=True), "sum")
     loss_t, g, *stats = terms((u_k - m) - total.log())
     if not want_grad:
         return (loss_t, *stats), None
     c = inv_t[:, None] * logit_scale  # d u / d (logit_scale z), times logit_scale
     dz = e.mul_(-g.sum(-1, keepdim=True) * c / total)
-    dz.scatter_add_(1, idx, g * c)
+    dz.scatter_add_(1, col, torch.where(here, g * c, 0.0))
     if da is not None:  # softcap'(.): da is d a / d z, the scale included
         dz = dz.mul_(da / logit_scale)
     return (loss_t, *stats), dz.to(dz_dtype)
 
 
-def soft_ce_rows(z, idx, probs, inv_t, weights, opts, mdt, dz_dtype, want_grad):
+def soft_ce_rows(z, idx, probs, inv_t, weights, opts, mdt, dz_dtype, want_grad,
+                 shard=ONE_DEVICE):
     """(loss_t, dz) of a chunk's cross entropy to sparse targets: z (n, V) the logits,
     idx and probs (n, k) the targets' classes and probabilities (an index equal to
     opts.ignore_index is skipped, a token with every index skipped not counted), inv_t,
     weights (n,) 1 / T and w_t: loss_t = -w_t sum_k p_k log q[idx_k], so g = -w_t p
     (sparse_rows forms dz). An index outside [0, V) makes its token's loss NaN (nothing
-    is read out of bounds). Overwrites z where it can."""
-    skip, valid, safe, p = sparse_targets(idx, probs, z.shape[1], opts.ignore_index, mdt)
+    is read out of bounds). A vocabulary shard's: as sparse_rows'. Overwrites z where it
+    can."""
+    V = z.shape[1] if shard.group is None else shard.vocab_size
+    skip, valid, safe, p = sparse_targets(idx, probs, V, opts.ignore_index, mdt)
     w = torch.where(valid, weights, 0.0)[:, None]
 
     def terms(log_q):
         return -(w[:, 0] * torch.where(skip, 0.0, p * log_q).sum(-1)), -w * p
 
-    (loss_t,), dz = sparse_rows(z, safe, inv_t, terms, mdt, dz_dtype, want_grad)
+    (loss_t,), dz = sparse_rows(z, safe, inv_t, terms, mdt, dz_dtype, want_grad,
+                                shard=shard)
     # tokens not counted: exactly 0, also where their logits are not finite
     return loss_t, None if dz is None else dz.masked_fill_(~valid[:, None], 0.0)
 
