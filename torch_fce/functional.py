@@ -315,16 +315,9 @@ def linear_soft_cross_entropy(hidden, weight, target_indices, target_probs, bias
     target_indices, target_probs, tokens = _sparse_targets(target_indices, target_probs,
                                                            ignore_index, 0.0, shift)
     temperature = temperature_tensor(temperature, tokens)
-    if _is_dtensor(weight):  # sharded by vocabulary: the vocab-parallel form
-        from .distributed.dtensor import dtensor_linear_soft_cross_entropy
-
-        return dtensor_linear_soft_cross_entropy(
-            hidden, weight, target_indices, target_probs,
-            SoftCETensors(bias=bias, token_weights=token_weights, temperature=temperature),
-            opts)
-    return torch.ops.fce.linear_soft_cross_entropy(
-        hidden, weight, target_indices, target_probs, bias, token_weights, temperature,
-        **opts._asdict())
+    return _sparse_call("linear_soft_cross_entropy", hidden, weight, target_indices,
+                        target_probs, SoftCETensors(bias=bias, token_weights=token_weights,
+                                                    temperature=temperature), opts)
 
 
 def linear_sparse_divergence(hidden, weight, support, teacher_logprobs, bias=None, *,
@@ -368,17 +361,22 @@ def linear_sparse_divergence(hidden, weight, support, teacher_logprobs, bias=Non
     support, teacher_logprobs, tokens = _sparse_targets(support, teacher_logprobs,
                                                         ignore_index, -math.inf, shift)
     temperature = temperature_tensor(temperature, tokens)
-    if _is_dtensor(weight):  # sharded by vocabulary: the vocab-parallel form
-        from .distributed.dtensor import dtensor_linear_sparse_divergence
-
-        return dtensor_linear_sparse_divergence(
-            hidden, weight, support, teacher_logprobs,
-            SparseDivTensors(bias=bias, token_weights=token_weights, temperature=temperature),
-            opts)
-    out = torch.ops.fce.linear_sparse_divergence(
-        hidden, weight, support, teacher_logprobs, bias, token_weights, temperature,
-        **opts._asdict())
+    out = _sparse_call("linear_sparse_divergence", hidden, weight, support, teacher_logprobs,
+                       SparseDivTensors(bias=bias, token_weights=token_weights,
+                                        temperature=temperature), opts)
     return out[0], SparseDivergenceStats(*out[1:])
+
+
+def _sparse_call(name, hidden, weight, idx, values, tensors, opts):
+    """fce::<name>'s outputs for sparse per-token targets (idx, values) and the op's
+    tensors record, or for a DTensor weight (sharded by vocabulary) its vocab-parallel
+    form's, the same on every rank."""
+    if _is_dtensor(weight):
+        from .distributed.dtensor import dtensor_sparse
+
+        return dtensor_sparse(name, hidden, weight, idx, values, tensors, opts)
+    return getattr(torch.ops.fce, name)(hidden, weight, idx, values, *tensors,
+                                        **opts._asdict())
 
 
 def _sparse_targets(idx, values, ignore_index, fill, shift):

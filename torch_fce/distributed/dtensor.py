@@ -2,6 +2,7 @@
 log-probs, policy loss, distillation, sparse divergence and sparse-target cross
 entropy."""
 
+import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -93,21 +94,19 @@ def dtensor_linear_distillation_loss(hidden, weight, teacher_hidden, teacher_wei
         vocab_start=start, vocab_size=V, group=group, **opts._asdict())
 
 
-def dtensor_sparse(fn, hidden, weight, idx, values, tensors, opts):
-    """linear_sparse_divergence or linear_soft_cross_entropy (fn, the vocab-parallel
-    form) for a vocab-sharded DTensor weight (tensors: the op's record of bias,
-    token_weights, temperature); plain outputs, the same on every rank."""
+def dtensor_sparse(name, hidden, weight, idx, values, tensors, opts):
+    """fce::<name>'s outputs (linear_sparse_divergence's or linear_soft_cross_entropy's,
+    sparse per-token targets idx and values) for a vocab-sharded DTensor weight (tensors:
+    the op's record of bias, token_weights, temperature): through its vocab-parallel
+    form, plain tensors, the same on every rank."""
     group, start, V = _vocab_shard(weight, tensors.bias)
-    return fn(_local(hidden), weight.to_local(), _local(idx), _local(values),
-              None if tensors.bias is None else tensors.bias.to_local(),
-              token_weights=_local(tensors.token_weights),
-              temperature=_local(tensors.temperature), vocab_start=start, vocab_size=V,
-              group=group, **opts._asdict())
+    out = _SPARSE[name](_local(hidden), weight.to_local(), _local(idx), _local(values),
+                        None if tensors.bias is None else tensors.bias.to_local(),
+                        token_weights=_local(tensors.token_weights),
+                        temperature=_local(tensors.temperature), vocab_start=start,
+                        vocab_size=V, group=group, **opts._asdict())
+    return out if isinstance(out, torch.Tensor) else (out[0], *out[1])
 
 
-def dtensor_linear_sparse_divergence(*args):
-    return dtensor_sparse(vocab_parallel_linear_sparse_divergence, *args)
-
-
-def dtensor_linear_soft_cross_entropy(*args):
-    return dtensor_sparse(vocab_parallel_linear_soft_cross_entropy, *args)
+_SPARSE = {"linear_sparse_divergence": vocab_parallel_linear_sparse_divergence,
+           "linear_soft_cross_entropy": vocab_parallel_linear_soft_cross_entropy}

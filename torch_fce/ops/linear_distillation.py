@@ -86,8 +86,8 @@ def tokens_of(hidden, target):
     return hidden.new_empty(hidden.shape[:-1], dtype=torch.int64)
 
 
-def check_distill_inputs(hidden, weight, teacher_hidden, teacher_weight, target, bias, teacher_bias,
-                 token_weights_, temperature, opts):
+def check_distill_inputs(hidden, weight, teacher_hidden, teacher_weight, target, bias,
+                         teacher_bias, token_weights_, temperature, opts):
     """The tensors' checks, in eager mode and in the fake kernel (under torch.compile)."""
     if target is None and opts.hard_weight != 0.0:
         raise ValueError("hard_weight > 0 needs a target (the hard loss's labels)")
@@ -146,8 +146,8 @@ def forward(hidden, weight, teacher_hidden, teacher_weight, tensors, opts, shard
     hidden, weight, bias = autocast_operands(hidden, weight, bias)  # dtypes checked after
     teacher_hidden, teacher_weight, teacher_bias = autocast_operands(
         teacher_hidden, teacher_weight, teacher_bias)
-    check_distill_inputs(hidden, weight, teacher_hidden, teacher_weight, target, bias, teacher_bias,
-                 token_weights_, temperature, opts)
+    check_distill_inputs(hidden, weight, teacher_hidden, teacher_weight, target, bias,
+                         teacher_bias, token_weights_, temperature, opts)
     target = int64_if_needed(target, opts.ignore_index)
     shape = hidden.shape[:-1]
     teacher = (token_rows(teacher_hidden).detach(), teacher_weight.detach(),  # no gradient
@@ -175,14 +175,9 @@ def _fwd_fake(hidden, weight, teacher_hidden, teacher_weight, target, bias, teac
     opts, rest = take(DistillOptions, args)
     opts = opts.check()
     shard, (needs,) = take(VocabShard, rest)
-    check_distill_inputs(hidden, weight, teacher_hidden, teacher_weight, target, bias, teacher_bias,
-                 token_weights_, temperature, opts)
-    mdt = torch.promote_types(hidden.dtype, torch.float32)
-    N = hidden.shape[0]
-    return (hidden.new_empty((), dtype=mdt),
-            *grads.fake_grads(hidden, weight, bias, needs, opts.accumulator == "fp32",
-                              shard.group is not None),
-            hidden.new_empty(N, dtype=mdt), hidden.new_empty(N, dtype=mdt))
+    check_distill_inputs(hidden, weight, teacher_hidden, teacher_weight, target, bias,
+                         teacher_bias, token_weights_, temperature, opts)
+    return grads.fake_forward_grads_outputs(hidden, weight, bias, needs, opts, shard, 2)
 
 
 # ---- autograd: the forward's gradients scaled by the upstream gradient -------------

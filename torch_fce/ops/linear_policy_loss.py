@@ -232,11 +232,7 @@ def _fwd_fake(hidden, weight, target, advantages, bias, *args):
     opts = opts.check()
     check_policy_inputs(hidden, weight, target, advantages, bias, tensors, opts)
     shard, (needs,) = take(VocabShard, rest)
-    mdt = torch.promote_types(hidden.dtype, torch.float32)
-    return (hidden.new_empty((), dtype=mdt),
-            *grads.fake_grads(hidden, weight, bias, needs, opts.accumulator == "fp32",
-                              shard.group is not None),
-            *(hidden.new_empty(target.shape[0], dtype=mdt) for _ in range(5)))
+    return grads.fake_forward_grads_outputs(hidden, weight, bias, needs, opts, shard, 5)
 
 
 # ---- autograd: the forward's gradients scaled by the upstream gradient -------------

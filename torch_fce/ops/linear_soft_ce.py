@@ -103,10 +103,7 @@ def _fwd_fake(hidden, weight, idx, probs, bias, token_weights_, temperature, *ar
     opts = opts.check()
     shard, (needs,) = take(VocabShard, rest)
     check_soft_ce_inputs(hidden, weight, idx, probs, bias, token_weights_, temperature)
-    mdt = torch.promote_types(hidden.dtype, torch.float32)
-    return (hidden.new_empty((), dtype=mdt),
-            *grads.fake_grads(hidden, weight, bias, needs, opts.accumulator == "fp32",
-                              shard.group is not None))
+    return grads.fake_forward_grads_outputs(hidden, weight, bias, needs, opts, shard, 0)
 
 
 # ---- autograd: the forward's gradients scaled by the upstream gradient -------------

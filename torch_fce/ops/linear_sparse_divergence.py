@@ -201,12 +201,8 @@ def _fwd_fake(hidden, weight, support, teacher, *args):
     opts = opts.check()
     shard, (needs,) = take(VocabShard, rest)
     check_sparse_div_inputs(hidden, weight, support, teacher, tensors)
-    mdt = torch.promote_types(hidden.dtype, torch.float32)
-    N = hidden.shape[0]
-    return (hidden.new_empty((), dtype=mdt),
-            *grads.fake_grads(hidden, weight, tensors.bias, needs, opts.accumulator == "fp32",
-                              shard.group is not None),
-            hidden.new_empty(N, dtype=mdt), hidden.new_empty(N, dtype=mdt))
+    return grads.fake_forward_grads_outputs(hidden, weight, tensors.bias, needs, opts, shard,
+                                            2)
 
 
 # ---- autograd: the forward's gradients scaled by the upstream gradient -------------

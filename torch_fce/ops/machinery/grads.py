@@ -108,6 +108,16 @@ def fake_grads(hidden, weight, bias, needs_grad, keep_f32, hidden_f32=False):
 _SAVED = object()  # an argument's place in the saved tensors
 
 
+def fake_forward_grads_outputs(hidden, weight, bias, needs_grad, opts, shard, stats):
+    """The fake outputs of a define_forward_grads_ops op: the scalar loss, the gradients
+    (as chunked.grad_outputs forms them) and `stats` per-token statistics (N,)."""
+    mdt = torch.promote_types(hidden.dtype, torch.float32)
+    return (hidden.new_empty((), dtype=mdt),
+            *fake_grads(hidden, weight, bias, needs_grad, opts.accumulator == "fp32",
+                        shard.group is not None),
+            *(hidden.new_empty(hidden.shape[0], dtype=mdt) for _ in range(stats)))
+
+
 def define_forward_grads_ops(name, args, tensors, options, stats, shard=True):
     """Defines the two ops of a scalar loss whose forward forms its gradients (policy
     loss, distillation, soft CE): the public fce::<name> (args, then the optional
