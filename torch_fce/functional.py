@@ -17,7 +17,7 @@ from .ops.linear_logprobs import LogProbOptions
 from .ops.linear_policy_loss import PolicyOptions, PolicyTensors
 from .ops.linear_soft_ce import SoftCEOptions, SoftCETensors
 from .ops.linear_sparse_divergence import SparseDivOptions, SparseDivTensors
-from .ops.linear_topk_logprobs import TopKOptions
+from .ops.linear_topk_logprobs import TopKOptions, TopKTensors
 from .results import (DistillationStats, LogProbs, LossStats, PolicyStats,
                       SparseDivergenceStats, TopKLogprobs)
 
@@ -429,8 +429,15 @@ def linear_topk_logprobs(hidden, weight, k, bias=None, *, target=None, temperatu
     _checked(opts, hidden=hidden, weight=weight)
     target, tokens = _optional_target(hidden, weight, target, bias, ignore_index, shift)
     temperature = temperature_tensor(temperature, tokens)
-    out = torch.ops.fce.linear_topk_logprobs(hidden, weight, bias, target, temperature,
-                                             **opts._asdict())
+    if _is_dtensor(weight):  # sharded by vocabulary: the vocab-parallel top-k
+        from .distributed.dtensor import dtensor_linear_topk_logprobs
+
+        out = dtensor_linear_topk_logprobs(
+            hidden, weight, TopKTensors(bias=bias, target=target, temperature=temperature),
+            opts)
+    else:
+        out = torch.ops.fce.linear_topk_logprobs(hidden, weight, bias, target, temperature,
+                                                 **opts._asdict())
     return TopKLogprobs(out[0], out[1], None if target is None else out[2])
 
 

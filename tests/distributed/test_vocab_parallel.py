@@ -15,7 +15,8 @@ from torch_fce.distributed import (vocab_parallel_linear_cross_entropy,
                                    vocab_parallel_linear_logprobs,
                                    vocab_parallel_linear_policy_loss,
                                    vocab_parallel_linear_soft_cross_entropy,
-                                   vocab_parallel_linear_sparse_divergence)
+                                   vocab_parallel_linear_sparse_divergence,
+                                   vocab_parallel_linear_topk_logprobs)
 from torch_fce.testing import make_inputs, rel_err
 from tests.helpers import (
     LOSS_TOL, confident_grads, confident_inputs, grad_tol, logprob_composition)
@@ -433,6 +434,36 @@ def _check_sparse(rank, world):
         assert rel_err(got[2][1].full_tensor(), want[2][1]) <= tol
 
 
+def _check_topk(rank, world):
+    # linear_topk_logprobs over uneven shards (one narrower than k), many chunks, ties
+    # straddling shards (repeated head rows), and through a Shard(0) DTensor head,
+    # against one process: the same classes in the same order, the same log-probs.
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+
+    x = make_inputs(24, 8, V, bias=True, seed=23, weight_scale=2.0)
+    w, b = x["weight"].clone(), x["bias"].clone()
+    w[20:30], b[20:30] = w[0:10], b[0:10]  # equal logits in different shards
+    start, end = SPLITS[world][rank], SPLITS[world][rank + 1]
+    target = x["target"]
+    for opts in (dict(temperature=0.8), dict(softcap=4.0, logit_scale=0.7, target=target)):
+        want = torch_fce.linear_topk_logprobs(x["hidden"], w, 6, b, **opts)
+        with torch_fce.workspace(3 * -(-V // world) * 4 * 12):
+            got = vocab_parallel_linear_topk_logprobs(x["hidden"], w[start:end], 6,
+                                                      b[start:end], vocab_start=start,
+                                                      vocab_size=V, **opts)
+        assert torch.equal(got.indices, want.indices), opts
+        assert rel_err(got.logprobs, want.logprobs) <= LOSS_TOL, opts
+        if "target" in opts:
+            assert rel_err(got.target_logprob, want.target_logprob) <= LOSS_TOL
+    mesh = init_device_mesh("cpu", (world,))
+    got = torch_fce.linear_topk_logprobs(x["hidden"], distribute_tensor(w, mesh, [Shard(0)]),
+                                         6, distribute_tensor(b, mesh, [Shard(0)]),
+                                         target=target)
+    want = torch_fce.linear_topk_logprobs(x["hidden"], w, 6, b, target=target)
+    assert torch.equal(got.indices, want.indices)
+    assert rel_err(got.target_logprob, want.target_logprob) <= LOSS_TOL
+
+
 def _check_verl(rank, world):
     # verl's call with its tensor-parallel group: equal contiguous shards, the same
     # values and gradients as one process.
@@ -471,6 +502,7 @@ def _worker(rank, world, path):
         _check_policy_loss(rank, world)
         _check_distillation(rank, world)
         _check_sparse(rank, world)
+        _check_topk(rank, world)
         _check_verl(rank, world)
         _check_fsdp2(rank, world)
         # Shards that do not tile V: every rank raises the same clear error, none hangs.

@@ -10,7 +10,7 @@ from hypothesis import given, strategies as st
 import torch_fce
 from torch_fce.testing import rel_err
 
-from tests.helpers import DEVICE, chunks, confident_inputs
+from tests.helpers import DEVICE, ONE_DEVICE, chunks, confident_inputs
 from tests.references import topk_reference as reference
 
 
@@ -108,7 +108,7 @@ def test_opcheck():
     args = (torch.randn(6, 4, generator=g), torch.randn(13, 4, generator=g), None,
             torch.randint(0, 13, (6,), generator=g), None)
     torch.library.opcheck(torch.ops.fce.linear_topk_logprobs_fwd.default,
-                          args + (3, 1.0, None, -100, None))
+                          args + (3, 1.0, None, -100, None, *ONE_DEVICE))
 
 
 @pytest.mark.parametrize("args, options, error, named", [

@@ -11,7 +11,8 @@ from .vocab_parallel import (vocab_parallel_linear_cross_entropy,
                              vocab_parallel_linear_logprobs,
                              vocab_parallel_linear_policy_loss,
                              vocab_parallel_linear_soft_cross_entropy,
-                             vocab_parallel_linear_sparse_divergence)
+                             vocab_parallel_linear_sparse_divergence,
+                             vocab_parallel_linear_topk_logprobs)
 
 
 def _local(t):
@@ -106,6 +107,19 @@ def dtensor_sparse(name, hidden, weight, idx, values, tensors, opts):
                         temperature=_local(tensors.temperature), vocab_start=start,
                         vocab_size=V, group=group, **opts._asdict())
     return out if isinstance(out, torch.Tensor) else (out[0], *out[1])
+
+
+def dtensor_linear_topk_logprobs(hidden, weight, tensors, opts):
+    """linear_topk_logprobs for a vocab-sharded DTensor head (tensors: a TopKTensors):
+    the raw outputs (indices, logprobs, target_logprob), the same on every rank."""
+    group, start, V = _vocab_shard(weight, tensors.bias)
+    out = vocab_parallel_linear_topk_logprobs(
+        _local(hidden), weight.to_local(), opts.k,
+        None if tensors.bias is None else tensors.bias.to_local(), vocab_start=start,
+        vocab_size=V, group=group, target=_local(tensors.target),
+        temperature=_local(tensors.temperature),
+        **{name: v for name, v in opts._asdict().items() if name != "k"})
+    return out[0], out[1], out[2]
 
 
 _SPARSE = {"linear_sparse_divergence": vocab_parallel_linear_sparse_divergence,

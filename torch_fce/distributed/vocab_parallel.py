@@ -13,10 +13,11 @@ agrees on the tiling (before the op, outside torch.compile) and the result types
 
 
 from ..ops import (linear_ce, linear_distillation, linear_logprobs, linear_policy_loss,
-                   linear_soft_ce, linear_sparse_divergence)
+                   linear_soft_ce, linear_sparse_divergence, linear_topk_logprobs)
 from ..ops.contract.entry import advantages_tensor, temperature_tensor
 from ..ops.machinery.shards import checked_shard
-from ..results import DistillationStats, LogProbs, PolicyStats, SparseDivergenceStats
+from ..results import (DistillationStats, LogProbs, PolicyStats, SparseDivergenceStats,
+                       TopKLogprobs)
 
 
 def vocab_parallel_linear_cross_entropy(hidden, weight, target, bias=None, class_weight=None,
@@ -150,3 +151,24 @@ def vocab_parallel_linear_soft_cross_entropy(hidden, weight, target_indices, tar
         hidden, weight, target_indices, target_probs,
         linear_soft_ce.SoftCETensors(bias=bias, token_weights=token_weights,
                                      temperature=temperature), opts, shard)
+
+
+def vocab_parallel_linear_topk_logprobs(hidden, weight, k, bias=None, *, vocab_start,
+                                        vocab_size, group=None, target=None,
+                                        temperature=1.0, **options):
+    """torch_fce.linear_topk_logprobs with the teacher head's rows split across `group`:
+    each rank's k candidates merged as one device picks them (equal probabilities by
+    ascending class); hidden, target and temperature the same on every rank.
+
+    Returns:
+        TopKLogprobs (whole-vocabulary indices), identical on every rank.
+    """
+    opts = linear_topk_logprobs.TopKOptions(k=k, **options).check()
+    tokens = target if target is not None else hidden[..., 0]
+    temperature = temperature_tensor(1.0 if temperature is None else temperature, tokens)
+    shard = checked_shard(hidden, weight, tokens.long(), vocab_start, vocab_size, group)
+    out = linear_topk_logprobs.forward(
+        hidden, weight, linear_topk_logprobs.TopKTensors(bias=bias, target=target,
+                                                         temperature=temperature),
+        opts, shard)
+    return TopKLogprobs(out[0], out[1], None if target is None else out[2])

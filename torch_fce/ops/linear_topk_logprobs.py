@@ -18,8 +18,8 @@ from .contract.entry import (autocast_operands, flat, int64_if_needed, refuse_tr
                              token_rows)
 from .contract.options import (as_float, check_int, got, schema_args, take, tensor_args,
                                tensor_record, value)
-from .loop.chunked import (chunk_rows_for, inverse_temperature, logits_dtype_for,
-                           math_dtype_for, no_autocast, run_chunks)
+from .loop.chunked import (ONE_DEVICE, VocabShard, chunk_rows_for, inverse_temperature,
+                           logits_dtype_for, math_dtype_for, no_autocast, run_chunks)
 from .machinery.dispatch import LIB, kernel
 from .rowmath.topk import topk_rows
 
@@ -53,35 +53,37 @@ TopKTensors = tensor_record("TopKTensors", "bias", "target", "temperature")
 LIB.define(f"linear_topk_logprobs(Tensor hidden, Tensor weight, {tensor_args(TopKTensors, True)}"
            f", *, {schema_args(TopKOptions, True)}) -> (Tensor indices, Tensor logprobs, "
            "Tensor target_logprob)")
-# hidden (N, D), target and temperature (N,).
+# hidden (N, D), target and temperature (N,); a VocabShard: weight and bias hold this
+# rank's classes.
 LIB.define(f"linear_topk_logprobs_fwd(Tensor hidden, Tensor weight, {tensor_args(TopKTensors)}"
-           f", {schema_args(TopKOptions)}) -> (Tensor indices, Tensor logprobs, "
-           "Tensor target_logprob)")
+           f", {schema_args(TopKOptions)}, {schema_args(VocabShard)}) -> (Tensor indices, "
+           "Tensor logprobs, Tensor target_logprob)")
 
 
-def check_topk_inputs(hidden, weight, tensors, opts):
+def check_topk_inputs(hidden, weight, tensors, opts, shard=ONE_DEVICE):
     """The tensors' checks, in eager mode and in the fake kernel (under torch.compile)."""
     tokens = tensors.target if tensors.target is not None else \
         hidden.new_empty(hidden.shape[:-1], dtype=torch.int64)
     checks.check_head_inputs(hidden, weight, tokens, tensors.bias, None)
-    value(opts.k <= weight.shape[0],
-          f"k must be at most the vocabulary's {weight.shape[0]} classes, got {opts.k}")
+    V = shard.vocab(weight)
+    value(opts.k <= V, f"k must be at most the vocabulary's {V} classes, got {opts.k}")
     checks.check_temperature(tensors.temperature, tokens)
 
 
-def forward(hidden, weight, tensors, opts):
-    """(indices, logprobs, target_logprob) for checked options and a TopKTensors."""
+def forward(hidden, weight, tensors, opts, shard=ONE_DEVICE):
+    """(indices, logprobs, target_logprob) for checked options and a TopKTensors; also
+    the vocab-parallel entry (weight and bias then this rank's classes)."""
     refuse_transforms((hidden, weight, *tensors))
     hidden, weight, bias = autocast_operands(hidden, weight, tensors.bias)
     # a teacher's outputs: nothing to differentiate
     tensors = tensors._replace(bias=None if bias is None else bias.detach())
     hidden, weight = hidden.detach(), weight.detach()
-    check_topk_inputs(hidden, weight, tensors, opts)
+    check_topk_inputs(hidden, weight, tensors, opts, shard)
     shape = hidden.shape[:-1]
     target = int64_if_needed(tensors.target, opts.ignore_index)
     idx, lp, target_lp = torch.ops.fce.linear_topk_logprobs_fwd(
         token_rows(hidden), weight, tensors.bias, flat(target), flat(tensors.temperature),
-        *opts)
+        *opts, *shard)
     return idx.reshape(*shape, opts.k), lp.reshape(*shape, opts.k), target_lp.reshape(shape)
 
 
@@ -96,8 +98,10 @@ def _linear_topk_logprobs(hidden, weight, bias=None, target=None, temperature=No
 @torch.library.register_fake("fce::linear_topk_logprobs_fwd")
 def _fwd_fake(hidden, weight, *args):
     tensors, args = take(TopKTensors, args)
-    opts = take(TopKOptions, args)[0].check()
-    check_topk_inputs(hidden, weight, tensors, opts)
+    opts, rest = take(TopKOptions, args)
+    opts = opts.check()
+    shard = take(VocabShard, rest)[0]
+    check_topk_inputs(hidden, weight, tensors, opts, shard)
     N, mdt = hidden.shape[0], torch.promote_types(hidden.dtype, torch.float32)
     return (hidden.new_empty(N, opts.k, dtype=torch.int64),
             hidden.new_empty(N, opts.k, dtype=mdt), hidden.new_empty(N, dtype=mdt))
@@ -107,11 +111,14 @@ def _fwd_fake(hidden, weight, *args):
 
 @kernel("linear_topk_logprobs_fwd")
 def fwd(hidden, weight, bias, target, temperature, *args, backend):
-    """Per chunk the logits, then the top-k rows (the PyTorch rows on every device)."""
-    opts = take(TopKOptions, args)[0].check()
+    """Per chunk the logits, then the top-k rows (the PyTorch rows on every device); a
+    VocabShard's candidates and row sums are merged across its group."""
+    opts, rest = take(TopKOptions, args)
+    opts = opts.check()
+    shard = take(VocabShard, rest)[0]
     if backend.check_values:
         if target is not None:
-            checks.check_target_range(target, weight.shape[0], opts.ignore_index)
+            checks.check_target_range(target, shard.vocab(weight), opts.ignore_index)
         checks.check_temperature_values(temperature)
     N, mdt = hidden.shape[0], math_dtype_for(hidden.dtype)
     out = (hidden.new_empty(N, opts.k, dtype=torch.int64),
@@ -120,12 +127,13 @@ def fwd(hidden, weight, bias, target, temperature, *args, backend):
 
     def row_fn(logits, s, e):
         return topk_rows(logits, None if target is None else target[s:e], inv_t[s:e], opts,
-                         mdt), None
+                         mdt, shard), None
 
     with no_autocast(hidden):
         ldt = logits_dtype_for(hidden, opts)
         # the row math holds float32 z, two boolean masks and an int32 rank beside them
         per_logit = ldt.itemsize + 4 + 2 + 4 + 4
         run_chunks(hidden, weight, bias, row_fn, out, (False,) * 3, "fp32",
-                   chunk_rows_for(hidden, weight, per_logit=per_logit), logits_dtype=ldt)
+                   chunk_rows_for(hidden, weight, shard, per_logit=per_logit),
+                   shard=shard, logits_dtype=ldt)
     return out

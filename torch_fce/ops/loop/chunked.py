@@ -70,6 +70,16 @@ class VocabShard(NamedTuple):
         # the op's kernels run eagerly: wait for the collective here
         return out.wait() if isinstance(out, funcol.AsyncCollectiveTensor) else out
 
+    def all_gather(self, t):
+        """Every rank's t, concatenated along dim 0 in rank order; t itself on one
+        device."""
+        if self.group is None:
+            return t
+        import torch.distributed._functional_collectives as funcol
+
+        out = funcol.all_gather_tensor(t.contiguous(), 0, self.group)
+        return out.wait() if isinstance(out, funcol.AsyncCollectiveTensor) else out
+
 
 ONE_DEVICE = VocabShard()
 

@@ -9,29 +9,63 @@ For a chunk of logits rows l (n, V) (after bias), with z = softcap(scale * l) / 
 The tie rule makes the result a function of the values alone (torch.topk leaves the
 order of equal values open): the classes strictly above the k-th largest value, then
 the lowest-numbered classes equal to it until there are k, then a stable sort by value.
+A vocabulary shard's rows give their own k candidates; every rank's are gathered and
+merged by the same rule (index order, then a stable sort by value), and lse and z_y are
+all-reduced, so every rank returns what one device does.
 """
+
+import math
 
 import torch
 
+from ..loop.chunked import ONE_DEVICE
 from .ce import softcapped
 
 
-def topk_rows(logits, target, inv_t, opts, math_dtype):
+def topk_rows(logits, target, inv_t, opts, math_dtype, shard=ONE_DEVICE):
     """(indices (n, k) int64, logprobs (n, k), target_logprob (n,)) of a chunk's rows;
-    target None: no target_logprob (zeros). logits (n, V) is the loop's buffer and may
-    be overwritten; opts a TopKOptions (k, logit_scale, softcap, ignore_index)."""
+    target None: no target_logprob (zeros). logits (n, Vs) is the loop's buffer (a
+    shard's classes) and may be overwritten; opts a TopKOptions (k, logit_scale,
+    softcap, ignore_index)."""
     if opts.logit_scale != 1.0:
         logits = logits.to(math_dtype).mul_(opts.logit_scale)
     z, _ = softcapped(logits, opts.softcap, math_dtype)
     z = z.mul_(inv_t[:, None])
-    lse = torch.logsumexp(z, -1)
-    indices, values = _topk_ascending_ties(z, opts.k)
+    m = shard.all_reduce(z.amax(-1, keepdim=True), "max").clamp_min(
+        torch.finfo(math_dtype).min)
+    lse = (m + shard.all_reduce((z - m).exp_().sum(-1, keepdim=True), "sum").log())[:, 0]
+    indices, values = _topk_ascending_ties(z, min(opts.k, z.shape[1]))
+    if shard.group is not None:
+        indices, values = _merged(indices + shard.vocab_start, values, opts.k, shard)
     logprobs = values - lse[:, None]
     if target is None:
         return indices, logprobs, torch.zeros_like(lse)
     valid = target != opts.ignore_index
-    z_y = z.gather(1, torch.where(valid, target, 0)[:, None]).squeeze(1)
+    col = target - shard.vocab_start  # the target's column in this shard
+    here = valid & (col >= 0) & (col < z.shape[1])
+    z_y = torch.where(here, z.gather(1, torch.where(here, col, 0)[:, None]).squeeze(1), 0.0)
+    z_y = shard.all_reduce(z_y, "sum") if shard.group is not None else z_y
     return indices, logprobs, torch.where(valid, z_y - lse, 0.0)
+
+
+def _merged(indices, values, k, shard):
+    """The k of every rank's candidates (n, k_r) as one device picks them: the largest
+    values, equal ones by ascending class (candidates a shard could not fill are padded
+    with -inf at classes past the vocabulary, so they sort last)."""
+    n, k_r = indices.shape
+    if k_r < k:
+        pad = k - k_r
+        values = torch.cat([values, values.new_full((n, pad), -math.inf)], 1)
+        indices = torch.cat([indices, shard.vocab_size + torch.arange(
+            pad, device=indices.device).expand(n, pad)], 1)
+    # (world * n, k) gathered in rank order, as (n, world * k)
+    world = shard.world_size
+    indices = shard.all_gather(indices).reshape(world, n, k).permute(1, 0, 2).reshape(n, -1)
+    values = shard.all_gather(values).reshape(world, n, k).permute(1, 0, 2).reshape(n, -1)
+    by_class = torch.sort(indices, dim=-1).indices
+    indices, values = indices.gather(1, by_class), values.gather(1, by_class)
+    order = torch.sort(values, dim=-1, descending=True, stable=True).indices[:, :k]
+    return indices.gather(1, order), values.gather(1, order)
 
 
 def _topk_ascending_ties(z, k):
