@@ -6,13 +6,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from .vocab_parallel import (vocab_parallel_linear_cross_entropy,
-                             vocab_parallel_linear_distillation_loss,
-                             vocab_parallel_linear_logprobs,
-                             vocab_parallel_linear_policy_loss,
-                             vocab_parallel_linear_soft_cross_entropy,
-                             vocab_parallel_linear_sparse_divergence,
-                             vocab_parallel_linear_topk_logprobs)
+from . import vocab_parallel as vp
 
 
 def _local(t):
@@ -44,7 +38,7 @@ def dtensor_linear_cross_entropy(hidden, weight, target, bias, class_weight, opt
     """Loss for a vocab-sharded DTensor weight (opts: a CEOptions); the result, a plain tensor, is the same on
     every rank."""
     group, start, V = _vocab_shard(weight, bias)
-    return vocab_parallel_linear_cross_entropy(
+    return vp.vocab_parallel_linear_cross_entropy(
         _local(hidden), weight.to_local(), _local(target),
         None if bias is None else bias.to_local(), _local(class_weight),
         vocab_start=start, vocab_size=V, group=group, **opts._asdict())
@@ -54,7 +48,7 @@ def dtensor_linear_logprobs(hidden, weight, target, bias, temperature, opts):
     """linear_logprobs for a vocab-sharded DTensor weight; plain outputs, the same on
     every rank."""
     group, start, V = _vocab_shard(weight, bias)
-    return vocab_parallel_linear_logprobs(
+    return vp.vocab_parallel_linear_logprobs(
         _local(hidden), weight.to_local(), _local(target),
         None if bias is None else bias.to_local(), temperature=_local(temperature),
         vocab_start=start, vocab_size=V, group=group, **opts._asdict())
@@ -64,7 +58,7 @@ def dtensor_linear_policy_loss(hidden, weight, target, advantages, bias, tensors
     """linear_policy_loss for a vocab-sharded DTensor weight (tensors: a PolicyTensors):
     (loss, PolicyStats), plain tensors, the same on every rank."""
     group, start, V = _vocab_shard(weight, bias)
-    return vocab_parallel_linear_policy_loss(
+    return vp.vocab_parallel_linear_policy_loss(
         _local(hidden), weight.to_local(), _local(target), _local(advantages),
         None if bias is None else bias.to_local(),
         **{name: _local(t) for name, t in tensors._asdict().items()},
@@ -87,7 +81,7 @@ def dtensor_linear_distillation_loss(hidden, weight, teacher_hidden, teacher_wei
     if teacher_bias is not None and (not isinstance(teacher_bias, DTensor) or tuple(
             teacher_bias.placements) != tuple(weight.placements)):
         raise ValueError("teacher_bias must be a DTensor with weight's placements")
-    return vocab_parallel_linear_distillation_loss(
+    return vp.vocab_parallel_linear_distillation_loss(
         _local(hidden), weight.to_local(), _local(teacher_hidden), teacher_weight.to_local(),
         _local(target), None if bias is None else bias.to_local(),
         None if teacher_bias is None else teacher_bias.to_local(),
@@ -113,7 +107,7 @@ def dtensor_linear_topk_logprobs(hidden, weight, tensors, opts):
     """linear_topk_logprobs for a vocab-sharded DTensor head (tensors: a TopKTensors):
     the raw outputs (indices, logprobs, target_logprob), the same on every rank."""
     group, start, V = _vocab_shard(weight, tensors.bias)
-    out = vocab_parallel_linear_topk_logprobs(
+    out = vp.vocab_parallel_linear_topk_logprobs(
         _local(hidden), weight.to_local(), opts.k,
         None if tensors.bias is None else tensors.bias.to_local(), vocab_start=start,
         vocab_size=V, group=group, target=_local(tensors.target),
@@ -122,5 +116,5 @@ def dtensor_linear_topk_logprobs(hidden, weight, tensors, opts):
     return out[0], out[1], out[2]
 
 
-_SPARSE = {"linear_sparse_divergence": vocab_parallel_linear_sparse_divergence,
-           "linear_soft_cross_entropy": vocab_parallel_linear_soft_cross_entropy}
+_SPARSE = {"linear_sparse_divergence": vp.vocab_parallel_linear_sparse_divergence,
+           "linear_soft_cross_entropy": vp.vocab_parallel_linear_soft_cross_entropy}
