@@ -9,7 +9,10 @@ import torch_fce
 import torch_fce.lowering
 from torch_fce.distributed import (vocab_parallel_linear_cross_entropy,
                                    vocab_parallel_linear_distillation_loss,
-                                   vocab_parallel_linear_policy_loss)
+                                   vocab_parallel_linear_policy_loss,
+                                   vocab_parallel_linear_soft_cross_entropy,
+                                   vocab_parallel_linear_sparse_divergence,
+                                   vocab_parallel_linear_topk_logprobs)
 from torch_fce.integrations import transformers as fce_hf
 from torch_fce.integrations import trl as fce_trl
 from torch_fce.integrations import verl as fce_verl
@@ -70,5 +73,11 @@ def test_docs_api_python_signatures_match():
             vocab_parallel_linear_policy_loss,
         "torch_fce.distributed.vocab_parallel_linear_distillation_loss":
             vocab_parallel_linear_distillation_loss,
+        "torch_fce.distributed.vocab_parallel_linear_sparse_divergence":
+            vocab_parallel_linear_sparse_divergence,
+        "torch_fce.distributed.vocab_parallel_linear_soft_cross_entropy":
+            vocab_parallel_linear_soft_cross_entropy,
+        "torch_fce.distributed.vocab_parallel_linear_topk_logprobs":
+            vocab_parallel_linear_topk_logprobs,
     }.items():
         assert _sig(name, fn) in API, _sig(name, fn)
