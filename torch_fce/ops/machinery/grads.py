@@ -105,9 +105,6 @@ def fake_grads(hidden, weight, bias, needs_grad, keep_f32, hidden_f32=False):
     )
 
 
-_SAVED = object()  # an argument's place in the saved tensors
-
-
 def fake_forward_grads_outputs(hidden, weight, bias, needs_grad, opts, shard, stats):
     """The fake outputs of a define_forward_grads_ops op: the scalar loss, the gradients
     (as chunked.grad_outputs forms them) and `stats` per-token statistics (N,)."""
@@ -120,7 +117,7 @@ def fake_forward_grads_outputs(hidden, weight, bias, needs_grad, opts, shard, st
 
 def define_forward_grads_ops(name, args, tensors, options, stats, shard=True):
     """Defines the two ops of a scalar loss whose forward forms its gradients (policy
-    loss, distillation, soft CE): the public fce::<name> (args, then the optional
+    loss, distillation, soft CE, sparse divergence): the public fce::<name> (args, then the optional
     `tensors` record's with their None defaults, then the `options` record as keywords)
     and the internal fce::<name>_fwd (the same, the records spread, a VocabShard with
     `shard`, then needs_grad) returning (loss, grad_hidden, grad_weight, grad_bias,
@@ -138,10 +135,14 @@ def define_forward_grads_ops(name, args, tensors, options, stats, shard=True):
                + "".join(f", Tensor {s}" for s in stats) + ")")
 
 
+_SAVED = object()  # an argument's place in the saved tensors
+
+
 def register_forward_grads_autograd(name, at, weights=None):
     """The autograd formula of an op whose outputs are (loss, grad_hidden, grad_weight,
     grad_bias, *statistics): a scalar loss sum_t w_t * term_t whose forward formed the
-    gradients for a unit upstream gradient (policy loss, distillation, soft CE); at: the
+    gradients for a unit upstream gradient (policy loss, distillation, soft CE, sparse
+    divergence); at: the
     positions of hidden, weight and bias among its arguments. The backward scales those
     gradients by the upstream gradient, rounded once.
 
