@@ -142,9 +142,8 @@ def register_forward_grads_autograd(name, at, weights=None):
     """The autograd formula of an op whose outputs are (loss, grad_hidden, grad_weight,
     grad_bias, *statistics): a scalar loss sum_t w_t * term_t whose forward formed the
     gradients for a unit upstream gradient (policy loss, distillation, soft CE, sparse
-    divergence); at: the
-    positions of hidden, weight and bias among its arguments. The backward scales those
-    gradients by the upstream gradient, rounded once.
+    divergence); at: the positions of hidden, weight and bias among its arguments. The
+    backward scales those gradients by the upstream gradient, rounded once.
 
     float16 inputs are the exception (the entries ask the forward for no gradient,
     entry.forward_needs_grad): a logits gradient formed for a unit upstream gradient
