@@ -207,11 +207,15 @@ def _fwd_fake(hidden, weight, support, teacher, *args):
 
 # ---- autograd: the forward's gradients scaled by the upstream gradient -------------
 
+def _valid_entries(support, teacher, ignore_index):
+    """The support's valid entries: not ignore_index, a finite teacher log-prob."""
+    return (support != ignore_index) & (teacher > -math.inf)
+
+
 def _counted(args):
     """The tokens counted, from linear_sparse_divergence_fwd's arguments."""
-    support, teacher = args[2], args[3]
     ignore_index = take(SparseDivOptions, args[7:])[0].ignore_index
-    return ((support != ignore_index) & (teacher > -math.inf)).any(-1)
+    return _valid_entries(args[2], args[3], ignore_index).any(-1)
 
 
 # hidden, weight and bias among linear_sparse_divergence_fwd's arguments; token_weights
@@ -234,23 +238,23 @@ def fwd(hidden, weight, support, teacher, bias, token_weights_, temperature, *ar
     opts = opts.check()
     shard, (needs,) = take(VocabShard, rest)
     V = shard.vocab(weight)
-    entries = (support != opts.ignore_index) & (teacher > -math.inf)
     if backend.check_values:
         checks.check_target_range(support, V, opts.ignore_index, "support")
         checks.check_temperature_values(temperature)
     N, mdt = hidden.shape[0], math_dtype_for(hidden.dtype)
     out = _Outputs(*(hidden.new_empty(N, dtype=mdt) for _ in _Outputs._fields))
-    # out-of-range classes read column 0, their token's loss NaN (as the other ops)
-    bad = entries & ((support < 0) | (support >= V))
-    safe = torch.where(entries & ~bad, support, 0).long()
 
     @after_first_gemm
-    def per_token():  # 1 / T, w_t
+    def per_token():  # 1 / T, w_t, the valid entries, the out-of-range ones, safe classes
+        entries = _valid_entries(support, teacher, opts.ignore_index)
+        # out-of-range classes read column 0, their token's loss NaN (as the other ops)
+        bad = entries & ((support < 0) | (support >= V))
         return (inverse_temperature(temperature, N, hidden.device, mdt),
-                token_weights(token_weights_, entries.any(-1), mdt))
+                token_weights(token_weights_, entries.any(-1), mdt), entries, bad,
+                torch.where(entries & ~bad, support, 0).long())
 
     def row_fn(logits, s, e):
-        inv_t, weights = per_token()
+        inv_t, weights, entries, bad, safe = per_token()
 
         def terms(log_q):
             log_q = torch.where(bad[s:e], math.nan, log_q)
