@@ -12,9 +12,11 @@ import torch
 from hypothesis import given, strategies as st
 
 import torch_fce
+from torch_fce.ops import linear_sparse_divergence as room
+from torch_fce.ops.loop.chunked import ONE_DEVICE
 from torch_fce.testing import rel_err
 
-from tests.helpers import DEVICE, chunks, confident_inputs
+from tests.helpers import DEVICE, TRITON, chunks, confident_inputs
 from tests.references import sparse_divergence_reference as reference
 
 
@@ -85,6 +87,30 @@ def test_matches_the_float64_composition_of_trls(p):
         # float64 both: relative 1e-9, or rounding noise where the value is 0 (a support
         # of one class renormalised leaves the student nothing to move)
         assert (a - r).norm() <= 1e-9 * r.norm() + 1e-13, name
+
+
+@given(problems(), st.sampled_from([1, 3, 64]), st.sampled_from([torch.float32, None]))
+def test_triton_rows_match_the_float64_composition(p, rows, logits_dtype):
+    # float32 inputs on the Triton kernels (the interpreter off the GPU); None: dz written
+    # over the logits, the support classes' values after it
+    h, w, b = (None if p[k] is None else p[k].float().to(DEVICE) for k in ("h", "w", "b"))
+    support, lp = p["support"].to(DEVICE), p["lp"].float().to(DEVICE)
+    N = h.shape[0]
+    T = torch.as_tensor(p["T"], dtype=torch.float32).expand(N).contiguous().to(DEVICE)
+    tw = None if p["weights"] is None else p["weights"].float().to(DEVICE)
+    rec = room.SparseDivOptions(**p["options"], logits_dtype=logits_dtype)
+    with chunks(rows, h, w):
+        loss, gh, gw, gb, div, mass = room.fwd(
+            h, w, support, lp, b, tw, T, *rec, *ONE_DEVICE, [True, True, b is not None],
+            backend=TRITON)
+    leaves = [t.double().requires_grad_() for t in (h, w, b) if t is not None]
+    want = reference(*leaves[:2], support, lp.double(), *leaves[2:], temperature=T.double(),
+                     token_weights=None if tw is None else tw.double(), **p["options"])
+    grads = torch.autograd.grad(want[0], leaves)
+    scale = float((h.norm() + 1) * (w.norm() + 1))  # cancelling terms' float32 rounding
+    for name, a, r in zip(("loss", "divergence", "mass", "hidden", "weight", "bias"),
+                          (loss, div, mass, gh, gw, gb), (*want, *grads)):
+        assert (a.double() - r.detach()).norm() <= 2e-5 * (r.norm() + scale * 1e-2), name
 
 
 def test_gradcheck_float64():

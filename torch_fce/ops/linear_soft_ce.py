@@ -26,7 +26,7 @@ from .loop.chunked import (ONE_DEVICE, VocabShard, after_first_gemm, chunk_rows_
 from .loop.tokens import token_weights
 from .machinery import grads
 from .machinery.dispatch import LIB, kernel
-from .rowmath.distill import TORCH_DISTILL_ROWS
+from .rowmath.distill import soft_ce_rows
 
 
 class SoftCEOptions(NamedTuple):
@@ -122,9 +122,9 @@ grads.register_forward_grads_autograd("linear_soft_cross_entropy_fwd", (0, 1, 4)
 
 @kernel("linear_soft_cross_entropy_fwd")
 def fwd(hidden, weight, idx, probs, bias, token_weights_, temperature, *args, backend):
-    """(loss, grad_hidden, grad_weight, grad_bias): per chunk the logits, then the
-    backend's soft_ce rows (rowmath/distill.py) over them; with a VocabShard the
-    PyTorch rows (the Triton kernel sweeps whole rows), their row sums all-reduced."""
+    """(loss, grad_hidden, grad_weight, grad_bias): per chunk the logits, then
+    soft_ce_rows (rowmath/distill.py) on the backend's sparse rows; with a VocabShard
+    the PyTorch rows, their row sums all-reduced."""
     opts, rest = take(SoftCEOptions, args)
     opts = opts.check()
     shard, (needs,) = take(VocabShard, rest)
@@ -134,8 +134,7 @@ def fwd(hidden, weight, idx, probs, bias, token_weights_, temperature, *args, ba
         checks.check_temperature_values(temperature)
     N, mdt = hidden.shape[0], math_dtype_for(hidden.dtype)
     loss_t = hidden.new_empty(N, dtype=mdt)
-    row_math, extra = (backend.distill.soft_ce, {}) if shard.group is None else \
-        (TORCH_DISTILL_ROWS.soft_ce, dict(shard=shard))
+    sparse = backend.distill.sparse_for(shard)
 
     @after_first_gemm
     def per_token():  # 1 / T, w_t
@@ -148,12 +147,12 @@ def fwd(hidden, weight, idx, probs, bias, token_weights_, temperature, *args, ba
 
         def row_fn(logits, s, e):
             inv_t, weights = per_token()
-            lt, dz = row_math.rows(logits, idx[s:e], probs[s:e], inv_t[s:e], weights[s:e],
-                                   opts, mdt, hidden.dtype, any(needs), **extra)
+            lt, dz = soft_ce_rows(logits, idx[s:e], probs[s:e], inv_t[s:e], weights[s:e],
+                                  opts, mdt, hidden.dtype, any(needs), sparse.rows, shard)
             return (lt,), dz
 
         chunk = chunk_rows_for(hidden, weight, shard,
-                               per_logit=row_math.per_logit(ldt, hidden.dtype))
+                               per_logit=sparse.per_logit(ldt, hidden.dtype))
         gradients = run_chunks(hidden, weight, bias, row_fn, [loss_t], needs,
                                opts.accumulator, chunk, shard=shard, logits_dtype=ldt)
     return (loss_t.sum(), *grad_outputs(hidden, weight, bias, gradients,

@@ -16,8 +16,8 @@ then TRL's generalized JSD over that support (_jsd_divergence: beta 0 KL(teacher
 student), 1 KL(student || teacher), between the mixture form). loss = sum_t w_t
 div_t. The formula is written once, on the (n, K) log-probs (`_divergence`); autograd
 gives its derivative g w.r.t. the student's support log-probs, and the row math
-(rowmath/distill.sparse_rows, the sparse-target cross entropy's too) forms the logits
-gradient from g in the same pass: three GEMMs, the gradients formed in the forward.
+(rowmath/distill.sparse_rows and its Triton twin, the sparse-target cross entropy's
+too) forms the logits gradient from g in the same pass: three GEMMs, the gradients formed in the forward.
 """
 
 import collections
@@ -36,12 +36,6 @@ from .loop.chunked import (ONE_DEVICE, VocabShard, after_first_gemm, chunk_rows_
 from .loop.tokens import token_weights
 from .machinery import grads
 from .machinery.dispatch import LIB, kernel
-from .rowmath.distill import sparse_rows
-
-# the chunk's float32 temporaries beyond the logits: u (its exps) and the softcap's
-# derivative
-_TEMPORARIES = 2
-
 
 class SparseDivOptions(NamedTuple):
     """linear_sparse_divergence's options (docs/distillation.md), in the schemas' order."""
@@ -232,8 +226,8 @@ _Outputs = collections.namedtuple("_Outputs", "loss divergence student_mass")
 @kernel("linear_sparse_divergence_fwd")
 def fwd(hidden, weight, support, teacher, bias, token_weights_, temperature, *args, backend):
     """(loss, grad_hidden, grad_weight, grad_bias, divergence, student_mass): per chunk
-    the logits, then sparse_rows with this op's terms (the PyTorch rows on every
-    device; a VocabShard's row sums all-reduced)."""
+    the logits, then the backend's sparse rows with this op's terms (a VocabShard: the
+    PyTorch rows, their row sums all-reduced)."""
     opts, rest = take(SparseDivOptions, args)
     opts = opts.check()
     shard, (needs,) = take(VocabShard, rest)
@@ -242,6 +236,7 @@ def fwd(hidden, weight, support, teacher, bias, token_weights_, temperature, *ar
         checks.check_target_range(support, V, opts.ignore_index, "support")
         checks.check_temperature_values(temperature)
     N, mdt = hidden.shape[0], math_dtype_for(hidden.dtype)
+    sparse = backend.distill.sparse_for(shard)
     out = _Outputs(*(hidden.new_empty(N, dtype=mdt) for _ in _Outputs._fields))
 
     @after_first_gemm
@@ -261,7 +256,7 @@ def fwd(hidden, weight, support, teacher, bias, token_weights_, temperature, *ar
             t = _terms(log_q, teacher[s:e], entries[s:e], weights[s:e], opts)
             return t.loss, t.g, t.divergence, t.mass
 
-        (loss_t, div, mass), dz = sparse_rows(logits, safe[s:e], inv_t[s:e], terms, mdt,
+        (loss_t, div, mass), dz = sparse.rows(logits, safe[s:e], inv_t[s:e], terms, mdt,
                                               hidden.dtype, any(needs), opts.logit_scale,
                                               opts.softcap, shard)
         counted = entries[s:e].any(-1)
@@ -270,8 +265,7 @@ def fwd(hidden, weight, support, teacher, bias, token_weights_, temperature, *ar
 
     with no_autocast(hidden):
         ldt = logits_dtype_for(hidden, opts)
-        per_logit = ldt.itemsize + _TEMPORARIES * mdt.itemsize + \
-            (hidden.dtype.itemsize if ldt != hidden.dtype else 0)
+        per_logit = sparse.per_logit(ldt, hidden.dtype)
         gradients = run_chunks(hidden, weight, bias, row_fn, out, needs, opts.accumulator,
                                chunk_rows_for(hidden, weight, shard, per_logit=per_logit),
                                shard=shard, logits_dtype=ldt)

@@ -1,7 +1,8 @@
 """The distillation's row math (PyTorch, on every device): one chunk's divergence,
 student entropy, hard loss and the student's logits gradient from the student's and the
-teacher's logits (divergence_rows), and the cross entropy to sparse teacher targets
-(soft_ce_rows, below).
+teacher's logits (divergence_rows), and the losses over a few classes of each row
+(sparse_rows, below: the sparse divergence's and the cross entropy to sparse teacher
+targets, soft_ce_rows).
 
 With a_s = softcap(logit_scale * z_s), u_s = a_s / T (the teacher's alike), q =
 softmax(u_s), p = softmax(u_t) and TRL's generalized JSD convention:
@@ -41,14 +42,20 @@ class DistillRows(NamedTuple):
     """The distillation family on one backend:
       divergence(z_s, z_t, target, valid, inv_t, weights, opts, math_dtype, dz_dtype,
                  want_grad) -> (loss_t, divergence, entropy, dz): divergence_rows'
-      soft_ce(z, idx, probs, inv_t, weights, opts, math_dtype, dz_dtype, want_grad)
-                 -> (loss_t, dz): soft_ce_rows'
+      sparse(z, idx, inv_t, terms, math_dtype, dz_dtype, want_grad, logit_scale,
+             softcap) -> (out, dz): sparse_rows' (one device: a shard's run the PyTorch
+             rows, `sparse_for`)
     each a RowMath."""
     divergence: RowMath
-    soft_ce: RowMath
+    sparse: RowMath
+
+    def sparse_for(self, shard):
+        """The sparse rows for a vocabulary layout: the backend's on one device, the
+        PyTorch rows across a shard group (the kernels sweep whole rows)."""
+        return self.sparse if shard.group is None else TORCH_DISTILL_ROWS.sparse
 
 
-def _capped(z, scale, cap, mdt):
+def capped(z, scale, cap, mdt):
     """(softcap(scale * z) in mdt, d a / d z or None when it is the scale itself)."""
     a = z.to(mdt) * scale
     if cap is None:
@@ -77,8 +84,8 @@ def divergence_rows(z_s, z_t, target, valid, inv_t, weights, opts, mdt, dz_dtype
     def total(x):  # a row sum over the whole vocabulary
         return shard.all_reduce(x.sum(-1), "sum")
 
-    a_s, da_s = _capped(z_s, opts.logit_scale, opts.softcap, mdt)
-    a_t, _ = _capped(z_t, opts.teacher_logit_scale, opts.teacher_softcap, mdt)
+    a_s, da_s = capped(z_s, opts.logit_scale, opts.softcap, mdt)
+    a_t, _ = capped(z_t, opts.teacher_logit_scale, opts.teacher_softcap, mdt)
     del z_t
     inv = inv_t[:, None]
     log_q = _log_softmax(a_s * inv, shard)
@@ -134,8 +141,7 @@ def divergence_rows(z_s, z_t, target, valid, inv_t, weights, opts, mdt, dz_dtype
 
 
 def sparse_targets(idx, probs, V, ignore_index, mdt):
-    """(skip, valid, safe, p) of a chunk's sparse targets, both row backends': the
-    entries skipped, the tokens counted, the indices made safe to read (skipped and
+    """(skip, valid, safe, p) of a chunk's sparse targets: the entries skipped, the tokens counted, the indices made safe to read (skipped and
     out-of-range ones at 0) and the probabilities in mdt (0 where skipped, NaN where the
     index is outside [0, V): that token's loss is NaN)."""
     skip = idx == ignore_index
@@ -156,7 +162,7 @@ def sparse_rows(z, idx, inv_t, terms, mdt, dz_dtype, want_grad, logit_scale=1.0,
     lse's). A vocabulary shard's z holds its classes: the max, the sum of exps and each
     support class's u (from the shard holding it) are all-reduced before terms, which
     every rank forms alike; its dz is its own classes'. Overwrites z where it can."""
-    a, da = _capped(z, logit_scale, softcap, mdt) if logit_scale != 1.0 or softcap \
+    a, da = capped(z, logit_scale, softcap, mdt) if logit_scale != 1.0 or softcap \
         is not None else (z.to(mdt), None)
     u = a.mul_(inv_t[:, None])
     m = shard.all_reduce(u.amax(-1, keepdim=True), "max").clamp_min(torch.finfo(mdt).min)
@@ -179,13 +185,13 @@ def sparse_rows(z, idx, inv_t, terms, mdt, dz_dtype, want_grad, logit_scale=1.0,
 
 
 def soft_ce_rows(z, idx, probs, inv_t, weights, opts, mdt, dz_dtype, want_grad,
-                 shard=ONE_DEVICE):
+                 sparse=sparse_rows, shard=ONE_DEVICE):
     """(loss_t, dz) of a chunk's cross entropy to sparse targets: z (n, V) the logits,
     idx and probs (n, k) the targets' classes and probabilities (an index equal to
     opts.ignore_index is skipped, a token with every index skipped not counted), inv_t,
     weights (n,) 1 / T and w_t: loss_t = -w_t sum_k p_k log q[idx_k], so g = -w_t p
-    (sparse_rows forms dz). An index outside [0, V) makes its token's loss NaN (nothing
-    is read out of bounds). A vocabulary shard's: as sparse_rows'. Overwrites z where it
+    (`sparse`, the backend's sparse_rows, forms dz). An index outside [0, V) makes its
+    token's loss NaN (nothing is read out of bounds). A vocabulary shard's: as sparse_rows'. Overwrites z where it
     can."""
     V = z.shape[1] if shard.group is None else shard.vocab_size
     skip, valid, safe, p = sparse_targets(idx, probs, V, opts.ignore_index, mdt)
@@ -194,11 +200,10 @@ def soft_ce_rows(z, idx, probs, inv_t, weights, opts, mdt, dz_dtype, want_grad,
     def terms(log_q):
         return -(w[:, 0] * torch.where(skip, 0.0, p * log_q).sum(-1)), -w * p
 
-    (loss_t,), dz = sparse_rows(z, safe, inv_t, terms, mdt, dz_dtype, want_grad,
-                                shard=shard)
+    (loss_t,), dz = sparse(z, safe, inv_t, terms, mdt, dz_dtype, want_grad, shard=shard)
     # tokens not counted: exactly 0, also where their logits are not finite
     return loss_t, None if dz is None else dz.masked_fill_(~valid[:, None], 0.0)
 
 
 TORCH_DISTILL_ROWS = DistillRows(RowMath(divergence_rows, temporaries=6),
-                                 RowMath(soft_ce_rows, temporaries=2))
+                                 RowMath(sparse_rows, temporaries=2))

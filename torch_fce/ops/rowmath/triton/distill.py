@@ -1,5 +1,5 @@
 """Triton row kernels for the distillation family: the twins of
-distill.divergence_rows and soft_ce_rows.
+distill.divergence_rows and sparse_rows.
 
 One program per token row, sweeping both heads' logits rows (float32 by default, as
 the GEMMs summed them): sweep 1 forms both logsumexps at temperature (and the
@@ -9,10 +9,11 @@ each class's log q and log p exactly, summing the divergence, the entropy and (b
 sum) and in a third sweep otherwise (q (g - G) needs G). So a chunk's two logits are
 read two or three times and the gradient written once, in the inputs' dtype.
 
-The sparse-target cross entropy's kernel sweeps a row twice, forming its logsumexp at T
-and writing P q / T w_t, q = softmax(z / T); the k target classes' exact values (P q -
-sum of their p) / T w_t are then written over theirs from the gathered logits, each
-rounded once.
+The losses over a few classes of each row (the sparse divergence, the sparse-target
+cross entropy) sweep a row twice, in two kernels: the first forms its logsumexp at T;
+the loss terms and their derivative g on the support follow from the gathered support
+logits; the second writes dz's softmax part, -sum(g) q / T; the support classes'
+exact values (that plus their g / T) are then written over theirs, each rounded once.
 """
 
 import math
@@ -21,7 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..distill import DistillRows, RowMath, sparse_targets
+from ...loop.chunked import ONE_DEVICE
+from ..distill import DistillRows, RowMath, capped
 from .ce import _NEG_BIG, _block_v, _tanh, dz_buffer
 
 _WARPS = 8  # the launch's warps (torch_fce/bench/probes/distill_profile.py measures others)
@@ -200,10 +202,10 @@ def _distill_rows_kernel(
 
 
 @triton.jit
-def _soft_ce_rows_kernel(z_ptr, dz_ptr, inv_t_ptr, a_ptr, m_ptr, ls_ptr, V, stride_z,
-                         stride_d, HAS_GRAD: tl.constexpr, BLOCK_V: tl.constexpr):
-    """Logits rows (n, V) -> m, log s (n,) of u = z / T (lse = m + log s) and, with
-    HAS_GRAD, dz = a softmax(u) (a = P w_t / T: exactly 0 where a is)."""
+def _sparse_stats_kernel(z_ptr, inv_t_ptr, m_ptr, ls_ptr, V, stride_z, scale, cap,
+                         HAS_CAP: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Logits rows (n, V) -> m, log s (n,) of u = softcap(scale z) / T (lse = m +
+    log s)."""
     row = tl.program_id(0).to(tl.int64)
     z_row = z_ptr + row * stride_z
     cols = tl.arange(0, BLOCK_V)
@@ -211,45 +213,77 @@ def _soft_ce_rows_kernel(z_ptr, dz_ptr, inv_t_ptr, a_ptr, m_ptr, ls_ptr, V, stri
     m, s = _start(BLOCK_V)
     for v0 in range(0, V, BLOCK_V):
         offs = v0 + cols
-        m, s = _online(m, s, _load_a(z_row + offs, offs < V, inv_t, 1.0, False))
-    ls = tl.log(s)
+        m, s = _online(m, s, _load_a(z_row + offs, offs < V, scale, cap, HAS_CAP) * inv_t)
     tl.store(m_ptr + row, m)
-    tl.store(ls_ptr + row, ls)
-    if HAS_GRAD:
-        a = tl.load(a_ptr + row)
-        for v0 in range(0, V, BLOCK_V):
-            offs = v0 + cols
-            mask = offs < V
-            u = _load_a(z_row + offs, mask, inv_t, 1.0, False)
-            d = tl.where(a != 0.0, tl.exp((u - m) - ls) * a, 0.0)
-            tl.store(dz_ptr + row * stride_d + offs, d.to(dz_ptr.dtype.element_ty), mask=mask)
+    tl.store(ls_ptr + row, tl.log(s))
 
 
-def triton_soft_ce_rows(z, idx, probs, inv_t, weights, opts, mdt, dz_dtype, want_grad):
-    """distill.soft_ce_rows on the Triton kernel, the target classes' values
-    formed from their gathered logits."""
+@triton.jit
+def _sparse_grad_kernel(z_ptr, dz_ptr, inv_t_ptr, m_ptr, ls_ptr, coef_ptr, V, stride_z,
+                        stride_d, scale, cap, HAS_CAP: tl.constexpr, BLOCK_V: tl.constexpr):
+    """dz = c softmax(u) d a / d z / scale over logits rows (n, V), c (n,) the row's
+    coefficient -sum(g) scale / T (exactly 0 where c is); the support classes' values
+    are written over these afterwards."""
+    row = tl.program_id(0).to(tl.int64)
+    z_row = z_ptr + row * stride_z
+    cols = tl.arange(0, BLOCK_V)
+    inv_t = tl.load(inv_t_ptr + row)
+    m = tl.load(m_ptr + row)
+    ls = tl.load(ls_ptr + row)
+    c = tl.load(coef_ptr + row)
+    for v0 in range(0, V, BLOCK_V):
+        offs = v0 + cols
+        mask = offs < V
+        a = _load_a(z_row + offs, mask, scale, cap, HAS_CAP)
+        d = tl.exp((a * inv_t - m) - ls) * c
+        if HAS_CAP:
+            th = a / cap
+            d *= 1.0 - th * th
+        d = tl.where(c != 0.0, d, 0.0)
+        tl.store(dz_ptr + row * stride_d + offs, d.to(dz_ptr.dtype.element_ty), mask=mask)
+
+
+def _class_sums(idx, g):
+    """(n, k): each entry's sum of g over the entries of its row naming the same class
+    (duplicates), from a sort of the k indices (no (n, k, k) temporary)."""
+    k = idx.shape[1]
+    sorted_idx, order = torch.sort(idx, dim=-1, stable=True)
+    pos = torch.arange(k, device=idx.device).expand_as(idx)
+    new = torch.ones_like(sorted_idx, dtype=torch.bool)
+    new[:, 1:] = sorted_idx[:, 1:] != sorted_idx[:, :-1]
+    first = torch.where(new, pos, 0).cummax(-1).values  # each run's first position
+    sums = torch.zeros_like(g).scatter_add_(1, first, g.gather(1, order))
+    return torch.empty_like(g).scatter_(1, order, sums.gather(1, first))
+
+
+def triton_sparse_rows(z, idx, inv_t, terms, mdt, dz_dtype, want_grad, logit_scale=1.0,
+                       softcap=None, shard=ONE_DEVICE):
+    """distill.sparse_rows on the Triton kernels (one device): a sweep for each row's
+    logsumexp, terms on the support's log-probs (from its gathered logits), a sweep
+    writing the softmax part of dz, then the support classes' exact values over theirs
+    (each rounded once)."""
     n, V = z.shape
-    assert mdt == torch.float32 and z.stride(1) == 1
-    skip, valid, safe, p = sparse_targets(idx, probs, V, opts.ignore_index, torch.float32)
+    assert mdt == torch.float32 and z.stride(1) == 1 and shard.group is None
     inv_t = inv_t.float().contiguous()
-    z_k = z.gather(1, safe).float() * inv_t[:, None]  # before dz may be written over z
-    w = torch.where(valid, weights.float(), 0.0)
-    c = w * inv_t
-    a = p.sum(-1) * c
+    # the support's a = softcap(scale z), gathered before dz may be written over z
+    a_k, da_k = capped(z.gather(1, idx), logit_scale, softcap, mdt)
     m, ls = (z.new_empty(n, dtype=torch.float32) for _ in range(2))
-    dz = dz_buffer(z, dz_dtype) if want_grad else z
-    _soft_ce_rows_kernel[(n,)](z, dz, inv_t, a, m, ls, V, z.stride(0), dz.stride(0),
-                               HAS_GRAD=want_grad, BLOCK_V=_block_v(V), num_warps=_WARPS)
-    log_q = (z_k - m[:, None]) - ls[:, None]  # relative to the max, as the kernel's
-    loss_t = -w * torch.where(skip, 0.0, p * log_q).sum(-1)
+    flags = dict(HAS_CAP=softcap is not None, BLOCK_V=_block_v(V), num_warps=_WARPS)
+    scale, cap = float(logit_scale), float(softcap or 1.0)
+    _sparse_stats_kernel[(n,)](z, inv_t, m, ls, V, z.stride(0), scale, cap, **flags)
+    log_q = (a_k * inv_t[:, None] - m[:, None]) - ls[:, None]  # relative to the max
+    loss_t, g, *stats = terms(log_q)
     if not want_grad:
-        return loss_t, None
-    # each target class's p summed over the entries naming it (duplicates; a skipped
-    # entry names column 0, whose value is then written exactly too)
-    same = (safe[:, :, None] == safe[:, None, :]) & ~skip[:, None, :]
-    p_sum = torch.where(same, p[:, None, :], 0.0).sum(-1)
-    exact = torch.where(valid[:, None], a[:, None] * log_q.exp() - c[:, None] * p_sum, 0.0)
-    return loss_t, dz.scatter_(1, safe, exact.to(dz.dtype))
+        return (loss_t, *stats), None
+    c = inv_t[:, None] * logit_scale  # d u / d (logit_scale z), times logit_scale
+    coef = (-g.sum(-1, keepdim=True) * c).contiguous()
+    dz = dz_buffer(z, dz_dtype)
+    _sparse_grad_kernel[(n,)](z, dz, inv_t, m, ls, coef, V, z.stride(0), dz.stride(0),
+                              scale, cap, **flags)
+    exact = coef * log_q.exp() + c * _class_sums(idx, g)
+    if da_k is not None:  # softcap'(.): da is d a / d z, the scale included
+        exact = exact * (da_k / logit_scale)
+    return (loss_t, *stats), dz.scatter_(1, idx, exact.to(dz.dtype))
 
 
 def triton_divergence_rows(z_s, z_t, target, valid, inv_t, weights, opts, mdt, dz_dtype,
@@ -276,4 +310,4 @@ def triton_divergence_rows(z_s, z_t, target, valid, inv_t, weights, opts, mdt, d
 
 
 TRITON_DISTILL_ROWS = DistillRows(RowMath(triton_divergence_rows, temporaries=0),
-                                  RowMath(triton_soft_ce_rows, temporaries=0))
+                                  RowMath(triton_sparse_rows, temporaries=0))
