@@ -146,19 +146,28 @@ def test_bench_distill_tiny_runs_and_agrees_with_trl():
     pytest.importorskip("trl")
     out = _run("torch_fce.bench", "distill", "--device", "cpu", "--N", "64", "--V", "300",
                "--Dt", "24", "--student-dims", "16", "--betas", "0,0.5", "--reps", "1",
-               "--methods", "fce,eager,trl")
+               "--methods", "fce,eager,trl", "--teacher-dims", "24", "--ks", "1,7",
+               "--supports", "5", "--sparse-betas", "0.5")
     assert out.returncode == 0, out.stderr[-4000:]
     rows = [dict(kv.split("=") for kv in ln.split()) for ln in out.stdout.splitlines()
-            if ln.strip().startswith("method=")]
-    assert [(r["method"], r["beta"]) for r in rows] == [
-        (m, b) for b in ("0", "0.5") for m in ("fce", "eager", "trl")]
+            if ln.strip().startswith(("method=", "part="))]
+    assert [(r.get("part"), r["method"]) for r in rows] == [
+        (None, m) for b in ("0", "0.5") for m in ("fce", "eager", "trl")] + [
+        ("topk", m) for k in (1, 7) for m in ("fce", "eager", "compile")] + [
+        ("sparse", m) for tail in (0, 1) for m in ("fce", "eager", "compile", "ce")]
     for r in rows:  # float32 on the CPU: every method's gradients on the reference's
-        assert float(r["dw_err"]) < 1e-4 and float(r["dh_err"]) < 1e-4, r
+        if "dw_err" in r:
+            assert float(r["dw_err"]) < 1e-4 and float(r["dh_err"]) < 1e-4, r
+        if "same_classes" in r:  # float32 logits both: the same top-k
+            assert r["same_classes"] == "1", r
+    assert sum("dw_err" in r for r in rows) == 6 + 2 * 3
 
 
 def test_bench_distill_names_bad_flags():
     for flags, named in ((["--methods", "fce,nope"], "--methods"), (["--betas", "2"], "--betas"),
-                         (["--reps", "0"], "--reps"), (["--student-dims", "x"], "--student")):
+                         (["--reps", "0"], "--reps"), (["--student-dims", "x"], "--student"),
+                         (["--parts", "topk,x"], "--parts"), (["--ks", "300"], "--ks"),
+                         (["--sparse-betas", "-1"], "--sparse-betas")):
         out = _run("torch_fce.bench", "distill", "--device", "cpu", *flags)
         assert out.returncode == 2 and named in out.stderr, (flags, out.stderr)
 
@@ -230,7 +239,8 @@ CUDA_TOOLS = {
                   "--B", "2", "--T", "128", "--reps", "1"),
     "bench distill": ("torch_fce.bench", "distill", "--device", "cuda", "--N", "512", "--V",
                       "4096", "--Dt", "256", "--student-dims", "128", "--betas", "0,0.5",
-                      "--reps", "1", "--methods", "fce,fce-bf16logits,compile,trl"),
+                      "--reps", "1", "--methods", "fce,fce-bf16logits,compile,trl",
+                      "--teacher-dims", "256", "--ks", "8", "--supports", "8"),
     # one GPU: NCCL with one rank (two ranks: tests/distributed/test_vocab_parallel_nccl.py)
     "bench distributed": ("torch_fce.bench", "distributed", "--world", "1", "--device",
                           "cuda", "--shapes", "tiny", "--reps", "1"),

@@ -1,6 +1,8 @@
 """python -m torch_fce.bench distill: the student-teacher divergence of TRL's
 DistillationTrainer (its generalized JSD at beta, temperature 1, the mean over the
-tokens counted), forward + backward, torch_fce against its peers on the same inputs.
+tokens counted), forward + backward, torch_fce against its peers on the same inputs
+(--parts divergence); the teacher's top-k and the student's sparse divergence over it
+(--parts topk, sparse: bench/topk_distill.py says what they run).
 
 Per (student D, beta): bf16 inputs, N tokens of which 10% are not counted (target
 -100), V classes, the teacher's hidden size --Dt. Methods:
@@ -29,6 +31,8 @@ import torch_fce
 from torch_fce.bench.env import describe, environment
 from torch_fce.bench.measure import (add_device_option, add_size_options, check_device,
                                      median_time, peak_extra_bytes)
+from torch_fce.bench.topk_distill import (SPARSE_METHODS, TOPK_METHODS, measure_sparse,
+                                          measure_topk)
 from torch_fce.testing import rel_err
 
 IGNORED = 0.1  # the share of tokens not counted
@@ -86,6 +90,7 @@ METHODS = {"fce": _fce, "fce-bf16logits": lambda b: _fce(b, None), "eager": _unf
            "trl": _trl, "liger": _liger}
 
 DEFAULT_METHODS = "fce,fce-bf16logits,compile,trl,liger"
+PARTS = ("divergence", "topk", "sparse")
 
 
 def _inputs(args, D, device):
@@ -170,12 +175,24 @@ def main(argv=None):
     add_size_options(parser, N=(16384, "tokens"), V=(151936, "classes"),
                      Dt=(4096, "the teacher's hidden size"),
                      reps=(10, "timed steps per method (median)"))
+    parser.add_argument("--parts", default=",".join(PARTS),
+                        help=f"comma-separated, of {', '.join(PARTS)} (default: all)")
     parser.add_argument("--student-dims", default="1024,2048",
-                        help="the students' hidden sizes (default: 1024,2048)")
-    parser.add_argument("--betas", default="0,0.5,1", help="the betas (default: 0,0.5,1)")
+                        help="the students' hidden sizes (default: 1024,2048; sparse: the "
+                             "first)")
+    parser.add_argument("--betas", default="0,0.5,1",
+                        help="the divergence's betas (default: 0,0.5,1)")
     parser.add_argument("--methods", default=DEFAULT_METHODS,
-                        help=f"comma-separated, of {', '.join(METHODS)} "
-                             f"(default: {DEFAULT_METHODS})")
+                        help=f"the divergence's, comma-separated, of {', '.join(METHODS)} "
+                             f"(default: {DEFAULT_METHODS}); topk runs "
+                             f"{', '.join(TOPK_METHODS)}, sparse {', '.join(SPARSE_METHODS)}")
+    parser.add_argument("--teacher-dims", default="4096,1536",
+                        help="topk: the teachers' hidden sizes (default: 4096,1536)")
+    parser.add_argument("--ks", default="8,64,128", help="topk: the k (default: 8,64,128)")
+    parser.add_argument("--supports", default="8,64",
+                        help="sparse: the support sizes K (default: 8,64)")
+    parser.add_argument("--sparse-betas", default="0,0.5",
+                        help="sparse: the betas, each with tail off and on (default: 0,0.5)")
     parser.add_argument("--no-errors", dest="errors", action="store_false",
                         help="skip the float32 reference and the gradients' errors "
                              "(default: measured)")
@@ -186,24 +203,51 @@ def main(argv=None):
     for m in args.methods:
         if m not in METHODS:
             parser.error(f"--methods: unknown method {m!r} (of {', '.join(METHODS)})")
+    parts = args.parts.split(",")
+    for p in parts:
+        if p not in PARTS:
+            parser.error(f"--parts: unknown part {p!r} (of {', '.join(PARTS)})")
     try:
         dims = [int(d) for d in args.student_dims.split(",")]
+        teacher_dims = [int(d) for d in args.teacher_dims.split(",")]
+        ks = [int(k) for k in args.ks.split(",")]
+        supports = [int(k) for k in args.supports.split(",")]
         betas = [float(b) for b in args.betas.split(",")]
+        sparse_betas = [float(b) for b in args.sparse_betas.split(",")]
     except ValueError as e:
-        parser.error(f"--student-dims / --betas: {e}")
+        parser.error(f"--student-dims / --teacher-dims / --ks / --supports / --betas / "
+                     f"--sparse-betas: {e}")
     for name in ("N", "V", "Dt", "reps"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
-    if not all(0.0 <= b <= 1.0 for b in betas):
-        parser.error(f"--betas must lie in [0, 1], got {args.betas}")
+    if not all(0.0 <= b <= 1.0 for b in betas + sparse_betas):
+        parser.error(f"--betas and --sparse-betas must lie in [0, 1], got {args.betas}, "
+                     f"{args.sparse_betas}")
+    if not all(1 <= k <= min(256, args.V) for k in ks + supports):
+        parser.error(f"--ks and --supports must lie in [1, min(256, V)], got {args.ks}, "
+                     f"{args.supports}")
     env = environment()
     print(describe(env))
     rows = []
-    for D in dims:
-        for beta in betas:
-            print(f"N={args.N} V={args.V} D={D} teacher D={args.Dt} beta={beta}",
-                  flush=True)
-            rows += measure(args, D, beta, args.device)
+    if "divergence" in parts:
+        for D in dims:
+            for beta in betas:
+                print(f"N={args.N} V={args.V} D={D} teacher D={args.Dt} beta={beta}",
+                      flush=True)
+                rows += measure(args, D, beta, args.device)
+    if "topk" in parts:
+        for D in teacher_dims:
+            for k in ks:
+                print(f"topk: N={args.N} V={args.V} teacher D={D} k={k}", flush=True)
+                rows += measure_topk(args, D, k, args.device, TOPK_METHODS)
+    if "sparse" in parts:
+        for K in supports:
+            for beta in sparse_betas:
+                for tail in (False, True):
+                    print(f"sparse: N={args.N} V={args.V} D={dims[0]} K={K} beta={beta} "
+                          f"tail={tail}", flush=True)
+                    rows += measure_sparse(args, dims[0], K, tail, beta, args.device,
+                                           SPARSE_METHODS)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(environment=env, args=vars(args), rows=rows),
