@@ -177,8 +177,8 @@ def topk_reference(hidden, weight, k, bias=None, target=None, temperature=1.0,
 def sparse_divergence_reference(hidden, weight, support, teacher_lp, bias=None, beta=0.0,
                                 tail=False, temperature=1.0, logit_scale=1.0, softcap=None,
                                 token_weights=None, ignore_index=-100):
-    """(loss, divergence, student_mass) in float64 as TRL 1.16's server distillation
-    forms them (_compute_server_forward_kl_loss, _add_tail_bucket, _jsd_divergence with
+    """(loss, divergence, student_mass, entropy) in float64 as TRL 1.16's server
+    distillation forms them (_compute_server_forward_kl_loss, _add_tail_bucket, _jsd_divergence with
     a support mask) from the student's full log-softmax, differentiable w.r.t. hidden,
     weight and bias; a support entry equal to ignore_index is invalid too, a token
     without valid entries not counted; token_weights None: 1 / the tokens counted."""
@@ -225,5 +225,7 @@ def sparse_divergence_reference(hidden, weight, support, teacher_lp, bias=None, 
     w = counted.double() / counted.sum().clamp(min=1) if token_weights is None \
         else token_weights.double()
     mass = torch.where(valid, log_q.gather(-1, torch.where(valid, support, 0)).exp(), 0.0)
+    entropy = -(log_q.exp() * log_q).sum(-1)  # the async trainer's entropy metric
     return (torch.where(counted, w * div, 0.0).sum(), div.detach(),
-            torch.where(counted, mass.sum(-1), 0.0).detach())
+            torch.where(counted, mass.sum(-1), 0.0).detach(),
+            torch.where(counted, entropy, 0.0).detach())

@@ -350,8 +350,8 @@ def linear_sparse_divergence(hidden, weight, support, teacher_logprobs, bias=Non
 
     Returns:
         (loss, SparseDivergenceStats): the float32 scalar loss (differentiable w.r.t.
-        hidden, weight and bias) and the detached per-token divergence and the
-        student's mass on the support.
+        hidden, weight and bias) and the detached per-token divergence, the student's
+        mass on the support and the student's entropy.
     """
     opts = SparseDivOptions(beta=beta, tail=tail, logit_scale=logit_scale, softcap=softcap,
                             ignore_index=ignore_index, accumulator=accumulator,

@@ -44,10 +44,11 @@ class PolicyStats(NamedTuple):
 class SparseDivergenceStats(NamedTuple):
     """linear_sparse_divergence's per-token statistics, each of the tokens' shape,
     float32 (float64 for float64 inputs), detached, 0 at tokens not counted: the
-    divergence over the support and the student's probability mass on the support's
-    valid entries."""
+    divergence over the support, the student's probability mass on the support's valid
+    entries and the entropy of the student's whole distribution (at its temperature)."""
     divergence: torch.Tensor
     student_mass: torch.Tensor
+    entropy: torch.Tensor
 
 
 class TopKLogprobs(NamedTuple):

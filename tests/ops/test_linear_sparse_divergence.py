@@ -70,7 +70,7 @@ def test_matches_the_float64_composition_of_trls(p):
     def ours(h, w, b=None):
         loss, stats = torch_fce.linear_sparse_divergence(
             h, w, support, lp, b, temperature=T, token_weights=weights, **p["options"])
-        return loss, stats.divergence, stats.student_mass
+        return loss, stats.divergence, stats.student_mass, stats.entropy
 
     def theirs(h, w, b=None):
         return reference(h, w, support, lp, b, temperature=T, token_weights=weights,
@@ -82,8 +82,8 @@ def test_matches_the_float64_composition_of_trls(p):
             got = _run(ours, leaves)
     else:
         got = _run(ours, leaves)
-    for name, a, r in zip(("loss", "divergence", "mass", "hidden", "weight", "bias"), got,
-                          want):
+    for name, a, r in zip(("loss", "divergence", "mass", "entropy", "hidden", "weight",
+                           "bias"), got, want):
         # float64 both: relative 1e-9, or rounding noise where the value is 0 (a support
         # of one class renormalised leaves the student nothing to move)
         assert (a - r).norm() <= 1e-9 * r.norm() + 1e-13, name
@@ -100,7 +100,7 @@ def test_triton_rows_match_the_float64_composition(p, rows, logits_dtype):
     tw = None if p["weights"] is None else p["weights"].float().to(DEVICE)
     rec = room.SparseDivOptions(**p["options"], logits_dtype=logits_dtype)
     with chunks(rows, h, w):
-        loss, gh, gw, gb, div, mass = room.fwd(
+        loss, gh, gw, gb, *stats = room.fwd(
             h, w, support, lp, b, tw, T, *rec, *ONE_DEVICE, [True, True, b is not None],
             backend=TRITON)
     leaves = [t.double().requires_grad_() for t in (h, w, b) if t is not None]
@@ -108,8 +108,8 @@ def test_triton_rows_match_the_float64_composition(p, rows, logits_dtype):
                      token_weights=None if tw is None else tw.double(), **p["options"])
     grads = torch.autograd.grad(want[0], leaves)
     scale = float((h.norm() + 1) * (w.norm() + 1))  # cancelling terms' float32 rounding
-    for name, a, r in zip(("loss", "divergence", "mass", "hidden", "weight", "bias"),
-                          (loss, div, mass, gh, gw, gb), (*want, *grads)):
+    for name, a, r in zip(("loss", "divergence", "mass", "entropy", "hidden", "weight",
+                           "bias"), (loss, *stats, gh, gw, gb), (*want, *grads)):
         assert (a.double() - r.detach()).norm() <= 2e-5 * (r.norm() + scale * 1e-2), name
 
 

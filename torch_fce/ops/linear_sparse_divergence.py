@@ -17,7 +17,9 @@ student), 1 KL(student || teacher), between the mixture form). loss = sum_t w_t
 div_t. The formula is written once, on the (n, K) log-probs (`_divergence`); autograd
 gives its derivative g w.r.t. the student's support log-probs, and the row math
 (rowmath/distill.sparse_rows and its Triton twin, the sparse-target cross entropy's
-too) forms the logits gradient from g in the same pass: three GEMMs, the gradients formed in the forward.
+too) forms the logits gradient from g in the same pass: three GEMMs, the gradients
+formed in the forward. Beside the divergence and the student's mass on the support, the
+rows give the student's whole-distribution entropy (TRL's async trainer logs it).
 """
 
 import collections
@@ -144,7 +146,7 @@ def _terms(log_q, teacher, entries, weights, opts):
 grads.define_forward_grads_ops(
     "linear_sparse_divergence",
     ("Tensor hidden", "Tensor weight", "Tensor support", "Tensor teacher_logprobs"),
-    SparseDivTensors, SparseDivOptions, ("divergence", "student_mass"))
+    SparseDivTensors, SparseDivOptions, ("divergence", "student_mass", "entropy"))
 
 
 def check_sparse_div_inputs(hidden, weight, support, teacher, tensors):
@@ -165,18 +167,18 @@ def check_sparse_div_inputs(hidden, weight, support, teacher, tensors):
 
 
 def forward(hidden, weight, support, teacher, tensors, opts, shard=ONE_DEVICE):
-    """(loss, divergence, student_mass) for checked options and a SparseDivTensors; also
-    the vocab-parallel entry (weight and bias then this rank's classes)."""
+    """(loss, divergence, student_mass, entropy) for checked options and a
+    SparseDivTensors; also the vocab-parallel entry (weight and bias then this rank's classes)."""
     refuse_transforms((hidden, weight, tensors.bias))
     hidden, weight, bias = autocast_operands(hidden, weight, tensors.bias)
     tensors = tensors._replace(bias=bias)  # dtypes checked after autocast
     check_sparse_div_inputs(hidden, weight, support, teacher, tensors)
     K, shape = support.shape[-1], hidden.shape[:-1]
-    loss, _, _, _, div, mass = torch.ops.fce.linear_sparse_divergence_fwd(
+    loss, _, _, _, *stats = torch.ops.fce.linear_sparse_divergence_fwd(
         token_rows(hidden), weight, support.reshape(-1, K), teacher.detach().reshape(-1, K),
         bias, flat(tensors.token_weights), flat(tensors.temperature), *opts, *shard,
         forward_needs_grad(hidden, weight, bias))
-    return loss, div.reshape(shape), mass.reshape(shape)
+    return (loss, *(s.reshape(shape) for s in stats))
 
 
 @torch.library.impl(LIB, "linear_sparse_divergence", "CompositeImplicitAutograd")
@@ -196,7 +198,7 @@ def _fwd_fake(hidden, weight, support, teacher, *args):
     shard, (needs,) = take(VocabShard, rest)
     check_sparse_div_inputs(hidden, weight, support, teacher, tensors)
     return grads.fake_forward_grads_outputs(hidden, weight, tensors.bias, needs, opts, shard,
-                                            2)
+                                            len(_Outputs._fields) - 1)
 
 
 # ---- autograd: the forward's gradients scaled by the upstream gradient -------------
@@ -220,14 +222,14 @@ grads.register_forward_grads_autograd("linear_sparse_divergence_fwd", (0, 1, 4),
 # ---- the implementation, on the chunk loop -----------------------------------------
 
 # The op's per-token outputs, in the order run_chunks writes them.
-_Outputs = collections.namedtuple("_Outputs", "loss divergence student_mass")
+_Outputs = collections.namedtuple("_Outputs", "loss divergence student_mass entropy")
 
 
 @kernel("linear_sparse_divergence_fwd")
 def fwd(hidden, weight, support, teacher, bias, token_weights_, temperature, *args, backend):
-    """(loss, grad_hidden, grad_weight, grad_bias, divergence, student_mass): per chunk
-    the logits, then the backend's sparse rows with this op's terms (a VocabShard: the
-    PyTorch rows, their row sums all-reduced)."""
+    """(loss, grad_hidden, grad_weight, grad_bias, divergence, student_mass, entropy):
+    per chunk the logits, then the backend's sparse rows with this op's terms (a
+    VocabShard: the PyTorch rows, their row sums all-reduced)."""
     opts, rest = take(SparseDivOptions, args)
     opts = opts.check()
     shard, (needs,) = take(VocabShard, rest)
@@ -256,11 +258,11 @@ def fwd(hidden, weight, support, teacher, bias, token_weights_, temperature, *ar
             t = _terms(log_q, teacher[s:e], entries[s:e], weights[s:e], opts)
             return t.loss, t.g, t.divergence, t.mass
 
-        (loss_t, div, mass), dz = sparse.rows(logits, safe[s:e], inv_t[s:e], terms, mdt,
-                                              hidden.dtype, any(needs), opts.logit_scale,
-                                              opts.softcap, shard)
+        (loss_t, div, mass, ent), dz = sparse.rows(
+            logits, safe[s:e], inv_t[s:e], terms, mdt, hidden.dtype, any(needs),
+            opts.logit_scale, opts.softcap, entropy=True, shard=shard)
         counted = entries[s:e].any(-1)
-        return _Outputs(loss_t, div, mass), \
+        return _Outputs(loss_t, div, mass, torch.where(counted, ent, 0.0)), \
             None if dz is None else dz.masked_fill_(~counted[:, None], 0.0)
 
     with no_autocast(hidden):
@@ -271,4 +273,4 @@ def fwd(hidden, weight, support, teacher, bias, token_weights_, temperature, *ar
                                shard=shard, logits_dtype=ldt)
     return (out.loss.sum(), *grad_outputs(hidden, weight, bias, gradients,
                                           opts.accumulator == "fp32", shard.group is not None),
-            out.divergence, out.student_mass)
+            out.divergence, out.student_mass, out.entropy)

@@ -151,11 +151,12 @@ def sparse_targets(idx, probs, V, ignore_index, mdt):
 
 
 def sparse_rows(z, idx, inv_t, terms, mdt, dz_dtype, want_grad, logit_scale=1.0,
-                softcap=None, shard=ONE_DEVICE):
+                softcap=None, entropy=False, shard=ONE_DEVICE):
     """(out, dz) of a loss over a few classes of each row, the support idx (n, k) of
     whole-vocabulary classes (made safe to read): with a = softcap(logit_scale * z),
     u = a / T and log q = log_softmax(u), terms(log_q[idx]) gives (loss_t, g, *stats)
-    with g = d loss_t / d log_q[idx] (n, k), and
+    with g = d loss_t / d log_q[idx] (n, k); out is (loss_t, *stats), and with entropy
+    the rows' entropy -sum q log q after them; and
         d loss_t / d u = scatter(g) - (sum_k g_k) q,
     times d u / d z = softcap'(.) logit_scale / T (dz None without want_grad). log q is
     formed relative to the row max, so a confident row keeps float32 precision (not
@@ -174,6 +175,9 @@ def sparse_rows(z, idx, inv_t, terms, mdt, dz_dtype, want_grad, logit_scale=1.0,
     e = u.sub_(m).exp_()  # u is consumed from here on
     total = shard.all_reduce(e.sum(-1, keepdim=True), "sum")
     loss_t, g, *stats = terms((u_k - m) - total.log())
+    if entropy:  # log S - sum e log e / S, e = exp(u - m), S = sum e (0 log 0 = 0)
+        xlx = shard.all_reduce(torch.special.xlogy(e, e).sum(-1, keepdim=True), "sum")
+        stats.append((total.log() - xlx / total)[:, 0])
     if not want_grad:
         return (loss_t, *stats), None
     c = inv_t[:, None] * logit_scale  # d u / d (logit_scale z), times logit_scale

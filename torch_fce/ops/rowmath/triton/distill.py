@@ -10,7 +10,8 @@ sum) and in a third sweep otherwise (q (g - G) needs G). So a chunk's two logits
 read two or three times and the gradient written once, in the inputs' dtype.
 
 The losses over a few classes of each row (the sparse divergence, the sparse-target
-cross entropy) sweep a row twice, in two kernels: the first forms its logsumexp at T;
+cross entropy) sweep a row twice, in two kernels: the first forms its logsumexp at T
+(and the entropy, asked);
 the loss terms and their derivative g on the support follow from the gathered support
 logits; the second writes dz's softmax part, -sum(g) q / T; the support classes'
 exact values (that plus their g / T) are then written over theirs, each rounded once.
@@ -202,20 +203,36 @@ def _distill_rows_kernel(
 
 
 @triton.jit
-def _sparse_stats_kernel(z_ptr, inv_t_ptr, m_ptr, ls_ptr, V, stride_z, scale, cap,
-                         HAS_CAP: tl.constexpr, BLOCK_V: tl.constexpr):
+def _sparse_stats_kernel(z_ptr, inv_t_ptr, m_ptr, ls_ptr, ent_ptr, V, stride_z, scale, cap,
+                         HAS_CAP: tl.constexpr, ENTROPY: tl.constexpr, BLOCK_V: tl.constexpr):
     """Logits rows (n, V) -> m, log s (n,) of u = softcap(scale z) / T (lse = m +
-    log s)."""
+    log s) and, with ENTROPY, -sum q log q = log s - t / s, t = sum e (u - m) and e =
+    exp(u - m) (both rescaled as the max moves: t' = r (t + (m - m') s), r = exp(m -
+    m'))."""
     row = tl.program_id(0).to(tl.int64)
     z_row = z_ptr + row * stride_z
     cols = tl.arange(0, BLOCK_V)
     inv_t = tl.load(inv_t_ptr + row)
     m, s = _start(BLOCK_V)
+    t = s
     for v0 in range(0, V, BLOCK_V):
         offs = v0 + cols
-        m, s = _online(m, s, _load_a(z_row + offs, offs < V, scale, cap, HAS_CAP) * inv_t)
+        u = _load_a(z_row + offs, offs < V, scale, cap, HAS_CAP) * inv_t
+        if ENTROPY:
+            m_new = tl.maximum(m, tl.max(u, axis=0))
+            r = tl.exp(m - m_new)
+            x = u - m_new
+            e = tl.exp(x)
+            t = r * (t + (m - m_new) * s) + tl.sum(tl.where(e > 0.0, e * x, 0.0), axis=0)
+            s = s * r + tl.sum(e, axis=0)
+            m = m_new
+        else:
+            m, s = _online(m, s, u)
+    ls = tl.log(s)
     tl.store(m_ptr + row, m)
-    tl.store(ls_ptr + row, tl.log(s))
+    tl.store(ls_ptr + row, ls)
+    if ENTROPY:
+        tl.store(ent_ptr + row, ls - t / s)
 
 
 @triton.jit
@@ -257,7 +274,7 @@ def _class_sums(idx, g):
 
 
 def triton_sparse_rows(z, idx, inv_t, terms, mdt, dz_dtype, want_grad, logit_scale=1.0,
-                       softcap=None, shard=ONE_DEVICE):
+                       softcap=None, entropy=False, shard=ONE_DEVICE):
     """distill.sparse_rows on the Triton kernels (one device): a sweep for each row's
     logsumexp, terms on the support's log-probs (from its gathered logits), a sweep
     writing the softmax part of dz, then the support classes' exact values over theirs
@@ -267,12 +284,14 @@ def triton_sparse_rows(z, idx, inv_t, terms, mdt, dz_dtype, want_grad, logit_sca
     inv_t = inv_t.float().contiguous()
     # the support's a = softcap(scale z), gathered before dz may be written over z
     a_k, da_k = capped(z.gather(1, idx), logit_scale, softcap, mdt)
-    m, ls = (z.new_empty(n, dtype=torch.float32) for _ in range(2))
+    m, ls, ent = (z.new_empty(n, dtype=torch.float32) for _ in range(3))
     flags = dict(HAS_CAP=softcap is not None, BLOCK_V=_block_v(V), num_warps=_WARPS)
     scale, cap = float(logit_scale), float(softcap or 1.0)
-    _sparse_stats_kernel[(n,)](z, inv_t, m, ls, V, z.stride(0), scale, cap, **flags)
+    _sparse_stats_kernel[(n,)](z, inv_t, m, ls, ent, V, z.stride(0), scale, cap,
+                               ENTROPY=entropy, **flags)
     log_q = (a_k * inv_t[:, None] - m[:, None]) - ls[:, None]  # relative to the max
     loss_t, g, *stats = terms(log_q)
+    stats += [ent] if entropy else []
     if not want_grad:
         return (loss_t, *stats), None
     c = inv_t[:, None] * logit_scale  # d u / d (logit_scale z), times logit_scale
