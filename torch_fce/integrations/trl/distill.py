@@ -20,7 +20,7 @@ def unsupported(trainer):
                                   "linear_distillation_loss")
 
 
-def loss(trainer, unwrapped_student, inputs, num_items_in_batch, accumulator):
+def loss(trainer, unwrapped_student, inputs, num_items_in_batch=None, *, accumulator):
     """DistillationTrainer._compute_loss, TRL's own (hidden states, heads, scales,
     softcaps, masks), with its module's divergence call served by
     chunked_divergence_loss for the length of the call."""

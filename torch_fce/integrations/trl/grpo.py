@@ -39,7 +39,7 @@ def unsupported(trainer):
     return None
 
 
-def loss(trainer, model, inputs, accumulator):
+def loss(trainer, model, inputs, *, accumulator):
     """GRPOTrainer._compute_loss, for the configurations unsupported() lets through."""
     if _multimodal(trainer, inputs):
         return type(trainer)._compute_loss(trainer, model, inputs)

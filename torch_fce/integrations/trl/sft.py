@@ -32,7 +32,8 @@ def unsupported(trainer):
     return None
 
 
-def loss(trainer, model, inputs, return_outputs, num_items_in_batch, accumulator):
+def loss(trainer, model, inputs, return_outputs=False, num_items_in_batch=None, *,
+         accumulator):
     """SFTTrainer.compute_loss, for the configurations unsupported() lets through:
     one forward with the head capturing its input, then the cross entropy in three
     GEMMs, its token statistics giving TRL's metrics."""
