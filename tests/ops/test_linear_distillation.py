@@ -114,7 +114,7 @@ def test_triton_rows_match_the_float64_reference(problem, rows, logits_dtype):
     x = {k: None if v is None else v.float().to(DEVICE) for k, v in x.items()}
     target = None if target is None else target.to(DEVICE)
     opts = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in opts.items()}
-    N, V = x["h"].shape[0], x["w"].shape[0]
+    N = x["h"].shape[0]
     T = opts.pop("temperature", None)
     T = None if T is None else torch.as_tensor(T, dtype=torch.float32, device=DEVICE
                                                ).expand(N).contiguous()

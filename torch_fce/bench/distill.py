@@ -164,7 +164,7 @@ def measure(args, D, beta, device):
         out.append(row)
         print("  " + "  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                for k, v in row.items()), flush=True)
-        del grads, leaves
+        del grads
     return out
 
 
