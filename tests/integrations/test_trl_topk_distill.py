@@ -326,3 +326,27 @@ def test_async_apply_gives_trls_loss_gradients_and_metrics(tmp_path, monkeypatch
         assert abs(got[2][k] - v) <= 2e-5 * abs(v), k
     fce_trl.revert(trainer)
     assert "_compute_loss" not in vars(trainer)
+
+
+def test_the_docs_example_trains(tmp_path, monkeypatch):
+    # docs/distillation.md's server block, as written, on the tiny models
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "distillation.md").read_text()
+    block, = [b for b in re.findall(r"```python\n(.*?)```", text, re.S)
+              if "def distill_from_server" in b]
+    namespace = {}
+    exec(compile(block, "docs/distillation.md", "exec"), namespace)
+    monkeypatch.setattr(trl_vllm_client, "VLLMClient", _LocalTeacher)
+    config = ServerDistillationConfig(
+        output_dir=str(tmp_path / "out"), teacher_model_server_url="http://x:1", beta=0.0,
+        loss_top_k=TOP_K, per_device_train_batch_size=2, max_completion_length=4,
+        max_steps=1, report_to=[], use_cpu=True, bf16=False, logging_steps=1)
+    data = datasets.Dataset.from_dict({"prompt": ["w3 w4 w5", "w6 w7"] * 4})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = namespace["distill_from_server"](_model(32, 0), config, data,
+                                                   word_tokenizer(V))
+    assert math.isfinite(trainer.state.log_history[0]["loss"])
+    assert "compute_loss" not in vars(trainer)  # reverted
