@@ -153,14 +153,14 @@ def test_bench_distill_tiny_runs_and_agrees_with_trl():
             if ln.strip().startswith(("method=", "part="))]
     assert [(r.get("part"), r["method"]) for r in rows] == [
         (None, m) for b in ("0", "0.5") for m in ("fce", "eager", "trl")] + [
-        ("topk", m) for k in (1, 7) for m in ("fce", "eager", "compile")] + [
-        ("sparse", m) for tail in (0, 1) for m in ("fce", "eager", "compile", "ce")]
+        ("topk", m) for k in (1, 7) for m in ("fce", "eager")] + [
+        ("sparse", m) for tail in (0, 1) for m in ("fce", "eager")]  # --methods' own
     for r in rows:  # float32 on the CPU: every method's gradients on the reference's
         if "dw_err" in r:
             assert float(r["dw_err"]) < 1e-4 and float(r["dh_err"]) < 1e-4, r
         if "same_classes" in r:  # float32 logits both: the same top-k
             assert r["same_classes"] == "1", r
-    assert sum("dw_err" in r for r in rows) == 6 + 2 * 3
+    assert sum("dw_err" in r for r in rows) == 6 + 2 * 2
 
 
 def test_bench_distill_names_bad_flags():

@@ -182,10 +182,11 @@ def main(argv=None):
                              "first)")
     parser.add_argument("--betas", default="0,0.5,1",
                         help="the divergence's betas (default: 0,0.5,1)")
-    parser.add_argument("--methods", default=DEFAULT_METHODS,
-                        help=f"the divergence's, comma-separated, of {', '.join(METHODS)} "
-                             f"(default: {DEFAULT_METHODS}); topk runs "
-                             f"{', '.join(TOPK_METHODS)}, sparse {', '.join(SPARSE_METHODS)}")
+    parser.add_argument("--methods",
+                        help=f"comma-separated, each part running those of its own: the "
+                             f"divergence's {', '.join(METHODS)} (default: "
+                             f"{DEFAULT_METHODS}), topk's {', '.join(TOPK_METHODS)}, "
+                             f"sparse's {', '.join(SPARSE_METHODS)} (default: all)")
     parser.add_argument("--teacher-dims", default="4096,1536",
                         help="topk: the teachers' hidden sizes (default: 4096,1536)")
     parser.add_argument("--ks", default="8,64,128", help="topk: the k (default: 8,64,128)")
@@ -199,10 +200,16 @@ def main(argv=None):
     parser.add_argument("--json", help="write the rows and the environment here")
     args = parser.parse_args(argv)
     check_device(parser, args.device)
-    args.methods = args.methods.split(",")
-    for m in args.methods:
-        if m not in METHODS:
-            parser.error(f"--methods: unknown method {m!r} (of {', '.join(METHODS)})")
+    chosen = None if args.methods is None else args.methods.split(",")
+    for m in chosen or ():
+        if m not in {**METHODS, **TOPK_METHODS, **SPARSE_METHODS}:
+            parser.error(f"--methods: unknown method {m!r} (of {', '.join(METHODS)}, "
+                         f"{', '.join(TOPK_METHODS)}, {', '.join(SPARSE_METHODS)})")
+    args.methods = DEFAULT_METHODS.split(",") if chosen is None else \
+        [m for m in chosen if m in METHODS]
+    topk_methods, sparse_methods = (
+        list(table) if chosen is None else [m for m in chosen if m in table]
+        for table in (TOPK_METHODS, SPARSE_METHODS))
     parts = args.parts.split(",")
     for p in parts:
         if p not in PARTS:
@@ -239,7 +246,7 @@ def main(argv=None):
         for D in teacher_dims:
             for k in ks:
                 print(f"topk: N={args.N} V={args.V} teacher D={D} k={k}", flush=True)
-                rows += measure_topk(args, D, k, args.device, TOPK_METHODS)
+                rows += measure_topk(args, D, k, args.device, topk_methods)
     if "sparse" in parts:
         for K in supports:
             for beta in sparse_betas:
@@ -247,7 +254,7 @@ def main(argv=None):
                     print(f"sparse: N={args.N} V={args.V} D={dims[0]} K={K} beta={beta} "
                           f"tail={tail}", flush=True)
                     rows += measure_sparse(args, dims[0], K, tail, beta, args.device,
-                                           SPARSE_METHODS)
+                                           sparse_methods)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(environment=env, args=vars(args), rows=rows),
