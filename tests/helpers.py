@@ -18,9 +18,11 @@ from torch_fce.ops.machinery.dispatch import Backend
 from torch_fce.ops.rowmath.ce import TORCH_CE_ROWS
 from torch_fce.ops.rowmath.distill import TORCH_DISTILL_ROWS
 from torch_fce.ops.rowmath.logprob import TORCH_LOGPROB_ROWS
+from torch_fce.ops.rowmath.topk import topk_rows
 from torch_fce.ops.rowmath.triton.ce import TRITON_CE_ROWS
 from torch_fce.ops.rowmath.triton.distill import TRITON_DISTILL_ROWS
 from torch_fce.ops.rowmath.triton.logprob import TRITON_LOGPROB_ROWS
+from torch_fce.ops.rowmath.triton.topk import triton_topk_rows
 
 from tests.references import linear_ce_reference, logits_ce_reference
 from torch_fce.testing import make_inputs, rel_err
@@ -216,8 +218,9 @@ def ce_problems(draw, dtypes=(torch.float32, torch.bfloat16, torch.float16),
 # ---- an op's implementation with a chosen backend and chunk size: one device's row
 # functions on the shared loop, called directly (no dispatcher, no value checks)
 
-TORCH = Backend(TORCH_CE_ROWS, TORCH_LOGPROB_ROWS, TORCH_DISTILL_ROWS, check_values=False)
-TRITON = Backend(TRITON_CE_ROWS, TRITON_LOGPROB_ROWS, TRITON_DISTILL_ROWS,
+TORCH = Backend(TORCH_CE_ROWS, TORCH_LOGPROB_ROWS, TORCH_DISTILL_ROWS, topk_rows,
+                check_values=False)
+TRITON = Backend(TRITON_CE_ROWS, TRITON_LOGPROB_ROWS, TRITON_DISTILL_ROWS, triton_topk_rows,
                  check_values=False)
 BACKENDS = {"torch_rows": TORCH, "triton_rows": TRITON}
 

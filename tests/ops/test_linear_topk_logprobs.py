@@ -8,9 +8,10 @@ import torch
 from hypothesis import given, strategies as st
 
 import torch_fce
+from torch_fce.ops import linear_topk_logprobs as room
 from torch_fce.testing import rel_err
 
-from tests.helpers import DEVICE, ONE_DEVICE, chunks, confident_inputs
+from tests.helpers import DEVICE, ONE_DEVICE, TORCH, TRITON, chunks, confident_inputs
 from tests.references import topk_reference as reference
 
 
@@ -62,6 +63,24 @@ def test_matches_the_float64_reference_ties_included(p):
         assert got.target_logprob is None
     else:
         assert rel_err(got.target_logprob, want[2]) <= 1e-12
+
+
+@given(problems(), st.sampled_from([1, 3, 64]), st.sampled_from([torch.float32, None]))
+def test_triton_rows_equal_the_pytorch_rows(p, rows, logits_dtype):
+    # float32 inputs (the interpreter off the GPU): the same classes, ties included, and
+    # the same log-probs to float32's rounding, per chunk size
+    h, w, b = (None if p[k] is None else p[k].float().to(DEVICE) for k in ("h", "w", "b"))
+    N = h.shape[0]
+    target = p["t"].to(DEVICE) if p["target"] else None
+    T = torch.as_tensor(p["T"], dtype=torch.float32).expand(N).contiguous().to(DEVICE)
+    rec = room.TopKOptions(k=p["k"], logits_dtype=logits_dtype, **p["options"])
+    with chunks(rows, h, w):
+        got, want = (room.fwd(h, w, b, target, T, *rec, *ONE_DEVICE, backend=backend)
+                     for backend in (TRITON, TORCH))
+    assert torch.equal(got[0], want[0])
+    scale = 1e-5 * (1 + want[1].abs().max())
+    assert (got[1] - want[1]).abs().max() <= scale
+    assert (got[2] - want[2]).abs().max() <= scale
 
 
 def test_float32_confident_rows_at_large_magnitude_and_batch_shape():

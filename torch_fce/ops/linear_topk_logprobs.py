@@ -111,8 +111,8 @@ def _fwd_fake(hidden, weight, *args):
 
 @kernel("linear_topk_logprobs_fwd")
 def fwd(hidden, weight, bias, target, temperature, *args, backend):
-    """Per chunk the logits, then the top-k rows (the PyTorch rows on every device); a
-    VocabShard's candidates and row sums are merged across its group."""
+    """Per chunk the logits, then the backend's top-k rows (a VocabShard: the PyTorch
+    rows, its candidates and row sums merged across the group)."""
     opts, rest = take(TopKOptions, args)
     opts = opts.check()
     shard = take(VocabShard, rest)[0]
@@ -124,15 +124,17 @@ def fwd(hidden, weight, bias, target, temperature, *args, backend):
     out = (hidden.new_empty(N, opts.k, dtype=torch.int64),
            hidden.new_empty(N, opts.k, dtype=mdt), hidden.new_empty(N, dtype=mdt))
     inv_t = inverse_temperature(temperature, N, hidden.device, mdt)
+    rows = backend.topk if shard.group is None else topk_rows
 
     def row_fn(logits, s, e):
-        return topk_rows(logits, None if target is None else target[s:e], inv_t[s:e], opts,
-                         mdt, shard), None
+        return rows(logits, None if target is None else target[s:e], inv_t[s:e], opts, mdt,
+                    shard), None
 
     with no_autocast(hidden):
         ldt = logits_dtype_for(hidden, opts)
-        # the row math holds float32 z, two boolean masks and an int32 rank beside them
-        per_logit = ldt.itemsize + 4 + 2 + 4 + 4
+        # the PyTorch rows hold float32 z, two boolean masks and an int32 rank beside the
+        # logits; the Triton rows a few slots per row only
+        per_logit = ldt.itemsize + (4 + 2 + 4 + 4 if rows is topk_rows else 0)
         run_chunks(hidden, weight, bias, row_fn, out, (False,) * 3, "fp32",
                    chunk_rows_for(hidden, weight, shard, per_logit=per_logit),
                    shard=shard, logits_dtype=ldt)

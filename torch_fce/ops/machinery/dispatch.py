@@ -17,6 +17,7 @@ from ..contract import checks
 from ..rowmath.ce import TORCH_CE_ROWS
 from ..rowmath.distill import TORCH_DISTILL_ROWS
 from ..rowmath.logprob import TORCH_LOGPROB_ROWS
+from ..rowmath.topk import topk_rows
 
 LIB = torch.library.Library("fce", "DEF")
 
@@ -25,12 +26,13 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 class Backend(NamedTuple):
     """A device's row functions (ce.CERows, logprob.LogProbRows,
-    distill.DistillRows) and whether its kernels check target and temperature
-    values (a host sync: always on the CPU, opt-in elsewhere with
-    TORCH_FCE_CHECK_TARGETS=1, docs/api.md)."""
+    distill.DistillRows, topk.topk_rows' signature) and whether its kernels check
+    target and temperature values (a host sync: always on the CPU, opt-in elsewhere
+    with TORCH_FCE_CHECK_TARGETS=1, docs/api.md)."""
     ce: Any
     logprobs: Any
     distill: Any
+    topk: Any
     check_values: bool
 
 
@@ -39,8 +41,9 @@ def _triton_rows():
     from ..rowmath.triton.ce import TRITON_CE_ROWS
     from ..rowmath.triton.distill import TRITON_DISTILL_ROWS
     from ..rowmath.triton.logprob import TRITON_LOGPROB_ROWS
+    from ..rowmath.triton.topk import triton_topk_rows
 
-    return TRITON_CE_ROWS, TRITON_LOGPROB_ROWS, TRITON_DISTILL_ROWS
+    return TRITON_CE_ROWS, TRITON_LOGPROB_ROWS, TRITON_DISTILL_ROWS, triton_topk_rows
 
 
 def backend_for(hidden):
@@ -48,7 +51,7 @@ def backend_for(hidden):
     check = hidden.device.type == "cpu" or checks.CHECK_TARGETS
     if hidden.device.type == "cuda" and HAS_TRITON and hidden.dtype != torch.float64:
         return Backend(*_triton_rows(), check)
-    return Backend(TORCH_CE_ROWS, TORCH_LOGPROB_ROWS, TORCH_DISTILL_ROWS, check)
+    return Backend(TORCH_CE_ROWS, TORCH_LOGPROB_ROWS, TORCH_DISTILL_ROWS, topk_rows, check)
 
 
 def kernel(name, hidden=0):

@@ -5,7 +5,7 @@ For a chunk of logits rows l (n, V) (after bias), with z = softcap(scale * l) / 
   lse        = logsumexp(z)
   indices    = the k classes of largest z, by z descending, equal z by ascending class
   logprobs   = z[indices] - lse
-  target_lp  = z[target] - lse   (0 where the target is ignore_index)
+  target_lp  = z[target] - lse   (0 where the target is ignore_index, NaN outside [0, V))
 The tie rule makes the result a function of the values alone (torch.topk leaves the
 order of equal values open): the classes strictly above the k-th largest value, then
 the lowest-numbered classes equal to it until there are k, then a stable sort by value.
@@ -45,7 +45,11 @@ def topk_rows(logits, target, inv_t, opts, math_dtype, shard=ONE_DEVICE):
     here = valid & (col >= 0) & (col < z.shape[1])
     z_y = torch.where(here, z.gather(1, torch.where(here, col, 0)[:, None]).squeeze(1), 0.0)
     z_y = shard.all_reduce(z_y, "sum") if shard.group is not None else z_y
-    return indices, logprobs, torch.where(valid, z_y - lse, 0.0)
+    # a target outside [0, V) gives NaN, as the other ops' (nothing read out of bounds)
+    in_range = (target >= 0) & (target < (z.shape[1] if shard.group is None
+                                          else shard.vocab_size))
+    return indices, logprobs, torch.where(valid, torch.where(in_range, z_y - lse, math.nan),
+                                          0.0)
 
 
 def _merged(indices, values, k, shard):

@@ -1,0 +1,219 @@
+"""Triton row kernel: the exact per-row top-k of a logits chunk's log-softmax, the twin
+of rowmath/topk.py's topk_rows (its tie rule: value descending, equal values by
+ascending class).
+
+One program per token row, two sweeps over the vocabulary in the common case:
+  sweep 1  the logsumexp online, and the lanewise maxima of the row's blocks, folded
+           into G groups (group j: the classes = j mod G). The k-th largest group
+           maximum t is a lower bound of the k-th largest value v_k: the k groups of
+           largest maxima hold k distinct classes >= t.
+  sweep 2  the classes above t, and the first k equal to t (in class order), written as
+           sort keys (value, then class) to a row scratch of C slots, counted.
+When they fit (the common case: about 1.15 k classes are above t for G = 4k, and a
+tie at t, such as a padding row's, keeps only k), one bitonic top-K of the C keys
+(tl.topk, K = k rounded up to a power of two) gives the top-k. Otherwise (structured
+rows whose largest values share few groups) a bisection over the values'
+order-preserving int32 images re-sweeps the row, each sweep the same compaction at a
+new threshold x, until one fits: it keeps count(u >= lo) >= k > count(u > hi), and at
+lo = hi = v_k the classes above v_k (< k) and k of its ties fit in C >= 2k - 1 slots.
+So a row takes at most 35 sweeps (the interval of images halves), whatever its
+values.
+
+Selection ranks NaN as -inf (NaN never compares, and the bisection needs a total
+order); the row's lse, and so every log-prob of a row holding a NaN, is NaN. An
+out-of-range target (not ignore_index) gives a NaN target log-prob.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from ...loop.chunked import ONE_DEVICE
+from .ce import _block_v
+from .distill import _load_a, _online, _start
+
+_WARPS = 8
+_EMPTY = tl.constexpr(-9223372036854775808)  # int64's lowest: an empty slot's sort key
+
+
+@triton.jit
+def _ranked(u):
+    """Selection's value of u: NaN as -inf."""
+    return tl.where(u == u, u, float("-inf"))
+
+
+@triton.jit
+def _key(x):
+    """The order-preserving int32 image of float32 x (not NaN): a negative float's
+    magnitude bits flipped. -0.0 and +0.0 get distinct images (the callers that need
+    them equal pass +0.0)."""
+    b = x.to(tl.int32, bitcast=True)
+    return b ^ ((b >> 31) & 0x7FFFFFFF)
+
+
+@triton.jit
+def _unkey(key):
+    """The float32 of an int32 image (the flip is its own inverse)."""
+    return (key ^ ((key >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _ranked_block(z_row, offs, V, x, scale, inv_t, cap, HAS_CAP: tl.constexpr):
+    """(r, above, tied) of a block of classes offs: their selection values and whether
+    each is above x or equal to it (False past V)."""
+    mask = offs < V
+    r = _ranked(_load_a(z_row + offs, mask, scale, cap, HAS_CAP) * inv_t)
+    return r, mask & (r > x), mask & (r == x)
+
+
+@triton.jit
+def _compact(z_row, buf, V, x, k, scale, inv_t, cap, HAS_CAP: tl.constexpr,
+             BLOCK_V: tl.constexpr, SUB: tl.constexpr, C: tl.constexpr):
+    """(#(u > x), #(u == x)) of a row; the classes above x written to buf's slots from 0
+    up, the first k equal to x (by class) from C - 1 down, each as the int64 sort key
+    image(u) << 32 | (2^31 - 1 - class) (larger value first, then lower class). Slots
+    that would pass the other end are dropped: the caller checks the counts.
+
+    A block only counts; one holding candidates is read again (from L1) in SUB-class
+    pieces that write them: the scan and the scattered stores of a whole block take
+    the kernel to 213 registers a thread on sm_90 (triton 3.6: one program an SM),
+    the pieces to 105-128."""
+    cols = tl.arange(0, BLOCK_V)
+    sub = tl.arange(0, SUB)
+    n_gt = tl.sum(tl.zeros([BLOCK_V], tl.int32), axis=0)
+    n_eq = n_gt
+    for v0 in range(0, V, BLOCK_V):
+        _, above, tied = _ranked_block(z_row, v0 + cols, V, x, scale, inv_t, cap, HAS_CAP)
+        if tl.sum((above | tied).to(tl.int32), axis=0) > 0:
+            for w0 in range(v0, v0 + BLOCK_V, SUB):
+                offs = w0 + sub
+                r, gt, eq = _ranked_block(z_row, offs, V, x, scale, inv_t, cap, HAS_CAP)
+                # one scan ranks both kinds: above x in the low 16 bits (SUB < 2^16),
+                # ties above them
+                flags = gt.to(tl.int32) + (eq.to(tl.int32) << 16)
+                before = tl.cumsum(flags, axis=0) - flags
+                pos_gt = n_gt + (before & 0xFFFF)
+                pos_eq = n_eq + (before >> 16)
+                key = (_key(tl.where(r == 0.0, 0.0, r)).to(tl.int64) << 32) \
+                    | (0x7FFFFFFF - offs).to(tl.int64)  # +0.0 for -0.0: equal values tie
+                tl.store(buf + tl.where(gt, pos_gt, C - 1 - pos_eq), key,
+                         mask=(gt & (pos_gt < C)) | (eq & (pos_eq < k)))
+                tot = tl.sum(flags, axis=0)
+                n_gt += tot & 0xFFFF
+                n_eq += tot >> 16
+    return n_gt, n_eq
+
+
+@triton.jit
+def _topk_rows_kernel(
+    # pointers
+    z_ptr, target_ptr, inv_t_ptr, buf_ptr, idx_ptr, lp_ptr, tlp_ptr,
+    # sizes and options
+    V, k, ignore_index, scale, cap,
+    # strides
+    stride_z,
+    # meta-parameters
+    HAS_TARGET: tl.constexpr, HAS_CAP: tl.constexpr, BLOCK_V: tl.constexpr,
+    SUB: tl.constexpr, K: tl.constexpr, G: tl.constexpr, C: tl.constexpr,
+):
+    """Logits rows (n, V) -> the top-k classes (n, k) int64, their log-probs (n, k) and
+    the target's log-prob (n,) float32; buf (n, C) int64 the rows' scratch; K the
+    power of two >= k the bitonic top-K keeps."""
+    row = tl.program_id(0).to(tl.int64)  # int64: row * stride passes 2^31
+    z_row = z_ptr + row * stride_z
+    buf = buf_ptr + row * C
+    cols = tl.arange(0, BLOCK_V)
+    inv_t = tl.load(inv_t_ptr + row)
+
+    # sweep 1: the lse of u = softcap(scale z) / T, and lanewise maxima
+    m, s = _start(BLOCK_V)
+    lane = tl.full([BLOCK_V], float("-inf"), tl.float32)
+    for v0 in range(0, V, BLOCK_V):
+        offs = v0 + cols
+        u = _load_a(z_row + offs, offs < V, scale, cap, HAS_CAP) * inv_t
+        m, s = _online(m, s, u)
+        lane = tl.maximum(lane, _ranked(u))
+    ls = tl.log(s)
+    # the k-th largest of the G group maxima (G >= k; lanes past V are -inf, a bound too)
+    group = tl.max(tl.reshape(lane, [BLOCK_V // G, G]), axis=0)
+    top = tl.arange(0, K)
+    t = tl.max(tl.where(top == k - 1, tl.topk(group, K), float("-inf")), axis=0)
+
+    # sweep 2 at x = t, then (rarely) bisection sweeps until the candidates fit
+    lo = _key(tl.full([], float("-inf"), tl.float32)).to(tl.int64)  # count(u >= -inf) = V
+    hi = _key(tl.max(group, axis=0)).to(tl.int64)
+    mid = _key(t).to(tl.int64)
+    n_gt = tl.zeros([], tl.int32)
+    n_eq = n_gt
+    # lo <= hi: a guard against a hang should a sweep count otherwise than another
+    while ((n_gt + n_eq < k) | (n_gt + tl.minimum(n_eq, k) > C)) & (lo <= hi):
+        n_gt, n_eq = _compact(z_row, buf, V, _unkey(mid.to(tl.int32)), k, scale, inv_t,
+                              cap, HAS_CAP, BLOCK_V, SUB, C)
+        if n_gt + n_eq >= k:
+            lo = mid
+        else:
+            hi = mid - 1
+        mid = lo + (hi - lo + 1) // 2
+        tl.debug_barrier()  # this sweep's scratch stores before the next's and the sort's
+
+    # the candidates' largest K keys, sorted: the first k decode to the top-k, in the
+    # tie rule
+    j = tl.arange(0, C)
+    keep = (j < n_gt) | (j >= C - tl.minimum(n_eq, k))
+    keys = tl.topk(tl.load(buf + j, mask=keep, other=_EMPTY), K)
+    value = _unkey((keys >> 32).to(tl.int32))
+    cls = 0x7FFFFFFF - (keys & 0x7FFFFFFF)
+    out = row * k + top
+    tl.store(idx_ptr + out, cls, mask=top < k)
+    tl.store(lp_ptr + out, (value - m) - ls, mask=top < k)  # relative to the max
+
+    lp_y = 0.0
+    if HAS_TARGET:
+        y = tl.load(target_ptr + row).to(tl.int64)
+        valid = y != ignore_index
+        in_range = (y >= 0) & (y < V)
+        u_y = _load_a(z_row + tl.where(valid & in_range, y, 0), True, scale, cap,
+                      HAS_CAP) * inv_t
+        # out-of-range targets never read out of bounds: they poison the row with NaN
+        lp_y = tl.where(valid, tl.where(in_range, (u_y - m) - ls, float("nan")), 0.0)
+    tl.store(tlp_ptr + row, lp_y)
+
+
+def _launch_sizes(V, k):
+    """(BLOCK_V, SUB, G, C): SUB the compaction's pieces, 4 classes a thread; G = 4k
+    groups (k rounded up to a power of two) bound the k-th value closely at a top-K of
+    G floats per row; C = 4k slots hold the classes above the bound and k of its ties
+    (on random rows of V = 2^18 about 1.15 k, 1.9 k on tie-heavy bfloat16 ones) and
+    always the exact k-th value's (C >= 2k - 1). All three at least 128: small top-Ks
+    cost little."""
+    block_v = max(_block_v(V), 128)
+    kk = max(triton.next_power_of_2(k), 32)
+    return block_v, min(block_v, 4 * _WARPS * 32), min(block_v, 4 * kk), 4 * kk
+
+
+def triton_topk_rows(logits, target, inv_t, opts, math_dtype, shard=ONE_DEVICE,
+                     groups=None, slots=None):
+    """topk_rows (rowmath/topk.py) on the Triton kernel, one device: logits (n, V) with
+    unit stride along V, opts a TopKOptions; float32 math. groups, slots: G and C
+    (powers of two; tests force the bisection with small ones)."""
+    n, V = logits.shape
+    k = opts.k
+    assert math_dtype == torch.float32 and logits.stride(1) == 1 and shard.group is None
+    assert 1 <= k <= V < 2 ** 31
+    block_v, sub, G, C = _launch_sizes(V, k)
+    G, C = groups or G, slots or C
+    K = max(triton.next_power_of_2(k), 2)  # triton 3.6's tl.topk fails for K = 1
+    assert K <= G <= block_v and C >= 2 * k - 1
+    buf = logits.new_empty((n, C), dtype=torch.int64)
+    indices = logits.new_empty((n, k), dtype=torch.int64)
+    logprobs = logits.new_empty((n, k), dtype=torch.float32)
+    target_lp = logits.new_empty(n, dtype=torch.float32)
+    if n == 0:
+        return indices, logprobs, target_lp
+    _topk_rows_kernel[(n,)](
+        logits, target_lp if target is None else target.contiguous(),
+        inv_t.float().contiguous(), buf, indices, logprobs, target_lp,
+        V, k, opts.ignore_index, float(opts.logit_scale), float(opts.softcap or 1.0),
+        logits.stride(0), HAS_TARGET=target is not None, HAS_CAP=opts.softcap is not None,
+        BLOCK_V=block_v, SUB=sub, K=K, G=G, C=C, num_warps=_WARPS)
+    return indices, logprobs, target_lp
