@@ -225,3 +225,21 @@ def test_bad_input_is_named(change, error, named):
     options = {k: v for k, v in change.items() if k not in args}
     with pytest.raises(error, match=named):
         torch_fce.linear_sparse_divergence(**args, **options)
+
+
+@pytest.mark.cuda
+def test_on_cuda_has_no_host_sync():
+    from tests.helpers import no_host_sync
+
+    g = torch.Generator().manual_seed(7)
+    h = torch.randn(64, 32, generator=g).bfloat16().cuda()
+    w = torch.randn(509, 32, generator=g).bfloat16().cuda()
+    top = torch_fce.linear_topk_logprobs(h.flip(0), w, 8)  # a teacher's top-8
+    leaves = [h.requires_grad_(), w.requires_grad_()]
+    with no_host_sync():
+        loss, stats = torch_fce.linear_sparse_divergence(*leaves, top.indices, top.logprobs,
+                                                         beta=0.5, tail=True, temperature=0.9)
+        loss.backward()
+    want = reference(h.double(), w.double(), top.indices, top.logprobs, beta=0.5, tail=True,
+                     temperature=0.9)
+    assert abs(loss.item() - want[0].item()) <= 1e-4 * abs(want[0].item())
