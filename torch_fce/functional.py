@@ -403,7 +403,7 @@ def _shifted_sparse(idx, values, ignore_index, fill):
 def linear_topk_logprobs(hidden, weight, k, bias=None, *, target=None, temperature=1.0,
                          logit_scale=_TK.logit_scale, softcap=_TK.softcap,
                          ignore_index=_TK.ignore_index, shift=False,
-                         logits_dtype=_TK.logits_dtype):
+                         logits_dtype=torch.float32):
     """The k most likely next tokens of softmax(softcap(logit_scale * F.linear(hidden,
     weight, bias)) / temperature) and their log-probs, per token, without the logits:
     a teacher's top-k (on-policy distillation with an in-process teacher, or offline
@@ -416,8 +416,9 @@ def linear_topk_logprobs(hidden, weight, k, bias=None, *, target=None, temperatu
             (ignore_index: 0 there), as a server returns the sampled token's.
         temperature: a float > 0 or a tensor of the tokens' shape.
         shift: pair hidden[..., t, :] with target[..., t + 1] (needs a target).
-        logits_dtype: None (the logits rounded to hidden's dtype, as an inference
-            engine's) or torch.float32 (the GEMM's float32 sums).
+        logits_dtype: torch.float32 (default: the GEMM's float32 sums, so bf16 rounding
+            makes no ties) or None (the logits rounded to hidden's dtype, as an
+            inference engine's).
 
     Returns:
         TopKLogprobs(indices (*, k) int64, logprobs (*, k), target_logprob (*) or None),

@@ -285,7 +285,7 @@ def test_the_docs_example_trains(tmp_path):
     import re
 
     text = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "distillation.md").read_text()
-    block, = [b for b in re.findall(r"```python\n(.*?)```", text, re.S) if "def distill" in b]
+    block, = [b for b in re.findall(r"```python\n(.*?)```", text, re.S) if "def distill(" in b]
     namespace = {}
     exec(compile(block, "docs/distillation.md", "exec"), namespace)
     config = trl.DistillationConfig(

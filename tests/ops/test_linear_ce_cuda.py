@@ -109,8 +109,10 @@ def _every_entry(h, w, t, b):
     idx = (t.clamp(min=0)[:, None] + torch.arange(4, device=t.device)) % w.shape[0]
     probs = torch.softmax(torch.arange(4.0, device=t.device).expand(t.shape[0], 4), -1)
     soft = torch_fce.linear_soft_cross_entropy(h, w, idx, probs, b, temperature=0.8)
-    # the teacher's top-8 (no gradient) and the sparse divergence over it
-    top = torch_fce.linear_topk_logprobs(ht, wt, 8, target=t, temperature=0.8)
+    # a teacher's top-8 (no gradient; from the inputs, not from values the compiled
+    # graph recomputes, whose rounding may differ) and the sparse divergence over it
+    top = torch_fce.linear_topk_logprobs(h.detach().flip(0), w.detach(), 8, target=t,
+                                         temperature=0.8)
     sparse = sum(torch_fce.linear_sparse_divergence(
         h, w, top.indices, top.logprobs, b, beta=beta, tail=tail, temperature=0.8)[0]
         for beta, tail in ((0.0, True), (0.5, False)))

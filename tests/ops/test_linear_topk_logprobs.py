@@ -160,6 +160,7 @@ def test_on_cuda_has_no_host_sync():
     with no_host_sync():
         got = torch_fce.linear_topk_logprobs(h, w, 16, target=t, temperature=0.9)
     want = reference(h.double(), w.double(), 16, None, t, 0.9)
-    # float32 logits against float64: near-ties may swap, the log-probs agree
+    # float32 logits (the default) against float64: near-ties may swap, the log-probs
+    # agree
     assert (got.logprobs.double() - want[1]).abs().max() <= 1e-4
     assert (got.target_logprob.double() - want[2]).abs().max() <= 1e-4

@@ -3,7 +3,8 @@ log-probs from its head (--parts topk) and the student's sparse divergence over 
 (--parts sparse), torch_fce against the unfused compositions, eager and compiled.
 
 topk, per (teacher D, k), forward only, bf16 (N, D) x (D, V):
-- fce: torch_fce.linear_topk_logprobs (float32 logits, its default);
+- fce: torch_fce.linear_topk_logprobs (float32 logits, its default); fce-bf16logits: its
+  logits rounded to bf16 (logits_dtype=None), as the unfused composition's;
 - eager, compile: F.linear, float32 log_softmax, torch.topk, eager and through
   torch.compile.
 sparse, per (K, tail, beta), forward + backward of the student (N, --student-dims) on a
@@ -41,11 +42,12 @@ def _topk_unfused(k):
     return topk
 
 
-def _topk_fce(k):
-    return lambda h, w: torch_fce.linear_topk_logprobs(h, w, k)[:2]
+def _topk_fce(k, logits_dtype=torch.float32):
+    return lambda h, w: torch_fce.linear_topk_logprobs(h, w, k, logits_dtype=logits_dtype)[:2]
 
 
-TOPK_METHODS = {"fce": _topk_fce, "eager": _topk_unfused,
+TOPK_METHODS = {"fce": _topk_fce, "fce-bf16logits": lambda k: _topk_fce(k, None),
+                "eager": _topk_unfused,
                 "compile": lambda k: torch.compile(_topk_unfused(k), fullgraph=True,
                                                    dynamic=False)}
 
@@ -108,8 +110,8 @@ def _print(row):
 
 
 def measure_topk(args, D, k, device, methods):
-    """One row per method: time, x mm, peak extra MiB, and whether its classes are
-    fce's."""
+    """One row per method: time, x mm, peak extra MiB, and the share of rows whose
+    classes (in order) are fce's (near-ties of bf16 logits may order otherwise)."""
     h, w, _ = _head(args.N, D, args.V, device, D)
     mm = median_time(lambda: h @ w.T, device, reps=args.reps)
     out, ours = [], None
