@@ -178,10 +178,11 @@ def sparse_divergence_reference(hidden, weight, support, teacher_lp, bias=None, 
                                 tail=False, temperature=1.0, logit_scale=1.0, softcap=None,
                                 token_weights=None, ignore_index=-100):
     """(loss, divergence, student_mass, entropy) in float64 as TRL 1.16's server
-    distillation forms them (_compute_server_forward_kl_loss, _add_tail_bucket, _jsd_divergence with
-    a support mask) from the student's full log-softmax, differentiable w.r.t. hidden,
-    weight and bias; a support entry equal to ignore_index is invalid too, a token
-    without valid entries not counted; token_weights None: 1 / the tokens counted."""
+    distillation forms them (_compute_server_forward_kl_loss, _add_tail_bucket,
+    _jsd_divergence with a support mask) from the student's full log-softmax,
+    differentiable w.r.t. hidden, weight and bias; a support entry equal to ignore_index
+    is invalid too, a token without valid entries not counted; token_weights None: 1 /
+    the tokens counted."""
     z = F.linear(hidden, weight, bias).double() * logit_scale
     if softcap is not None:
         z = softcap * torch.tanh(z / softcap)

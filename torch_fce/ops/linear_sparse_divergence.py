@@ -168,7 +168,8 @@ def check_sparse_div_inputs(hidden, weight, support, teacher, tensors):
 
 def forward(hidden, weight, support, teacher, tensors, opts, shard=ONE_DEVICE):
     """(loss, divergence, student_mass, entropy) for checked options and a
-    SparseDivTensors; also the vocab-parallel entry (weight and bias then this rank's classes)."""
+    SparseDivTensors; also the vocab-parallel entry (weight and bias then this rank's
+    classes)."""
     refuse_transforms((hidden, weight, tensors.bias))
     hidden, weight, bias = autocast_operands(hidden, weight, tensors.bias)
     tensors = tensors._replace(bias=bias)  # dtypes checked after autocast

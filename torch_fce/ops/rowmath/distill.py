@@ -141,9 +141,10 @@ def divergence_rows(z_s, z_t, target, valid, inv_t, weights, opts, mdt, dz_dtype
 
 
 def sparse_targets(idx, probs, V, ignore_index, mdt):
-    """(skip, valid, safe, p) of a chunk's sparse targets: the entries skipped, the tokens counted, the indices made safe to read (skipped and
-    out-of-range ones at 0) and the probabilities in mdt (0 where skipped, NaN where the
-    index is outside [0, V): that token's loss is NaN)."""
+    """(skip, valid, safe, p) of a chunk's sparse targets: the entries skipped, the
+    tokens counted, the indices made safe to read (skipped and out-of-range ones at 0)
+    and the probabilities in mdt (0 where skipped, NaN where the index is outside [0,
+    V): that token's loss is NaN)."""
     skip = idx == ignore_index
     bad = ~skip & ((idx < 0) | (idx >= V))
     p = torch.where(skip, 0.0, torch.where(bad, float("nan"), probs.to(mdt)))
@@ -195,8 +196,8 @@ def soft_ce_rows(z, idx, probs, inv_t, weights, opts, mdt, dz_dtype, want_grad,
     opts.ignore_index is skipped, a token with every index skipped not counted), inv_t,
     weights (n,) 1 / T and w_t: loss_t = -w_t sum_k p_k log q[idx_k], so g = -w_t p
     (`sparse`, the backend's sparse_rows, forms dz). An index outside [0, V) makes its
-    token's loss NaN (nothing is read out of bounds). A vocabulary shard's: as sparse_rows'. Overwrites z where it
-    can."""
+    token's loss NaN (nothing is read out of bounds). A vocabulary shard's: as
+    sparse_rows'. Overwrites z where it can."""
     V = z.shape[1] if shard.group is None else shard.vocab_size
     skip, valid, safe, p = sparse_targets(idx, probs, V, opts.ignore_index, mdt)
     w = torch.where(valid, weights, 0.0)[:, None]

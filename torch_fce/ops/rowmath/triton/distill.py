@@ -11,10 +11,10 @@ read two or three times and the gradient written once, in the inputs' dtype.
 
 The losses over a few classes of each row (the sparse divergence, the sparse-target
 cross entropy) sweep a row twice, in two kernels: the first forms its logsumexp at T
-(and the entropy, asked);
-the loss terms and their derivative g on the support follow from the gathered support
-logits; the second writes dz's softmax part, -sum(g) q / T; the support classes'
-exact values (that plus their g / T) are then written over theirs, each rounded once.
+(and the entropy, when asked); the loss terms and their derivative g on the support
+follow from the gathered support logits; the second writes dz's softmax part, -sum(g) q
+/ T; the support classes' exact values (that plus their g / T) are then written over
+theirs, each rounded once.
 """
 
 import math
