@@ -150,8 +150,10 @@ torch.library.register_autograd("fce::linear_logprobs_fwd", _backward, setup_con
 @kernel("linear_logprobs_fwd")
 def fwd(hidden, weight, target, bias, temperature, *args, backend):
     """(logprob, entropy, lse, argmax) each (N,), and row_stats (N, 3); entropy (0,)
-    unless asked for. A shard (and vocabulary tiles) merges per-row statistics across
-    its blocks of classes, then across the group, then finishes them."""
+    unless asked for. Token chunks only, whatever N (vocabulary tiles' boundaries would
+    move with N, and each row's statistics with them: the outputs are batch-invariant,
+    the logits GEMMs being row-invariant); a shard merges per-row statistics across the
+    group, then finishes them."""
     opts, rest = take(LogProbOptions, args)
     shard = take(VocabShard, rest)[0]
     V = shard.vocab(weight)
@@ -162,18 +164,10 @@ def fwd(hidden, weight, target, bias, temperature, *args, backend):
     inv_t = after_first_gemm(lambda: inverse_temperature(temperature, N, hidden.device, mdt))
     out = [hidden.new_empty(N, dtype=mdt) for _ in range(3)] + [
         hidden.new_empty(N, dtype=torch.int64), hidden.new_empty(N, 3, dtype=mdt)]
-    # Cut as the backward will: it recomputes the same GEMMs, so its logits are the
-    # forward's bit for bit, and z - m is exact at each row's max.
-    vocab = by_vocab(N, weight.shape[0])
-    merged = vocab or shard.group is not None
-    total = after_first_gemm(lambda: empty_tile_stats(N, mdt, hidden.device))
+    merged = shard.group is not None
     start = shard.vocab_start
 
     def row_fn(logits, s, e):
-        if vocab:  # classes [s, e) of every token
-            backend.logprobs.tile_stats(logits, target, inv_t(), opts, opts.entropy, mdt,
-                                        start + s, total())
-            return (), None
         if merged:  # a shard's classes of tokens [s, e)
             part = empty_tile_stats(e - s, mdt, hidden.device)
             backend.logprobs.tile_stats(logits, target[s:e], inv_t()[s:e], opts,
@@ -184,15 +178,14 @@ def fwd(hidden, weight, target, bias, temperature, *args, backend):
 
     with no_autocast(hidden):
         # Token chunks of a shard write their partial statistics into a TileStats of N.
-        parts = empty_tile_stats(N, mdt, hidden.device) if merged and not vocab else None
+        parts = empty_tile_stats(N, mdt, hidden.device) if merged else None
         ldt = logits_dtype_for(hidden, opts)
-        chunk = chunk_rows_for(hidden, weight, shard, ldt, log_prob_tiles=vocab)
-        run_chunks(hidden, weight, bias, row_fn, () if vocab else (parts or out),
-                   (False,) * 3, "fp32", chunk, by_vocab=vocab, logits_dtype=ldt)
+        chunk = chunk_rows_for(hidden, weight, shard, ldt)
+        run_chunks(hidden, weight, bias, row_fn, parts or out, (False,) * 3, "fp32", chunk,
+                   logits_dtype=ldt)
     if merged:
-        stats = total() if vocab else parts
-        out = finish_stats(all_reduce_tile_stats(stats, shard) if shard.group else stats,
-                           target, V, opts.ignore_index, opts.entropy)
+        out = finish_stats(all_reduce_tile_stats(parts, shard), target, V, opts.ignore_index,
+                           opts.entropy)
     logprob, ent, lse, argmax, row_stats = out
     return (logprob, ent if opts.entropy else hidden.new_empty(0, dtype=mdt), lse, argmax,
             row_stats)
@@ -201,8 +194,10 @@ def fwd(hidden, weight, target, bias, temperature, *args, backend):
 @kernel("linear_logprobs_bwd", hidden=3)
 def bwd(grad_logprob, grad_entropy, row_stats, hidden, weight, target, bias, temperature,
          *args, backend):
-    """Recomputes the logits chunk by chunk and, with the forward's row statistics,
-    forms the logits gradient in one pass over them."""
+    """Recomputes the logits chunk by chunk (vocabulary tiles when there are fewer
+    tokens than classes: the float32 sum it keeps is then N x D; the logits GEMMs being
+    row-invariant, the tiles' logits are the forward's bit for bit) and, with the
+    forward's row statistics, forms the logits gradient in one pass over them."""
     opts, rest = take(LogProbOptions, args)
     shard, (needs,) = take(VocabShard, rest)
     N, mdt = hidden.shape[0], math_dtype_for(hidden.dtype)
