@@ -1,38 +1,59 @@
-"""Batch invariance on CUDA: a token's per-token outputs are bitwise the same whatever
-batch it is computed in (sizes 1 to N, its position, the workspace). The log-probs'
-forward runs token chunks only; the logits GEMMs are row-invariant on the H200 (docs/
-api.md). CPU GEMMs are not (their row results depend on the row count): not yet."""
+"""Batch invariance: a token's per-token outputs are bitwise the same whatever batch it
+is computed in (sizes 1 to N, its position, the workspace), for every op family, with
+bf16 and float32 logits, on the CPU and (the GPU tier) on CUDA. More tokens than the
+one-row sum threshold's classes (V > 32768) and fewer tokens than classes (the log-probs'
+old vocabulary tiles)."""
 
 import pytest
 import torch
 
 import torch_fce
 
-pytestmark = pytest.mark.cuda
+from tests.helpers import DEVICE
+
+N, D, V = 600, 64, 33001
+BATCHES = ((0, 1), (5, 6), (0, 7), (100, 164), (0, 257), (300, 600))
 
 
 def _rows_differing(a, b):
-    return int((a.view(torch.int32) != b.view(torch.int32)).reshape(a.shape[0], -1)
-               .any(1).sum())
+    a, b = (x.view(torch.int32) if x.dtype == torch.float32 else x for x in (a, b))
+    return int((a != b).reshape(a.shape[0], -1).any(1).sum())
 
 
-@pytest.mark.parametrize("logits_dtype", [None, torch.float32])
-def test_logprobs_bitwise_in_any_batch(logits_dtype):
+@pytest.fixture(scope="module")
+def heads():
     g = torch.Generator().manual_seed(0)
-    N, D, V = 2048, 256, 32003  # fewer tokens than classes in every batch
-    h = torch.randn(N, D, generator=g).bfloat16().cuda()
-    w = (torch.randn(V, D, generator=g) / D ** 0.5 * 2).bfloat16().cuda()
-    t = torch.randint(0, V, (N,), generator=g).cuda()
-    T = torch.full((N,), 0.7, device="cuda")
+    return [x.to(DEVICE) for x in (
+        torch.randn(N, D, generator=g).bfloat16(), (torch.randn(V, D, generator=g) / 4).bfloat16(),
+        torch.randint(0, V, (N,), generator=g), torch.randn(N, 48, generator=g).bfloat16(),
+        (torch.randn(V, 48, generator=g) / 4).bfloat16())]
 
-    def run(s, e):
-        out = torch_fce.linear_logprobs(h[s:e], w, t[s:e], temperature=T[s:e], entropy=True,
-                                        logits_dtype=logits_dtype)
-        return torch.stack([out.logprob, out.entropy, out.lse], 1)
 
-    whole = run(0, N)
-    for s, e in ((0, 1), (5, 6), (0, 64), (100, 357), (1000, 2000), (N - 999, N)):
-        assert _rows_differing(run(s, e), whole[s:e]) == 0, (s, e)
-    for mib in (1, 16):
-        with torch_fce.workspace(mib * 2 ** 20):
-            assert _rows_differing(run(0, N), whole) == 0, mib
+def _ops(h, w, t, ht, wt, ldt):
+    old = torch.zeros(N, device=DEVICE)
+    return {
+        "logprobs": lambda s, e: torch.stack(torch_fce.linear_logprobs(
+            h[s:e], w, t[s:e], temperature=0.7, entropy=True, logits_dtype=ldt)[:3], 1),
+        "cross entropy": lambda s, e: torch_fce.linear_cross_entropy(
+            h[s:e], w, t[s:e], reduction="none", label_smoothing=0.1,
+            logits_dtype=ldt).float()[:, None],
+        "policy": lambda s, e: torch.stack(torch_fce.linear_policy_loss(
+            h[s:e], w, t[s:e], torch.ones(e - s, device=DEVICE), old_logprobs=old[s:e],
+            ref_logprobs=old[s:e], beta=0.04, logits_dtype=ldt)[1][:2], 1),
+        "distillation": lambda s, e: torch.stack(torch_fce.linear_distillation_loss(
+            h[s:e], w, ht[s:e], wt, t[s:e], beta=0.5, logits_dtype=ldt)[1], 1),
+        "top-k": lambda s, e: torch.cat([
+            (top := torch_fce.linear_topk_logprobs(h[s:e], w, 8, target=t[s:e],
+                                                   logits_dtype=ldt)).logprobs,
+            top.target_logprob[:, None]], 1),
+    }
+
+
+@pytest.mark.parametrize("ldt", [None, torch.float32])
+def test_every_op_bitwise_in_any_batch_and_workspace(heads, ldt):
+    for name, op in _ops(*heads, ldt).items():
+        whole = op(0, N)
+        for s, e in BATCHES:
+            assert _rows_differing(op(s, e), whole[s:e]) == 0, (name, s, e)
+        with torch_fce.workspace(2 ** 20):
+            assert _rows_differing(op(0, N), whole) == 0, (name, "1 MiB workspace")

@@ -21,6 +21,15 @@ import torch
 from ..loop.tokens import counted_target_weights
 
 
+def row_sum(x, keepdim=False):
+    """x.sum(-1) of rows of classes, a lone row's too as in a chunk of several: ATen
+    splits one row's sum across threads (another summation order), several rows' one
+    per thread (batch invariance: a chunk of one token must give its row's bits)."""
+    if x.dim() == 2 and x.shape[0] == 1 and not x.is_cuda:
+        return x.expand(2, -1).sum(-1, keepdim=keepdim)[:1]
+    return x.sum(-1, keepdim=keepdim)
+
+
 class CETerms(NamedTuple):
     """A chunk's per-token cross-entropy terms, each (n,): lse, nll, smooth (zeros
     without label smoothing) and the token statistics, None unless asked for: argmax
@@ -119,7 +128,7 @@ def torch_shard_stats(logits, col, cw, opts, math_dtype):
     if opts.softcap is not None:
         z = torch.tanh(z / opts.softcap) * opts.softcap
     z_y = torch.where(col >= 0, z.gather(1, col.clamp_min(0).long()[:, None]).squeeze(1), 0.0)
-    zsum = (z.sum(-1) if cw is None else z @ cw.to(math_dtype)) \
+    zsum = (row_sum(z) if cw is None else z @ cw.to(math_dtype)) \
         if opts.label_smoothing > 0.0 else None
     return torch.logsumexp(z, -1), z_y, zsum
 
@@ -159,16 +168,16 @@ def _torch_rows(logits, target, class_weight, scales, opts, token_stats, math_dt
     cw = None if class_weight is None else class_weight.to(math_dtype)
     z_y = z.gather(1, tgt[:, None]).squeeze(1)
     W = float(V) if cw is None else cw.sum()
-    zsum = (z.sum(-1) if cw is None else z @ cw) if eps > 0.0 else None
+    zsum = (row_sum(z) if cw is None else z @ cw) if eps > 0.0 else None
     argmax = first_max(z)[1] if token_stats else None
     m = z.amax(-1, keepdim=True).clamp_min(torch.finfo(math_dtype).min)  # finite if all -inf
     e = z.sub_(m).exp_()  # z is consumed from here on
-    total = e.sum(-1)
+    total = row_sum(e)
     log_s = total.log()
     lse = m.squeeze(1) + log_s
     # xlogy(e, e) = e (z - m), 0 at e = 0 (-inf logits): relative to the max, so a
     # confident row's entropy does not cancel against lse
-    entropy = log_s - torch.special.xlogy(e, e).sum(-1) / total if token_stats else None
+    entropy = log_s - row_sum(torch.special.xlogy(e, e)) / total if token_stats else None
     # relative to the max, as dz: a confident row keeps float32 precision (not lse's)
     logp_y = (z_y - m.squeeze(1)) - log_s
     nll = torch.where(valid, -w_y * logp_y, 0.0)  # ignored rows may be NaN

@@ -22,6 +22,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from ..loop.chunked import ONE_DEVICE, math_dtype_for
+from .ce import row_sum
 
 
 class RowMath(NamedTuple):
@@ -69,7 +70,7 @@ def _log_softmax(a, shard):
     group's classes (the max and the sum of exps all-reduced; one device: as they are)."""
     m = shard.all_reduce(a.amax(-1, keepdim=True), "max").clamp_min(torch.finfo(a.dtype).min)
     a = a - m
-    return a.sub_(shard.all_reduce(a.exp().sum(-1, keepdim=True), "sum").log())
+    return a.sub_(shard.all_reduce(row_sum(a.exp(), True), "sum").log())
 
 
 def divergence_rows(z_s, z_t, target, valid, inv_t, weights, opts, mdt, dz_dtype,
@@ -82,7 +83,7 @@ def divergence_rows(z_s, z_t, target, valid, inv_t, weights, opts, mdt, dz_dtype
     sum(loss_t) / d z_s, or None. A counted target outside the vocabulary makes its
     token's loss NaN (nothing is read out of bounds)."""
     def total(x):  # a row sum over the whole vocabulary
-        return shard.all_reduce(x.sum(-1), "sum")
+        return shard.all_reduce(row_sum(x), "sum")
 
     a_s, da_s = capped(z_s, opts.logit_scale, opts.softcap, mdt)
     a_t, _ = capped(z_t, opts.teacher_logit_scale, opts.teacher_softcap, mdt)
@@ -174,10 +175,10 @@ def sparse_rows(z, idx, inv_t, terms, mdt, dz_dtype, want_grad, logit_scale=1.0,
     u_k = shard.all_reduce(torch.where(here, u.gather(1, col), 0.0), "sum") \
         if shard.group is not None else u.gather(1, col)
     e = u.sub_(m).exp_()  # u is consumed from here on
-    total = shard.all_reduce(e.sum(-1, keepdim=True), "sum")
+    total = shard.all_reduce(row_sum(e, True), "sum")
     loss_t, g, *stats = terms((u_k - m) - total.log())
     if entropy:  # log S - sum e log e / S, e = exp(u - m), S = sum e (0 log 0 = 0)
-        xlx = shard.all_reduce(torch.special.xlogy(e, e).sum(-1, keepdim=True), "sum")
+        xlx = shard.all_reduce(row_sum(torch.special.xlogy(e, e), True), "sum")
         stats.append((total.log() - xlx / total)[:, 0])
     if not want_grad:
         return (loss_t, *stats), None

@@ -23,7 +23,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from .ce import first_max, softcapped
+from .ce import first_max, row_sum, softcapped
 
 
 class TileStats(NamedTuple):
@@ -101,9 +101,9 @@ def _tile_stats(z, target, inv_t, entropy, col0):
                       0.0)
     m = z.amax(-1, keepdim=True).clamp_min(torch.finfo(z.dtype).min)
     e = (z - m).exp()
-    s = e.sum(-1)
+    s = row_sum(e)
     # ez keeps no 0 * -inf at -inf logits and no cancellation against m.
-    ez = torch.where(e > 0, e * (z - m), 0.0).sum(-1) if entropy else torch.zeros_like(s)
+    ez = row_sum(torch.where(e > 0, e * (z - m), 0.0)) if entropy else torch.zeros_like(s)
     return TileStats(m.squeeze(1), s, ez, best, argmax + col0, z_y)
 
 

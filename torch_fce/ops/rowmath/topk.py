@@ -19,7 +19,7 @@ import math
 import torch
 
 from ..loop.chunked import ONE_DEVICE
-from .ce import softcapped
+from .ce import row_sum, softcapped
 
 
 def topk_rows(logits, target, inv_t, opts, math_dtype, shard=ONE_DEVICE):
@@ -33,7 +33,7 @@ def topk_rows(logits, target, inv_t, opts, math_dtype, shard=ONE_DEVICE):
     z = z.mul_(inv_t[:, None])
     m = shard.all_reduce(z.amax(-1, keepdim=True), "max").clamp_min(
         torch.finfo(math_dtype).min)
-    lse = (m + shard.all_reduce((z - m).exp_().sum(-1, keepdim=True), "sum").log())[:, 0]
+    lse = (m + shard.all_reduce(row_sum((z - m).exp_(), True), "sum").log())[:, 0]
     indices, values = _topk_ascending_ties(z, min(opts.k, z.shape[1]))
     if shard.group is not None:
         indices, values = _merged(indices + shard.vocab_start, values, opts.k, shard)
