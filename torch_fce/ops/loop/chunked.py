@@ -146,6 +146,8 @@ def run_chunks(hidden, weight, bias, row_fn, outputs, needs_grad, accumulator, c
 # invariance; multiples of the CPU kernels' blocking: measured +7% (bf16) / +17%
 # (float32 logits) at 4096 x 1024 x 32000 on a 2-core CPU against one GEMM).
 UNIT_ROWS, UNIT_COLS = 256, 4096
+# On CUDA, chunks of fewer rows run as this many (UNTESTED on the GPU: see the branch note)
+CUDA_MIN_ROWS = 128
 
 
 class LogitsGemm:
@@ -172,7 +174,13 @@ class LogitsGemm:
         block at a fixed offset, whose rows' bits then do not depend on the batch."""
         v1 = self.w.shape[0] if v1 is None else v1
         if h.device.type == "cuda":
-            return self._gemm(h, v0, v1)
+            if h.shape[0] >= CUDA_MIN_ROWS:
+                return self._gemm(h, v0, v1)
+            # a GEMV-like kernel for a few rows rounds otherwise (measured on the H200:
+            # one float32-logit row of 64 x 33001 differs): the few rows zero-padded
+            stage = h.new_zeros(CUDA_MIN_ROWS, h.shape[1])
+            stage[:h.shape[0]] = h
+            return self._gemm(stage, v0, v1)[:h.shape[0]]
         out = torch.empty(h.shape[0], v1 - v0, dtype=self.dtype, device=h.device)
         stage = h.new_zeros(UNIT_ROWS, h.shape[1])
         V = self.w.shape[0]
