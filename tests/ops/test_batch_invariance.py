@@ -31,6 +31,9 @@ def heads():
 
 def _ops(h, w, t, ht, wt, ldt):
     old = torch.zeros(N, device=DEVICE)
+    g = torch.Generator().manual_seed(1)
+    sup = torch.randint(0, V, (N, 8), generator=g).to(DEVICE)
+    lp = torch.randn(N, 8, generator=g).log_softmax(-1).to(DEVICE)
     return {
         "logprobs": lambda s, e: torch.stack(torch_fce.linear_logprobs(
             h[s:e], w, t[s:e], temperature=0.7, entropy=True, logits_dtype=ldt)[:3], 1),
@@ -42,6 +45,8 @@ def _ops(h, w, t, ht, wt, ldt):
             ref_logprobs=old[s:e], beta=0.04, logits_dtype=ldt)[1][:2], 1),
         "distillation": lambda s, e: torch.stack(torch_fce.linear_distillation_loss(
             h[s:e], w, ht[s:e], wt, t[s:e], beta=0.5, logits_dtype=ldt)[1], 1),
+        "sparse divergence": lambda s, e: torch.stack(torch_fce.linear_sparse_divergence(
+            h[s:e], w, sup[s:e], lp[s:e], beta=0.5, tail=True, logits_dtype=ldt)[1], 1),
         "top-k": lambda s, e: torch.cat([
             (top := torch_fce.linear_topk_logprobs(h[s:e], w, 8, target=t[s:e],
                                                    logits_dtype=ldt)).logprobs,

@@ -16,6 +16,7 @@ from torch_fce.ops import linear_sparse_divergence as room
 from torch_fce.ops.loop.chunked import ONE_DEVICE
 from torch_fce.testing import rel_err
 
+from tests import helpers
 from tests.helpers import DEVICE, TRITON, chunks, confident_inputs
 from tests.references import sparse_divergence_reference as reference
 
@@ -111,6 +112,33 @@ def test_triton_rows_match_the_float64_composition(p, rows, logits_dtype):
     for name, a, r in zip(("loss", "divergence", "mass", "entropy", "hidden", "weight",
                            "bias"), (loss, *stats, gh, gw, gb), (*want, *grads)):
         assert (a.double() - r.detach()).norm() <= 2e-5 * (r.norm() + scale * 1e-2), name
+
+
+@pytest.mark.parametrize("rows", ["torch_rows", "triton_rows"])
+@pytest.mark.parametrize("softcap", [None, 3.0])
+def test_a_token_not_counted_with_non_finite_logits_gives_zero_gradient(rows, softcap):
+    # its dz is exactly 0 from the sparse rows themselves (no pass of the callers'):
+    # the other tokens' loss and every gradient stay finite and equal to the run without it
+    g = torch.Generator().manual_seed(6)
+    h = torch.randn(5, 8, generator=g).to(DEVICE)
+    w = torch.randn(19, 8, generator=g).to(DEVICE)
+    support = torch.randint(0, 19, (5, 3), generator=g).to(DEVICE)
+    lp = torch.randn(5, 3, generator=g).log_softmax(-1).to(DEVICE)
+    support[2] = -100
+    rec = room.SparseDivOptions(beta=0.5, tail=True, softcap=softcap)
+    T = torch.ones(5, device=DEVICE)
+
+    def run(h):
+        return room.fwd(h, w, support, lp, None, None, T, *rec, *ONE_DEVICE,
+                        [True, True, False], backend=helpers.BACKENDS[rows])
+
+    clean = run(h)
+    bad = h.clone()
+    bad[2] = 3e38  # finite, its logits +-inf (NaN after the max is taken off)
+    got = run(bad)
+    assert torch.equal(got[1][2], torch.zeros(8, device=DEVICE))
+    for a, b in zip(got[:3], clean[:3]):
+        assert torch.isfinite(a).all() and torch.allclose(a, b, rtol=1e-6, atol=1e-7)
 
 
 def test_gradcheck_float64():

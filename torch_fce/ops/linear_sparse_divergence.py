@@ -262,9 +262,8 @@ def fwd(hidden, weight, support, teacher, bias, token_weights_, temperature, *ar
         (loss_t, div, mass, ent), dz = sparse.rows(
             logits, safe[s:e], inv_t[s:e], terms, mdt, hidden.dtype, any(needs),
             opts.logit_scale, opts.softcap, entropy=True, shard=shard)
-        counted = entries[s:e].any(-1)
-        return _Outputs(loss_t, div, mass, torch.where(counted, ent, 0.0)), \
-            None if dz is None else dz.masked_fill_(~counted[:, None], 0.0)
+        # a token not counted: g = 0, so dz is exactly 0 (the sparse rows see to it)
+        return _Outputs(loss_t, div, mass, torch.where(entries[s:e].any(-1), ent, 0.0)), dz
 
     with no_autocast(hidden):
         ldt = logits_dtype_for(hidden, opts)

@@ -164,7 +164,9 @@ def sparse_rows(z, idx, inv_t, terms, mdt, dz_dtype, want_grad, logit_scale=1.0,
     formed relative to the row max, so a confident row keeps float32 precision (not
     lse's). A vocabulary shard's z holds its classes: the max, the sum of exps and each
     support class's u (from the shard holding it) are all-reduced before terms, which
-    every rank forms alike; its dz is its own classes'. Overwrites z where it can."""
+    every rank forms alike; its dz is its own classes'. A row whose g is all 0 (a token
+    not counted) gets dz exactly 0, also where its logits are not finite (the callers
+    need no pass of their own). Overwrites z where it can."""
     a, da = capped(z, logit_scale, softcap, mdt) if logit_scale != 1.0 or softcap \
         is not None else (z.to(mdt), None)
     u = a.mul_(inv_t[:, None])
@@ -187,7 +189,7 @@ def sparse_rows(z, idx, inv_t, terms, mdt, dz_dtype, want_grad, logit_scale=1.0,
     dz.scatter_add_(1, col, torch.where(here, g * c, 0.0))
     if da is not None:  # softcap'(.): da is d a / d z, the scale included
         dz = dz.mul_(da / logit_scale)
-    return (loss_t, *stats), dz.to(dz_dtype)
+    return (loss_t, *stats), dz.masked_fill_((g == 0).all(-1, keepdim=True), 0.0).to(dz_dtype)
 
 
 def soft_ce_rows(z, idx, probs, inv_t, weights, opts, mdt, dz_dtype, want_grad,
@@ -207,8 +209,7 @@ def soft_ce_rows(z, idx, probs, inv_t, weights, opts, mdt, dz_dtype, want_grad,
         return -(w[:, 0] * torch.where(skip, 0.0, p * log_q).sum(-1)), -w * p
 
     (loss_t,), dz = sparse(z, safe, inv_t, terms, mdt, dz_dtype, want_grad, shard=shard)
-    # tokens not counted: exactly 0, also where their logits are not finite
-    return loss_t, None if dz is None else dz.masked_fill_(~valid[:, None], 0.0)
+    return loss_t, dz  # a token not counted has g = 0: dz exactly 0
 
 
 TORCH_DISTILL_ROWS = DistillRows(RowMath(divergence_rows, temporaries=6),

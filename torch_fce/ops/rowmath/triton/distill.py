@@ -278,7 +278,7 @@ def triton_sparse_rows(z, idx, inv_t, terms, mdt, dz_dtype, want_grad, logit_sca
     """distill.sparse_rows on the Triton kernels (one device): a sweep for each row's
     logsumexp, terms on the support's log-probs (from its gathered logits), a sweep
     writing the softmax part of dz, then the support classes' exact values over theirs
-    (each rounded once)."""
+    (each rounded once); a row whose g is all 0 exactly 0, as sparse_rows'."""
     n, V = z.shape
     assert mdt == torch.float32 and z.stride(1) == 1 and shard.group is None
     inv_t = inv_t.float().contiguous()
@@ -302,6 +302,8 @@ def triton_sparse_rows(z, idx, inv_t, terms, mdt, dz_dtype, want_grad, logit_sca
     exact = coef * log_q.exp() + c * _class_sums(idx, g)
     if da_k is not None:  # softcap'(.): da is d a / d z, the scale included
         exact = exact * (da_k / logit_scale)
+    # a row whose g is all 0: exactly 0 (the kernel wrote its other classes so)
+    exact = torch.where((g == 0).all(-1, keepdim=True), 0.0, exact)
     return (loss_t, *stats), dz.scatter_(1, idx, exact.to(dz.dtype))
 
 
