@@ -47,28 +47,65 @@ def linear_ce_reference(hidden, weight, target, bias=None, class_weight=None, *,
     return loss.reshape(target.shape) if options.get("reduction") == "none" else loss
 
 
+def sampler_kept(z, top_k=None, top_p=None, min_p=None):
+    """The classes vLLM's sampler keeps (a bool mask of z's shape), row by row in Python
+    from its rules: on processed logits z, min_p on the probabilities (p_j >= min_p
+    p_max), then the top_k first of the order (z descending, class ascending), then
+    top_p over those renormalised: a class kept while the mass before it is < top_p."""
+    flat = z.detach().double().reshape(-1, z.shape[-1]).cpu()
+    keep = torch.zeros(flat.shape, dtype=torch.bool)
+    for i, row in enumerate(flat):
+        order = sorted(range(len(row)), key=lambda j: (-row[j].item(), j))
+        if min_p is not None:
+            p = row.softmax(-1)
+            order = [j for j in order if p[j] >= min_p * p.max()]
+        if top_k is not None:
+            order = order[:top_k]
+        if top_p is not None:
+            q, before, kept = row[order].softmax(-1).tolist(), 0.0, []
+            for j, qj in zip(order, q):
+                if before < top_p:
+                    kept.append(j)
+                before += qj
+            order = kept
+        keep[i, order] = True
+    return keep.reshape(z.shape).to(z.device)
+
+
+def _truncated_log_softmax(z, target, valid, truncation):
+    """(log-probs at target, entropy) of z's rows, over the sampler's kept set where
+    truncation (its top_k, top_p, min_p) asks: -inf, without gradient, at a target outside
+    it."""
+    keep = sampler_kept(z, **truncation) if truncation else torch.ones_like(z, dtype=torch.bool)
+    logp = torch.where(keep, z, float("-inf")).log_softmax(-1)
+    safe = torch.where(valid, target, 0).long()[..., None]
+    lp = logp.gather(-1, safe).squeeze(-1)
+    lp = torch.where(keep.gather(-1, safe).squeeze(-1), lp, float("-inf"))
+    ent = -torch.where(keep, logp.exp() * torch.where(keep, logp, 0.0), 0.0).sum(-1)
+    return lp, ent, keep
+
+
 def logprobs_reference(hidden, weight, target, bias=None, temperature=1.0, softcap=None,
-              ignore_index=-100):
-    """(logprob, entropy, lse, argmax) from float64 logits, each target.shape."""
+              ignore_index=-100, **truncation):
+    """(logprob, entropy, lse, argmax) from float64 logits, each target.shape; under the
+    sampler's truncation (top_k, top_p, min_p) those of its distribution."""
     z = F.linear(hidden.double(), weight.double(), None if bias is None else bias.double())
     if softcap is not None:
         z = softcap * torch.tanh(z / softcap)
     t = torch.as_tensor(temperature, dtype=torch.float64, device=z.device)
     z = z / t.expand(target.shape)[..., None]
-    logp = z.log_softmax(-1)
     valid = target != ignore_index
-    lp = logp.gather(-1, torch.where(valid, target, 0).long()[..., None]).squeeze(-1)
-    ent = -(logp.exp() * logp).sum(-1)
+    lp, ent, keep = _truncated_log_softmax(z, target, valid, truncation)
     zero = torch.zeros((), dtype=torch.float64, device=z.device)
     return (torch.where(valid, lp, zero), torch.where(valid, ent, zero),
-            torch.logsumexp(z, -1), z.argmax(-1))
+            torch.logsumexp(torch.where(keep, z, float("-inf")), -1), z.argmax(-1))
 
 
 def policy_reference(leaves, target, advantages, old=None, ref=None, token_weights=None,
               temperature=1.0, softcap=None, loss_type="clip", epsilon_low=0.2,
               epsilon_high=None, delta=None, sapo_temperature_pos=1.0,
               sapo_temperature_neg=1.05, beta=0.0, kl="k3", kl_ratio=False,
-              entropy_coef=0.0, ignore_index=-100):
+              entropy_coef=0.0, ignore_index=-100, **truncation):
     """(loss, logprob, entropy) in float64 from the logits, as TRL's GRPOTrainer writes
     the per-token terms, differentiable w.r.t. the leaves (hidden, weight, bias)."""
     hi = epsilon_low if epsilon_high is None else epsilon_high
@@ -78,12 +115,14 @@ def policy_reference(leaves, target, advantages, old=None, ref=None, token_weigh
         z = softcap * torch.tanh(z / softcap)
     z = z / torch.as_tensor(temperature, dtype=z.dtype, device=z.device).expand(
         target.shape)[..., None]
-    logp = z.log_softmax(-1)
     valid = target != ignore_index
-    lp = logp.gather(-1, torch.where(valid, target, 0)[..., None]).squeeze(-1)
-    ent = -(logp.exp() * logp).sum(-1)
+    lp, ent, _ = _truncated_log_softmax(z, target, valid, truncation)
     A = advantages.double().expand(target.shape)
-    r = torch.exp(lp - (lp.detach() if old is None else old.double()))
+    if old is None:  # 1, with lp's derivative (at -inf: 1, none)
+        lp0 = torch.where(lp > float("-inf"), lp, 0.0)
+        r = torch.exp(lp0 - lp0.detach())
+    else:
+        r = torch.exp(lp - old.double())
     if loss_type == "clip":
         coef_2 = torch.clamp(r, 1 - epsilon_low, 1 + hi)
         coef_1 = r if delta is None else torch.clamp(r, max=delta)

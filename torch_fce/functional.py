@@ -132,7 +132,8 @@ def linear_cross_entropy(hidden, weight, target, bias=None, class_weight=None, *
 def linear_logprobs(hidden, weight, target, bias=None, *, temperature=1.0,
                     softcap=_LP.softcap, ignore_index=_LP.ignore_index, entropy=_LP.entropy,
                     accumulator=_LP.accumulator, shift=False,
-                    logits_dtype=_LP.logits_dtype):
+                    logits_dtype=_LP.logits_dtype, top_k=_LP.top_k, top_p=_LP.top_p,
+                    min_p=_LP.min_p):
     """Per-token log-probs (and entropy) of softcap(F.linear(hidden, weight, bias)) /
     temperature at target, without the logits.
 
@@ -147,6 +148,9 @@ def linear_logprobs(hidden, weight, target, bias=None, *, temperature=1.0,
         shift: pair hidden[..., t, :] with target[..., t + 1] (causal LM, as for
             linear_cross_entropy); the temperature stays with the hidden position.
         logits_dtype: as for linear_cross_entropy.
+        top_k, top_p, min_p: the sampler's truncation (vLLM's rules and order, docs/rl.md):
+            the log-probs, entropy and lse of the distribution it samples from (vLLM's
+            processed log-probs), -inf for a target outside its kept set (no gradient).
 
     Returns:
         LogProbs(logprob, entropy, lse, argmax). logprob and entropy are differentiable
@@ -154,7 +158,8 @@ def linear_logprobs(hidden, weight, target, bias=None, *, temperature=1.0,
         weight sharded on dim 0 runs the vocab-parallel version (torch_fce.distributed).
     """
     opts = LogProbOptions(softcap=softcap, ignore_index=ignore_index, entropy=entropy,
-                          accumulator=accumulator, logits_dtype=logits_dtype)
+                          accumulator=accumulator, logits_dtype=logits_dtype, top_k=top_k,
+                          top_p=top_p, min_p=min_p)
     _checked(opts)
     temperature = temperature_tensor(temperature, target)
     target = _shifted(hidden, weight, target, bias, None, ignore_index, shift)
@@ -175,7 +180,8 @@ def linear_policy_loss(hidden, weight, target, advantages, bias=None, *, old_log
                        kl=_PL.kl, kl_ratio=_PL.kl_ratio, entropy_coef=_PL.entropy_coef,
                        token_weights=None, temperature=1.0, softcap=_PL.softcap,
                        ignore_index=_PL.ignore_index, shift=False,
-                       accumulator=_PL.accumulator, logits_dtype=_PL.logits_dtype):
+                       accumulator=_PL.accumulator, logits_dtype=_PL.logits_dtype,
+                       top_k=_PL.top_k, top_p=_PL.top_p, min_p=_PL.min_p):
     """An RL policy loss of softcap(F.linear(hidden, weight, bias)) / temperature at the
     sampled tokens, without the logits, in three GEMMs (docs/rl.md).
 
@@ -198,6 +204,8 @@ def linear_policy_loss(hidden, weight, target, advantages, bias=None, *, old_log
         shift: pair hidden[..., t, :] with target[..., t + 1]; the per-token tensors stay
             with the hidden position, as the statistics do.
         logits_dtype: as for linear_cross_entropy.
+        top_k, top_p, min_p: as linear_logprobs: the policy is the sampler's truncated
+            distribution (a target outside its kept set has log-prob -inf: ratio 0).
 
     Returns:
         (loss, PolicyStats): the float32 scalar loss (differentiable w.r.t. hidden,
@@ -209,7 +217,7 @@ def linear_policy_loss(hidden, weight, target, advantages, bias=None, *, old_log
                          sapo_temperature_neg=sapo_temperature_neg, beta=beta, kl=kl,
                          kl_ratio=kl_ratio, entropy_coef=entropy_coef, softcap=softcap,
                          ignore_index=ignore_index, accumulator=accumulator,
-                         logits_dtype=logits_dtype)
+                         logits_dtype=logits_dtype, top_k=top_k, top_p=top_p, min_p=min_p)
     _checked(opts)
     temperature = temperature_tensor(temperature, target)
     target = _shifted(hidden, weight, target, bias, None, ignore_index, shift)

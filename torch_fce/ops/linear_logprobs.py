@@ -20,6 +20,7 @@ from .loop.chunked import (ONE_DEVICE, VocabShard, after_first_gemm, by_vocab,
                            logits_dtype_for, math_dtype_for, no_autocast, run_chunks)
 from .machinery import grads
 from .machinery.dispatch import LIB, kernel
+from .rowmath import truncation
 from .rowmath.logprob import all_reduce_tile_stats, empty_tile_stats, finish_stats
 
 
@@ -31,11 +32,16 @@ class LogProbOptions(NamedTuple):
     entropy: bool = False
     accumulator: str = "fp32"
     logits_dtype: Optional[torch.dtype] = None  # torch.float32: the GEMM's float32 sums
+    # the sampler's truncation (rowmath/truncation.py): its distribution's log-probs
+    top_k: Optional[int] = None
+    top_p: Optional[float] = None
+    min_p: Optional[float] = None
 
     def check(self):
         """Raises naming the option; returns self."""
         checks.check_common(self)
         check_bool("entropy", self.entropy)
+        checks.check_truncation(self)
         return self
 
 
@@ -49,7 +55,8 @@ LIB.define(
     "-> (Tensor logprob, Tensor entropy, Tensor lse, Tensor argmax)")
 # hidden (N, D), target and temperature (N,). Also row_stats (N, 3), the per-token
 # statistics relative to the row's max m of z: (m, log sum_c exp(z_c - m), sum_c p_c
-# (z_c - m)) (the last 0 unless entropy). The backward recomputes the logits but not
+# (z_c - m)) (the last 0 unless entropy); under a truncation those of the kept set, and
+# its threshold (N, truncation.ROW_STATS). The backward recomputes the logits but not
 # these, and forms p_c and z_c - mu from z_c - m, which is exact near the max: lse
 # alone would lose 1 - p on confident rows.
 LIB.define(
@@ -89,14 +96,20 @@ def _linear_logprobs(hidden, weight, target, bias=None, temperature=None, **opti
 
 @torch.library.register_fake("fce::linear_logprobs_fwd")
 def _fwd_fake(hidden, weight, target, bias, temperature, *args):
-    opts = take(LogProbOptions, args)[0].check()
+    opts, rest = take(LogProbOptions, args)
+    opts = opts.check()
+    truncation.check_shard(opts, take(VocabShard, rest)[0])
     checks.check_head_inputs(hidden, weight, target, bias, None)
     checks.check_temperature(temperature, target)
     N, mdt = target.shape[0], torch.promote_types(hidden.dtype, torch.float32)
     return (hidden.new_empty(N, dtype=mdt),
             hidden.new_empty(N if opts.entropy else 0, dtype=mdt),
             hidden.new_empty(N, dtype=mdt), hidden.new_empty(N, dtype=torch.int64),
-            hidden.new_empty(N, 3, dtype=mdt))
+            hidden.new_empty(N, _row_stats_width(opts), dtype=mdt))
+
+
+def _row_stats_width(opts):
+    return truncation.ROW_STATS if truncation.truncating(opts) else 3
 
 
 @torch.library.register_fake("fce::linear_logprobs_bwd")
@@ -149,13 +162,16 @@ torch.library.register_autograd("fce::linear_logprobs_fwd", _backward, setup_con
 
 @kernel("linear_logprobs_fwd")
 def fwd(hidden, weight, target, bias, temperature, *args, backend):
-    """(logprob, entropy, lse, argmax) each (N,), and row_stats (N, 3); entropy (0,)
-    unless asked for. Token chunks only, whatever N (vocabulary tiles' boundaries would
-    move with N, and each row's statistics with them: the outputs are batch-invariant,
-    the logits GEMMs being row-invariant); a shard merges per-row statistics across the
-    group, then finishes them."""
+    """(logprob, entropy, lse, argmax) each (N,), and row_stats (N, 3 or
+    truncation.ROW_STATS); entropy (0,) unless asked for. Token chunks only, whatever N
+    (vocabulary tiles' boundaries would move with N, and each row's statistics with
+    them: the outputs are batch-invariant, the logits GEMMs being row-invariant); a
+    shard merges per-row statistics across the group, then finishes them (a truncation:
+    its candidates)."""
     opts, rest = take(LogProbOptions, args)
     shard = take(VocabShard, rest)[0]
+    truncation.check_shard(opts, shard)
+    truncating = truncation.truncating(opts)
     V = shard.vocab(weight)
     if backend.check_values:
         checks.check_target_range(target, V, opts.ignore_index)
@@ -163,11 +179,15 @@ def fwd(hidden, weight, target, bias, temperature, *args, backend):
     N, mdt = hidden.shape[0], math_dtype_for(hidden.dtype)
     inv_t = after_first_gemm(lambda: inverse_temperature(temperature, N, hidden.device, mdt))
     out = [hidden.new_empty(N, dtype=mdt) for _ in range(3)] + [
-        hidden.new_empty(N, dtype=torch.int64), hidden.new_empty(N, 3, dtype=mdt)]
-    merged = shard.group is not None
+        hidden.new_empty(N, dtype=torch.int64),
+        hidden.new_empty(N, _row_stats_width(opts), dtype=mdt)]
+    merged = shard.group is not None and not truncating
     start = shard.vocab_start
 
     def row_fn(logits, s, e):
+        if truncating:
+            return truncation.kept_stats(logits, target[s:e], inv_t()[s:e], opts, mdt,
+                                         backend.topk, shard)[:5], None
         if merged:  # a shard's classes of tokens [s, e)
             part = empty_tile_stats(e - s, mdt, hidden.device)
             backend.logprobs.tile_stats(logits, target[s:e], inv_t()[s:e], opts,
@@ -180,7 +200,8 @@ def fwd(hidden, weight, target, bias, temperature, *args, backend):
         # Token chunks of a shard write their partial statistics into a TileStats of N.
         parts = empty_tile_stats(N, mdt, hidden.device) if merged else None
         ldt = logits_dtype_for(hidden, opts)
-        chunk = chunk_rows_for(hidden, weight, shard, ldt)
+        chunk = chunk_rows_for(hidden, weight, shard, ldt, per_logit=_per_logit(
+            opts, V, ldt, hidden.dtype))
         run_chunks(hidden, weight, bias, row_fn, parts or out, (False,) * 3, "fp32", chunk,
                    logits_dtype=ldt)
     if merged:
@@ -197,9 +218,11 @@ def bwd(grad_logprob, grad_entropy, row_stats, hidden, weight, target, bias, tem
     """Recomputes the logits chunk by chunk (vocabulary tiles when there are fewer
     tokens than classes: the float32 sum it keeps is then N x D; the logits GEMMs being
     row-invariant, the tiles' logits are the forward's bit for bit) and, with the
-    forward's row statistics, forms the logits gradient in one pass over them."""
+    forward's row statistics, forms the logits gradient in one pass over them (a
+    truncation: its PyTorch row math, the kept set from the forward's threshold)."""
     opts, rest = take(LogProbOptions, args)
     shard, (needs,) = take(VocabShard, rest)
+    grad = truncation.kept_grad if truncation.truncating(opts) else backend.logprobs.grad
     N, mdt = hidden.shape[0], math_dtype_for(hidden.dtype)
     inv_t = after_first_gemm(lambda: inverse_temperature(temperature, N, hidden.device, mdt))
     per_token = after_first_gemm(lambda: [None if t is None else t.to(mdt)
@@ -209,15 +232,22 @@ def bwd(grad_logprob, grad_entropy, row_stats, hidden, weight, target, bias, tem
 
     def row_fn(logits, s, e):
         if vocab:  # classes [s, e) of every token
-            return (), backend.logprobs.grad(logits, target, inv_t(), opts, *per_token(), mdt,
-                                             start + s, hidden.dtype)
+            return (), grad(logits, target, inv_t(), opts, *per_token(), mdt, start + s,
+                            hidden.dtype)
         g_lp, g_h, stats = (None if t is None else t[s:e] for t in per_token())
-        return (), backend.logprobs.grad(logits, target[s:e], inv_t()[s:e], opts, g_lp, g_h,
-                                         stats, mdt, start, hidden.dtype)
+        return (), grad(logits, target[s:e], inv_t()[s:e], opts, g_lp, g_h, stats, mdt, start,
+                        hidden.dtype)
 
     ldt = logits_dtype_for(hidden, opts)  # the forward's: the same logits, bit for bit
-    chunk = chunk_rows_for(hidden, weight, shard, ldt, log_prob_tiles=vocab)
+    chunk = chunk_rows_for(hidden, weight, shard, ldt, log_prob_tiles=vocab,
+                           per_logit=_per_logit(opts, shard.vocab(weight), ldt, hidden.dtype))
     with no_autocast(hidden):
         gradients = run_chunks(hidden, weight, bias, row_fn, (), needs, opts.accumulator,
                                chunk, by_vocab=vocab, shard=shard, logits_dtype=ldt)
     return grad_outputs(hidden, weight, bias, gradients, keep_f32=False)
+
+
+def _per_logit(opts, V, logits_dtype, dz_dtype):
+    """chunk_rows_for's per_logit: a truncation's (None: the loop's own)."""
+    return truncation.per_logit(opts, V, logits_dtype, dz_dtype) \
+        if truncation.truncating(opts) else None

@@ -33,6 +33,7 @@ from .loop.chunked import (ONE_DEVICE, VocabShard, after_first_gemm, chunk_rows_
 from .loop.tokens import token_weights
 from .machinery import grads
 from .machinery.dispatch import LIB, kernel
+from .rowmath import truncation
 from .rowmath.logprob import shard_stats
 
 
@@ -52,10 +53,15 @@ class PolicyOptions(NamedTuple):
     ignore_index: int = -100
     accumulator: str = "fp32"
     logits_dtype: Optional[torch.dtype] = None  # torch.float32: the GEMM's float32 sums
+    # the sampler's truncation (rowmath/truncation.py): its distribution's log-probs
+    top_k: Optional[int] = None
+    top_p: Optional[float] = None
+    min_p: Optional[float] = None
 
     def check(self):
         """Raises naming the option; returns the record with epsilon_high resolved."""
         check_choice("loss_type", self.loss_type, tuple(LOSS_TYPES))
+        checks.check_truncation(self)
         check_choice("kl", self.kl, tuple(KL_ESTIMATORS))
         checks.check_common(self)
         if not 0.0 <= as_float("epsilon_low", self.epsilon_low) < float("inf"):
@@ -118,8 +124,14 @@ KL_ESTIMATORS = {
 
 
 def _policy_term(lp, A, old, opts):
-    """(term, ratio, clipped) of each token, differentiable in lp."""
-    r = torch.exp(lp - (lp.detach() if old is None else old))
+    """(term, ratio, clipped) of each token, differentiable in lp. Without old log-probs
+    the ratio is 1 (its derivative lp's), also at a log-prob of -inf (a truncation's
+    target outside its kept set: no gradient there)."""
+    if old is None:
+        lp0 = torch.where(lp > float("-inf"), lp, 0.0)
+        r = torch.exp(lp0 - lp0.detach())
+    else:
+        r = torch.exp(lp - old)
     return (*LOSS_TYPES[opts.loss_type](lp, r, A, opts), r)
 
 
@@ -232,6 +244,7 @@ def _fwd_fake(hidden, weight, target, advantages, bias, *args):
     opts = opts.check()
     check_policy_inputs(hidden, weight, target, advantages, bias, tensors, opts)
     shard, (needs,) = take(VocabShard, rest)
+    truncation.check_shard(opts, shard)
     return grads.fake_forward_grads_outputs(hidden, weight, bias, needs, opts, shard, 5)
 
 
@@ -259,6 +272,8 @@ def fwd(hidden, weight, target, advantages, bias, old_logprobs, ref_logprobs,
     opts, rest = take(PolicyOptions, args)
     opts = opts.check()
     shard, (needs,) = take(VocabShard, rest)
+    truncation.check_shard(opts, shard)
+    truncating = truncation.truncating(opts)
     if backend.check_values:
         checks.check_target_range(target, shard.vocab(weight), opts.ignore_index)
         checks.check_temperature_values(temperature)
@@ -283,7 +298,14 @@ def fwd(hidden, weight, target, advantages, bias, old_logprobs, ref_logprobs,
                 None if ref_logprobs is None else ref_logprobs[s:e], weights[s:e], opts))
             return terms[0].g_lp, terms[0].g_h
 
-        if want:
+        if truncating:  # the sampler's distribution: its PyTorch row math
+            lp, ent, _, _, row_stats, processed = truncation.kept_stats(
+                logits, target[s:e], inv_t[s:e], opts, mdt, backend.topk, shard)
+            g_lp, g_h = upstream(lp, ent)
+            dz = truncation.kept_grad(logits, target[s:e], inv_t[s:e], opts, g_lp, g_h,
+                                      row_stats, mdt, shard.vocab_start, hidden.dtype,
+                                      processed) if want else None
+        elif want:
             lp, ent, *_, dz = backend.logprobs.stats_then_grad(
                 logits, target[s:e], inv_t[s:e], opts, upstream, mdt, shard, hidden.dtype)
         else:
@@ -298,7 +320,9 @@ def fwd(hidden, weight, target, advantages, bias, old_logprobs, ref_logprobs,
         ldt = logits_dtype_for(hidden, opts)
         gradients = run_chunks(hidden, weight, bias, row_fn, out, needs, opts.accumulator,
                                chunk_rows_for(hidden, weight, shard, ldt,
-                                              log_prob_tiles=False), shard=shard,
+                                              log_prob_tiles=False, per_logit=truncation.per_logit(
+                                                  opts, shard.vocab(weight), ldt, hidden.dtype)
+                                              if truncating else None), shard=shard,
                                logits_dtype=ldt)
     loss_t, *stats = out
     return (loss_t.sum(), *grad_outputs(hidden, weight, bias, gradients,

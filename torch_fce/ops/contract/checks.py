@@ -35,6 +35,19 @@ def check_common(opts):
         raise ValueError(f"softcap must be None or a finite float > 0{got(cap)}")
 
 
+def check_truncation(opts):
+    """The sampler's truncation options (top_k, top_p, min_p; rowmath/truncation.py):
+    None each, or an int >= 1, a float in (0, 1], a float in [0, 1]."""
+    if opts.top_k is not None:
+        check_int("top_k", opts.top_k)
+        if opts.top_k < 1:
+            raise ValueError(f"top_k must be None (no top-k) or an int >= 1{got(opts.top_k)}")
+    if opts.top_p is not None and not 0.0 < as_float("top_p", opts.top_p) <= 1.0:
+        raise ValueError(f"top_p must be None or a float in (0, 1]{got(opts.top_p)}")
+    if opts.min_p is not None and not 0.0 <= as_float("min_p", opts.min_p) <= 1.0:
+        raise ValueError(f"min_p must be None or a float in [0, 1]{got(opts.min_p)}")
+
+
 def check_temperature(temperature, target):
     """A float tensor of target's shape on its device, not requiring grad. The kernels
     check its values (check_temperature_values)."""

@@ -16,7 +16,7 @@ from typing import Optional, get_type_hints
 
 import torch
 
-_SCHEMA_TYPES = {int: "SymInt", float: "float", Optional[float]: "float?", str: "str",
+_SCHEMA_TYPES = {int: "SymInt", Optional[int]: "int?", float: "float", Optional[float]: "float?", str: "str",
                  Optional[str]: "str?", bool: "bool", Optional[torch.dtype]: "ScalarType?"}
 
 

@@ -180,7 +180,7 @@ def torch_logprob_grad(logits, target, inv_t, opts, g_lp, g_h, row_stats, math_d
     """LogProbRows.grad in PyTorch."""
     z, tanh = softcapped(logits, opts.softcap, math_dtype)
     z.mul_(inv_t[:, None]).sub_(row_stats[:, :1])  # z - m
-    return _logits_grad(z, tanh, dz_dtype, target, inv_t, opts, g_lp, g_h, row_stats,
+    return logits_grad(z, tanh, dz_dtype, target, inv_t, opts, g_lp, g_h, row_stats,
                         col0)
 
 
@@ -198,11 +198,11 @@ def torch_logprob_stats_then_grad(logits, target, inv_t, opts, upstream, math_dt
     g_lp, g_h = upstream(outputs[0], outputs[1])
     row_stats = outputs[4]
     z.sub_(row_stats[:, :1])  # z - m
-    return (*outputs, _logits_grad(z, tanh, dz_dtype, target, inv_t, opts, g_lp, g_h,
+    return (*outputs, logits_grad(z, tanh, dz_dtype, target, inv_t, opts, g_lp, g_h,
                                    row_stats, shard.vocab_start))
 
 
-def _logits_grad(z, tanh, dtype, target, inv_t, opts, g_lp, g_h, row_stats, col0):
+def logits_grad(z, tanh, dtype, target, inv_t, opts, g_lp, g_h, row_stats, col0):
     """dz in dtype from z - m (n, cols) of the classes [col0, col0 + cols) (consumed)."""
     V = z.shape[1]
     valid = target != opts.ignore_index

@@ -1,0 +1,200 @@
+"""The sampler's truncation (top_k, top_p, min_p) in linear_logprobs and
+linear_policy_loss against a float64 reference written from vLLM's rules
+(tests/references.sampler_kept): ties at the k-th value (equal weight rows give equal
+logits), top_p reached exactly, min_p with several maxima, all three together, top_k >= V,
+top_p = 1, targets outside the kept set, softcap, temperatures, odd V, chunks and
+vocabulary tiles; the Triton top-k candidates under the interpreter; gradcheck; compile;
+bad values named."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, strategies as st
+
+import torch_fce
+from torch_fce.ops import linear_logprobs as room
+from torch_fce.ops.loop.chunked import ONE_DEVICE
+
+from tests.helpers import DEVICE, TORCH, TRITON, chunks
+from tests.references import logprobs_reference, policy_reference, sampler_kept
+
+
+@st.composite
+def problems(draw):
+    N, D = draw(st.integers(1, 8)), draw(st.integers(1, 5))
+    V = draw(st.sampled_from([2, 7, 37, 61]))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+    h = torch.randn(N, D, generator=g, dtype=torch.float64) * draw(st.sampled_from([1.0, 3.0]))
+    w = torch.randn(V, D, generator=g, dtype=torch.float64)
+    if draw(st.booleans()):  # equal rows: ties in every token's logits
+        w[torch.randint(0, V, (V // 2,), generator=g)] = w[0].clone()
+    b = torch.randn(V, generator=g, dtype=torch.float64) if draw(st.booleans()) else None
+    target = torch.randint(0, V, (N,), generator=g)
+    if draw(st.booleans()):  # some targets surely kept: each row's most likely class
+        z = h @ w.T + (0 if b is None else b)
+        target = torch.where(torch.rand(N, generator=g) < 0.5, z.argmax(-1), target)
+    target[torch.rand(N, generator=g) < 0.2] = -100
+    T = draw(st.sampled_from([1.0, 0.7, "tensor"]))
+    if T == "tensor":
+        T = torch.rand(N, generator=g, dtype=torch.float64) + 0.5
+    truncation = dict(top_k=draw(st.sampled_from([None, 1, 3, V, V + 5])),
+                      top_p=draw(st.sampled_from([None, 0.3, 0.9, 1.0])),
+                      min_p=draw(st.sampled_from([None, 0.0, 0.2, 1.0])))
+    return dict(h=h, w=w, b=b, target=target, T=T, softcap=draw(st.sampled_from([None, 3.0])),
+                truncation=truncation, rows=draw(st.sampled_from([None, 1, 3])))
+
+
+def _grads(outputs, leaves, seed=0):
+    """Gradients of a random combination of the finite log-probs and the entropies."""
+    g = torch.Generator().manual_seed(seed)
+    lp, ent = outputs
+    cl = torch.randn(lp.shape, generator=g, dtype=torch.float64).to(lp)
+    ce = torch.randn(ent.shape, generator=g, dtype=torch.float64).to(ent)
+    total = (torch.where(lp > -math.inf, lp, 0.0) * cl).sum() + (ent * ce).sum()
+    return torch.autograd.grad(total, leaves)
+
+
+@given(problems())
+def test_logprobs_match_the_float64_reference_of_vllms_rules(p):
+    dev = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in p.items()}
+    leaves = [dev[k].clone().requires_grad_() for k in ("h", "w", "b") if dev[k] is not None]
+    kw = dict(temperature=dev["T"], softcap=p["softcap"], **p["truncation"])
+
+    def ours():
+        out = torch_fce.linear_logprobs(*leaves[:2], dev["target"], *leaves[2:], entropy=True,
+                                        **kw)
+        return out.logprob, out.entropy, out.lse
+
+    if p["rows"]:
+        with chunks(p["rows"], leaves[0], leaves[1]):
+            got = ours()
+            got_g = _grads(got[:2], leaves)
+    else:
+        got = ours()
+        got_g = _grads(got[:2], leaves)
+    want = logprobs_reference(*leaves[:2], dev["target"], *leaves[2:], **kw)
+    want_g = _grads(want[:2], leaves)
+    for name, a, r in zip(("logprob", "entropy", "lse"), got, want[:3]):
+        assert torch.equal(a == -math.inf, r == -math.inf), name  # the same kept targets
+        a, r = (torch.where(r == -math.inf, 0.0, x) for x in (a, r))
+        assert (a - r).abs().max() <= 1e-10 * (1 + r.abs().max()), name
+    for a, r in zip(got_g, want_g):
+        assert (a - r).norm() <= 1e-9 * (1 + r.norm())
+
+
+def test_the_rules_boundaries():
+    # four equal logits: top_p 0.5 is reached exactly by the two lowest classes; with a
+    # fifth class below them min_p 1 keeps every maximum, top_k 3 the three lowest
+    h = torch.ones(1, 1, dtype=torch.float64)
+
+    def kept(w, **kw):
+        w = torch.tensor(w, dtype=torch.float64)[:, None]
+        return {c for c in range(len(w)) if torch_fce.linear_logprobs(
+            h, w, torch.tensor([c]), **kw).logprob.item() > -math.inf}
+
+    flat = [1.0, 1.0, 1.0, 1.0]
+    assert kept(flat, top_p=0.5) == {0, 1} and kept(flat, top_p=0.51) == {0, 1, 2}
+    assert kept(flat, top_p=1e-9) == {0}  # the most likely class always
+    assert kept(flat, top_k=9, top_p=1.0, min_p=0.0) == {0, 1, 2, 3}
+    five = [1.0, 0.0, 1.0, 1.0, 1.0]
+    assert kept(five, min_p=1.0) == {0, 2, 3, 4} and kept(five, top_k=3) == {0, 2, 3}
+    assert kept(five, top_k=4, min_p=0.5, top_p=0.5) == {0, 2}
+    assert sampler_kept(torch.tensor([flat]), top_p=0.5)[0].nonzero().flatten().tolist() \
+        == [0, 1]  # the reference agrees
+    out = torch_fce.linear_logprobs(h, torch.tensor(flat, dtype=torch.float64)[:, None],
+                                    torch.tensor([1]), top_p=0.5, entropy=True)
+    assert torch.allclose(out.logprob, torch.tensor([math.log(0.5)], dtype=torch.float64))
+    assert torch.allclose(out.entropy, torch.tensor([math.log(2.0)], dtype=torch.float64))
+
+
+@pytest.mark.parametrize("truncation", [dict(top_k=5), dict(top_k=4, top_p=0.8, min_p=0.05)])
+@pytest.mark.parametrize("softcap", [None, 2.0])
+def test_triton_candidates_give_the_pytorch_rows_bits(truncation, softcap):
+    # float32 inputs: the Triton top-k rows (the interpreter off the GPU) pick the same
+    # candidates, so every output and gradient is the PyTorch rows' bit for bit
+    g = torch.Generator().manual_seed(3)
+    h = torch.randn(6, 8, generator=g).to(DEVICE)
+    w = torch.randn(29, 8, generator=g).to(DEVICE)
+    w[7] = w[3]  # a tie
+    y = torch.randint(0, 29, (6,), generator=g).to(DEVICE)
+    T = torch.full((6,), 0.8, device=DEVICE)
+    opts = room.LogProbOptions(softcap=softcap, entropy=True, **truncation)
+    outs = [room.fwd(h, w, y, None, T, *opts, *ONE_DEVICE, backend=b) for b in (TORCH, TRITON)]
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+    gl = torch.randn(6, generator=g).to(DEVICE)
+    grads = [room.bwd(gl, gl, outs[0][4], h, w, y, None, T, *opts, *ONE_DEVICE,
+                      [True, True, False], backend=b) for b in (TORCH, TRITON)]
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+
+
+def test_policy_loss_matches_the_reference():
+    g = torch.Generator().manual_seed(4)
+    h = torch.randn(2, 5, 6, generator=g, dtype=torch.float64)
+    w = torch.randn(23, 6, generator=g, dtype=torch.float64)
+    w[5] = w[1]
+    y = torch.randint(0, 23, (2, 5), generator=g)
+    y[0, :3] = (h[0, :3] @ w.T).argmax(-1)  # kept
+    A = torch.randn(2, generator=g, dtype=torch.float64)
+    old = torch.randn(2, 5, generator=g, dtype=torch.float64) - 1.0
+    for kw in (dict(top_k=6, top_p=0.9), dict(min_p=0.1), dict(top_p=0.7)):
+        for old_lp in (None, old):
+            leaves = {"hidden": h.clone().requires_grad_(), "weight": w.clone().requires_grad_()}
+            loss, stats = torch_fce.linear_policy_loss(
+                leaves["hidden"], leaves["weight"], y, A, old_logprobs=old_lp,
+                entropy_coef=0.05, temperature=0.9, **kw)
+            got = [loss, *torch.autograd.grad(loss, list(leaves.values()))]
+            ref_leaves = {k: v.detach().clone().requires_grad_() for k, v in leaves.items()}
+            r_loss, r_lp, _ = policy_reference(ref_leaves, y, A[:, None], old=old_lp,
+                                               entropy_coef=0.05, temperature=0.9, **kw)
+            want = [r_loss, *torch.autograd.grad(r_loss, list(ref_leaves.values()))]
+            assert torch.equal(stats.logprob == -math.inf, r_lp == -math.inf)
+            for a, r in zip(got, want):
+                assert (a - r).norm() <= 1e-10 * (1 + r.norm()), kw
+
+
+def test_gradcheck_float64_on_kept_targets():
+    g = torch.Generator().manual_seed(5)
+    h = torch.randn(5, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(17, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    y = (h @ w.T).argmax(-1).detach()
+    for kw in (dict(top_k=4, top_p=0.9), dict(min_p=0.05, softcap=4.0)):
+        torch.autograd.gradcheck(lambda h, w: torch_fce.linear_logprobs(
+            h, w, y, temperature=0.8, entropy=True, **kw)[:2], (h, w))
+
+
+def test_compiled_fullgraph_dynamic_equals_eager():
+    g = torch.Generator().manual_seed(6)
+    h = torch.randn(7, 8, generator=g).to(DEVICE).requires_grad_()
+    w = torch.randn(31, 8, generator=g).to(DEVICE).requires_grad_()
+    y = torch.randint(0, 31, (7,), generator=g).to(DEVICE)
+
+    def fn(h, w):
+        out = torch_fce.linear_logprobs(h, w, y, top_k=5, top_p=0.9, entropy=True)
+        return out.logprob, out.entropy
+
+    eager = fn(h, w)
+    compiled = torch.compile(fn, fullgraph=True, dynamic=True)(h, w)
+    for a, c in zip(eager, compiled):
+        assert torch.equal(a, c)
+    ge = _grads(eager, (h, w))
+    gc = _grads(compiled, (h, w))
+    for a, c in zip(ge, gc):
+        assert torch.equal(a, c)
+
+
+@pytest.mark.parametrize("option,value,error", [
+    ("top_k", 0, "top_k must be None"), ("top_k", 2.5, "top_k must be an int"),
+    ("top_p", 0.0, "top_p must be None or a float in \\(0, 1\\]"),
+    ("top_p", 1.5, "top_p must be None"), ("min_p", -0.1, "min_p must be None"),
+    ("min_p", 2.0, "min_p must be None or a float in \\[0, 1\\]")])
+@pytest.mark.parametrize("op", ["logprobs", "policy"])
+def test_bad_values_are_named(option, value, error, op):
+    h, w, y = torch.randn(3, 4), torch.randn(11, 4), torch.tensor([1, 2, 3])
+    with pytest.raises((ValueError, TypeError), match=error):
+        if op == "logprobs":
+            torch_fce.linear_logprobs(h, w, y, **{option: value})
+        else:
+            torch_fce.linear_policy_loss(h, w, y, torch.ones(3), **{option: value})
