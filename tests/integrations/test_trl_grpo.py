@@ -18,6 +18,7 @@ from torch_fce.integrations import trl as fce_trl
 from torch_fce.testing import rel_err, word_tokenizer
 
 from tests.helpers import DEVICE
+from tests.references import sampler_kept
 
 V, P, K, B = 96, 3, 7, 4
 
@@ -237,3 +238,90 @@ def test_grpo_trainer_bf16_on_cuda_agrees_with_trls_fused_head(model_dir, tmp_pa
     assert abs(got - want) <= 2e-2 * max(abs(want), 1e-2)
     for name, g in want_grads.items():
         assert rel_err(got_grads[name], g) <= 5e-2, name
+
+
+class _VLLMStandIn:
+    """vLLM's generation offline: each prompt's completion sampled from the float64
+    model with vLLM's rules (tests/references.sampler_kept) at the trainer's temperature,
+    and the processed log-probs vLLM returns with --logprobs-mode processed_logprobs."""
+
+    def __init__(self, trainer, truncation):
+        self.trainer, self.truncation = trainer, truncation
+
+    def sync_weights(self):
+        pass
+
+    def generate(self, prompts, images, num_generations, profiler=None):
+        g = torch.Generator().manual_seed(11)
+        model = self.trainer.model
+        completions, logprobs = [], []
+        for prompt in prompts:
+            ids, lps = list(prompt), []
+            for _ in range(K):
+                with torch.no_grad():
+                    z = model(torch.tensor([ids], device=model.device)).logits[0, -1].cpu()
+                z = z.double() / self.trainer.temperature
+                keep = sampler_kept(z[None], **self.truncation)[0]
+                logq = torch.where(keep, z, float("-inf")).log_softmax(-1)
+                token = int(torch.multinomial(logq.exp(), 1, generator=g))
+                ids.append(token)
+                lps.append([float(logq[token])])
+            completions.append(ids[len(prompt):])
+            logprobs.append(lps)
+        return None, completions, logprobs, None
+
+
+@pytest.mark.parametrize("truncation, mode", [
+    (dict(top_k=5, top_p=0.9), "token_truncate"), (dict(min_p=0.9, top_p=0.5), "sequence_mask")])
+def test_grpo_match_sampler_gives_the_importance_weight_the_samplers_logprobs(
+        model_dir, tmp_path, truncation, mode):
+    # A generation step of a real GRPOTrainer with vLLM's correction, its samples drawn as
+    # vLLM draws them under top_k / top_p / min_p: with match_sampler the weight
+    # exp(old - sampling) is 1 at every completion token (the trainer side now of the
+    # same truncated distribution), TRL's own is biased below 1; the PPO ratio's old
+    # log-probs stay the untruncated ones (the float64 composition from the logits).
+    outputs = {}
+    for match in (False, True):
+        trainer = _trainer(model_dir, tmp_path, vllm_importance_sampling_mode=mode,
+                           **{"top_k": 0, "top_p": 1.0, **truncation})
+        trainer.use_vllm = trainer.vllm_importance_sampling_correction = True
+        trainer.vllm_generation = _VLLMStandIn(trainer, truncation)
+        trainer._last_loaded_step = trainer.state.global_step
+        if not match:  # TRL's pass on exact float64 log-probs
+            trainer._get_per_token_logps_and_entropies = _exact_logps(trainer)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # served: no warning
+            fce_trl.apply(trainer, match_sampler=match)
+        trainer.model.to(DEVICE)
+        outputs[match] = trainer._generate_and_score_completions(
+            [{"prompt": "w3 w4 w5"}] * B)
+        if match:
+            fce_trl.revert(trainer)
+            assert "_generate_and_score_completions" not in vars(trainer)
+            assert "_get_per_token_logps_and_entropies" not in vars(trainer)
+    ours, theirs = outputs[True], outputs[False]
+    assert torch.equal(ours["completion_ids"], theirs["completion_ids"])
+    m = ours["completion_mask"].bool()
+    assert m.sum() >= 8
+    def weights(out):  # per token, or per sequence (B, 1)
+        ratio = out["importance_sampling_ratio"]
+        return ratio[m] if ratio.shape == m.shape else ratio
+
+    # TRL builds the sampling log-probs as a float32 tensor: 1 to float32's rounding
+    assert (weights(ours) - 1.0).abs().max() <= 1e-6
+    assert (weights(theirs) < 1.0 - 1e-3).any()
+    assert rel_err(ours["old_per_token_logps"][m], theirs["old_per_token_logps"][m]) <= 1e-12
+
+
+def test_grpo_match_sampler_refusals_warn_and_keep_trls_weight(model_dir, tmp_path):
+    for config, setup, reason in (
+            (dict(top_p=0.9), lambda t: None, "no vLLM importance-sampling correction"),
+            (dict(), lambda t: setattr(t, "use_vllm", True), "truncates nothing"),
+            (dict(top_p=0.9, repetition_penalty=1.1), lambda t: setattr(t, "use_vllm", True),
+             "repetition_penalty")):
+        trainer = _trainer(model_dir, tmp_path, **config)
+        setup(trainer)
+        with pytest.warns(UserWarning, match=reason):
+            fce_trl.apply(trainer, match_sampler=True)
+        assert "_generate_and_score_completions" not in vars(trainer)
+        assert "_compute_loss" in vars(trainer)  # the loss is still served

@@ -74,16 +74,33 @@ LIB.define(
 
 def forward(hidden, weight, target, bias, temperature, opts, shard=ONE_DEVICE):
     """The op's outputs for checked options; also the vocab-parallel entry."""
+    out = _fwd(hidden, weight, target, bias, temperature, opts, shard)
+    shape = target.shape
+    return (out[0].reshape(shape), out[1].reshape(shape) if opts.entropy else out[1],
+            out[2].reshape(shape), out[3].reshape(shape))
+
+
+def sampler_and_model_logprobs(hidden, weight, target, bias, temperature, opts):
+    """(truncated, untruncated), each target.shape: the log-probs of the sampler's
+    distribution (opts' truncation; -inf outside its kept set) and of the model's, from
+    one pass, without gradient, for checked options (an integration's old-log-prob pass:
+    TRL's importance-sampling weight takes the first, its PPO ratio the second)."""
+    if not truncation.truncating(opts):
+        raise ValueError("sampler_and_model_logprobs needs top_k, top_p or min_p")
+    with torch.no_grad():
+        out = _fwd(hidden, weight, target, bias, temperature, opts, ONE_DEVICE)
+    return out[0].reshape(target.shape), out[4][:, 6].reshape(target.shape)
+
+
+def _fwd(hidden, weight, target, bias, temperature, opts, shard):
+    """linear_logprobs_fwd's outputs, flat, after the entry's checks and conversions."""
     refuse_transforms((hidden, weight, bias, temperature))
     hidden, weight, bias = autocast_operands(hidden, weight, bias)  # dtypes checked after
     checks.check_head_inputs(hidden, weight, target, bias, None)
     checks.check_temperature(temperature, target)
     target = int64_if_needed(target, opts.ignore_index)
-    out = torch.ops.fce.linear_logprobs_fwd(token_rows(hidden), weight, flat(target), bias,
-                                            flat(temperature), *opts, *shard)
-    shape = target.shape
-    return (out[0].reshape(shape), out[1].reshape(shape) if opts.entropy else out[1],
-            out[2].reshape(shape), out[3].reshape(shape))
+    return torch.ops.fce.linear_logprobs_fwd(token_rows(hidden), weight, flat(target), bias,
+                                             flat(temperature), *opts, *shard)
 
 
 @torch.library.impl(LIB, "linear_logprobs", "CompositeImplicitAutograd")

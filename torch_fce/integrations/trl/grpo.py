@@ -1,8 +1,12 @@
 """GRPOTrainer's loss through linear_policy_loss: what it refuses, the loss with TRL's
-normalisation, and the metrics TRL logs."""
+normalisation, and the metrics TRL logs; and apply(match_sampler=True)'s old-log-prob
+pass (the vLLM importance-sampling weight from the sampler's truncated distribution)."""
+
+import warnings
 
 import torch
 
+from ...extension import sampler_and_model_logprobs
 from ...functional import linear_policy_loss
 from .common import _forward_grads_refusal, _head_inputs, _multimodal
 
@@ -154,3 +158,92 @@ def _log_metrics(trainer, metrics, stats, mask, advantages):
     elif trainer.loss_type == "cispo":
         clipped = ((ratio > trainer.epsilon_high) & (advantages > 0)).float()
         metrics["cispo_clip_ratio"].append(global_masked_mean(clipped))
+
+
+# ---- apply(match_sampler=True): the importance-sampling weight of vLLM's truncation --
+
+def sampler_truncation(trainer):
+    """The truncation of the trainer's vLLM sampling as linear_logprobs takes it (TRL's
+    top_k 0 and top_p 1 turn theirs off, as vLLM's -1 / 0 and 1 do), or None."""
+    top_k = trainer.top_k if trainer.top_k is not None and trainer.top_k > 0 else None
+    top_p = trainer.top_p if trainer.top_p is not None and trainer.top_p < 1.0 else None
+    min_p = trainer.min_p if trainer.min_p else None
+    if top_k is None and top_p is None and min_p is None:
+        return None
+    return dict(top_k=top_k, top_p=top_p, min_p=min_p)
+
+
+def match_sampler_refusal(trainer):
+    """Why apply(match_sampler=True) cannot give this trainer's vLLM importance-sampling
+    weight the sampler's log-probs, or None."""
+    from trl import GRPOTrainer
+
+    if not (trainer.use_vllm and trainer.vllm_importance_sampling_correction):
+        return "the trainer has no vLLM importance-sampling correction"
+    if sampler_truncation(trainer) is None:
+        return "its generation truncates nothing (top_k 0, top_p 1, no min_p)"
+    if type(trainer)._generate_and_score_completions is not \
+            GRPOTrainer._generate_and_score_completions:
+        return "a subclass overrides _generate_and_score_completions"
+    if trainer.repetition_penalty != 1.0:
+        return ("repetition_penalty != 1 (vLLM's processed log-probs include the penalty, "
+                "which depends on each sequence's tokens)")
+    if trainer.args.generation_kwargs or trainer.args.vllm_structured_outputs_regex:
+        return ("generation_kwargs or a structured-outputs regex (they may change the "
+                "distribution vLLM samples from)")
+    return None
+
+
+def sampler_patches(trainer):
+    """{method: replacement} apply(match_sampler=True) sets on the instance: the
+    generation step, whose old-log-prob pass (TRL 1.16 runs it first of the step's
+    log-prob passes when vLLM's importance-sampling correction is on) gives TRL the
+    sampler's truncated log-probs, so its importance-sampling weight and its logged
+    sampling/* metrics compare vLLM's processed log-probs with the same distribution,
+    and then hands the step's inputs the untruncated ones from the same pass, so the
+    PPO ratio keeps TRL's."""
+    cls = type(trainer)
+    state = {}
+
+    def generate(*args, **kwargs):
+        state.clear()
+        state["pass"] = "old"
+        try:
+            output = cls._generate_and_score_completions(trainer, *args, **kwargs)
+        finally:
+            state.pop("pass", None)
+        if "untruncated" in state:
+            output["old_per_token_logps"] = state.pop("untruncated")
+        return output
+
+    def logps(model, input_ids, attention_mask, logits_to_keep, batch_size=None,
+              compute_entropy=False, compute_aux_loss=False, **model_inputs):
+        args = (model, input_ids, attention_mask, logits_to_keep, batch_size,
+                compute_entropy, compute_aux_loss)
+        if state.pop("pass", None) != "old":
+            return cls._get_per_token_logps_and_entropies(trainer, *args, **model_inputs)
+        if compute_entropy or compute_aux_loss or any(
+                v is not None for v in model_inputs.values()):
+            warnings.warn("torch_fce.integrations.trl.apply(match_sampler=True): a vision "
+                          "batch: its importance-sampling weight keeps TRL's untruncated "
+                          "log-probs", stacklevel=2)
+            return cls._get_per_token_logps_and_entropies(trainer, *args, **model_inputs)
+        truncated, untruncated = [], []
+        step = batch_size or input_ids.size(0)
+        for start in range(0, input_ids.size(0), step):  # TRL's batches of the pass
+            ids = input_ids[start:start + step]
+            with trainer.accelerator.autocast():
+                hidden, weight, bias, softcap, _ = _head_inputs(
+                    model, logits_to_keep, input_ids=ids,
+                    attention_mask=attention_mask[start:start + step], use_cache=False)
+            t, u = sampler_and_model_logprobs(
+                hidden, weight, ids[:, -logits_to_keep:].to(hidden.device), bias,
+                temperature=trainer.temperature, softcap=softcap,
+                **sampler_truncation(trainer))
+            truncated.append(t)
+            untruncated.append(u)
+        state["untruncated"] = torch.cat(untruncated)
+        return torch.cat(truncated), None, None
+
+    return {"_generate_and_score_completions": generate,
+            "_get_per_token_logps_and_entropies": logps}

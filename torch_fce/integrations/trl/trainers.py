@@ -9,7 +9,8 @@ from .. import transformers as fce_hf
 from . import distill, grpo, sft, topk_distill
 from .common import TRL_VERSION, _base_model
 
-# The attribute apply() leaves on a trainer: its _Served (the loss method it replaced).
+# The attribute apply() leaves on a trainer: its _Served and the names of the methods
+# it set on the instance (the loss method, and match_sampler's).
 _APPLIED = "_torch_fce_loss"
 
 
@@ -60,7 +61,7 @@ def _experimental():
                                  ("async_distillation", "AsyncDistillationTrainer"))]
 
 
-def apply(trainer, *, accumulator="fp32"):
+def apply(trainer, *, accumulator="fp32", match_sampler=False):
     """Makes a TRL 1.16 GRPOTrainer, SFTTrainer, DistillationTrainer or experimental
     Server/AsyncDistillationTrainer (instance, reversibly) compute its loss with
     torch_fce's fused ops; returns the trainer.
@@ -98,6 +99,15 @@ def apply(trainer, *, accumulator="fp32"):
     student's logits): one warning naming the reason, and TRL's own loss. A batch
     apply() does not reproduce (vision inputs; return_outputs=True, which asks for the
     logits) runs TRL's loss, with a warning.
+
+    match_sampler=True (GRPOTrainer; it changes what TRL computes, so it is off by
+    default): when its generation by vLLM truncates (top_k, top_p, min_p) and its vLLM
+    importance-sampling correction is on, the correction's trainer-side log-probs are of
+    the sampler's truncated distribution, as vLLM's processed log-probs are (TRL's are
+    of the untruncated one, which biases the weight), while the PPO ratio keeps TRL's
+    untruncated log-probs; both from one pass of the head (docs/rl.md). Where it cannot
+    apply (no correction or no truncation, a repetition penalty, generation_kwargs or a
+    structured-outputs regex): one warning naming the reason, and TRL's weight.
     """
     if hasattr(trainer, _APPLIED):
         raise ValueError("torch_fce is already applied to this trainer")
@@ -116,8 +126,19 @@ def apply(trainer, *, accumulator="fp32"):
     def loss(*args, **kwargs):
         return served.loss(trainer, *args, **kwargs, accumulator=accumulator)
 
-    setattr(trainer, served.method, loss)
-    setattr(trainer, _APPLIED, served)
+    methods = {served.method: loss}
+    if match_sampler:
+        refusal = grpo.match_sampler_refusal(trainer) if served.loss is grpo.loss else \
+            f"it serves GRPOTrainer, got a {type(trainer).__name__}"
+        if refusal is None:
+            methods.update(grpo.sampler_patches(trainer))
+        else:
+            warnings.warn(f"torch_fce.integrations.trl.apply(match_sampler=True): the "
+                          f"importance-sampling weight keeps TRL's log-probs: {refusal}",
+                          stacklevel=2)
+    for name, method in methods.items():
+        setattr(trainer, name, method)
+    setattr(trainer, _APPLIED, (served, tuple(methods)))
     return trainer
 
 
@@ -125,8 +146,9 @@ def revert(trainer):
     """Undoes apply(): TRL's own loss again."""
     if not hasattr(trainer, _APPLIED):
         raise ValueError("torch_fce is not applied to this trainer")
-    served = vars(trainer).pop(_APPLIED)
-    delattr(trainer, served.method)
+    served, methods = vars(trainer).pop(_APPLIED)
+    for name in methods:
+        delattr(trainer, name)
     if served.attaches:
         fce_hf.detach(_base_model(trainer.model))
     return trainer

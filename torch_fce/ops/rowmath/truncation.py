@@ -32,8 +32,9 @@ from .logprob import logits_grad
 
 MAX_CANDIDATES = 256  # the top-k rows' largest k
 # row_stats' columns after the log-probs' (m, log s_K, d_K): the kept set's last class
-# (v, c) and whether the target is kept (1.0 / 0.0); c is exact in float32 below 2^24.
-ROW_STATS = 6
+# (v, c), whether the target is kept (1.0 / 0.0) and its untruncated log-prob (for an
+# integration wanting both from one pass); c is exact in float32 below 2^24.
+ROW_STATS = 7
 
 
 class _TopK(NamedTuple):
@@ -67,15 +68,18 @@ def check_shard(opts, shard):
 
 
 def _candidates(z, opts, topk, shard):
-    """(values, classes) (n, L) of z's first classes in the order (z desc, class asc)."""
+    """(values, classes, log_s) of z's first classes (n, L) in the order (z desc, class
+    asc), and log sum exp(z - max z) over the whole row (n,)."""
     V = z.shape[1] if shard.group is None else shard.vocab_size
     if whole_row_sort(opts, V):
         assert shard.group is None
         values, classes = torch.sort(z, dim=-1, descending=True, stable=True)
+        m = values[:, :1].clamp_min(torch.finfo(z.dtype).min)
         k = V if opts.top_k is None else min(opts.top_k, V)
-        return values[:, :k], classes[:, :k]
+        return values[:, :k], classes[:, :k], row_sum((z - m).exp_()).log()
     ones = torch.ones(z.shape[0], dtype=z.dtype, device=z.device)
-    classes = topk(z, None, ones, _TopK(min(opts.top_k, V)), z.dtype, shard)[0]
+    classes, logprobs, _ = topk(z, None, ones, _TopK(min(opts.top_k, V)), z.dtype, shard)
+    log_s = -logprobs[:, 0]  # the most likely class's log-prob is -log s
     col = classes - shard.vocab_start
     here = (col >= 0) & (col < z.shape[1])
     values = torch.where(here, z.gather(1, torch.where(here, col, 0)), 0.0)
@@ -86,7 +90,7 @@ def _candidates(z, opts, topk, shard):
     key = torch.sort(classes, dim=-1, stable=True)
     values, classes = values.gather(1, key.indices), key.values
     order = torch.sort(values, dim=-1, descending=True, stable=True).indices
-    return values.gather(1, order), classes.gather(1, order)
+    return values.gather(1, order), classes.gather(1, order), log_s
 
 
 def _kept(values, opts):
@@ -116,7 +120,7 @@ def kept_stats(logits, target, inv_t, opts, math_dtype, topk, shard=ONE_DEVICE):
     chunk's (z, tanh) for kept_grad's reuse (logits overwritten where it can be). topk
     is the backend's top-k rows."""
     z, tanh = _processed(logits, opts, inv_t, math_dtype)
-    values, classes = _candidates(z, opts, topk, shard)
+    values, classes, log_s_all = _candidates(z, opts, topk, shard)
     kept = _kept(values, opts)
     last = kept.sum(-1, keepdim=True) - 1
     m = values[:, 0].clamp_min(torch.finfo(math_dtype).min)  # finite if all -inf
@@ -130,13 +134,25 @@ def kept_stats(logits, target, inv_t, opts, math_dtype, topk, shard=ONE_DEVICE):
     in_range = (target >= 0) & (target < V)
     hit = kept & (classes == target[:, None])
     y_kept = hit.any(-1)
-    logprob = torch.where(y_kept, torch.where(hit, x, 0.0).sum(-1) - log_s, float("-inf"))
-    logprob = torch.where(valid, torch.where(in_range, logprob, float("nan")), 0.0)
+    x_y = _target_logit(z, target, valid & in_range, shard) - m  # 0 where not read
+
+    def outputs(lp):  # 0 where ignored, NaN where the target is out of range
+        return torch.where(valid, torch.where(in_range, lp, float("nan")), 0.0)
+
+    logprob = outputs(torch.where(y_kept, x_y - log_s, float("-inf")))
     entropy = torch.where(valid, log_s - d, 0.0)
     row_stats = torch.stack([m, log_s, d, values.gather(1, last)[:, 0],
                              classes.gather(1, last)[:, 0].to(math_dtype),
-                             (y_kept & valid).to(math_dtype)], 1)
+                             (y_kept & valid).to(math_dtype), outputs(x_y - log_s_all)], 1)
     return logprob, entropy, m + log_s, classes[:, 0], row_stats, (z, tanh)
+
+
+def _target_logit(z, target, read, shard):
+    """z at each row's target (from the rank holding it), 0 where not read."""
+    col = target - shard.vocab_start
+    here = read & (col >= 0) & (col < z.shape[1])
+    z_y = torch.where(here, z.gather(1, torch.where(here, col, 0)[:, None].long())[:, 0], 0.0)
+    return shard.all_reduce(z_y, "sum") if shard.group is not None else z_y
 
 
 def kept_grad(logits, target, inv_t, opts, g_lp, g_h, row_stats, math_dtype, col0,
