@@ -19,9 +19,10 @@ from torch_fce.ops.rowmath.ce import TORCH_CE_ROWS
 from torch_fce.ops.rowmath.distill import TORCH_DISTILL_ROWS
 from torch_fce.ops.rowmath.logprob import TORCH_LOGPROB_ROWS
 from torch_fce.ops.rowmath.topk import topk_rows
+from torch_fce.ops.rowmath.truncation import TORCH_TRUNCATION_ROWS
 from torch_fce.ops.rowmath.triton.ce import TRITON_CE_ROWS
 from torch_fce.ops.rowmath.triton.distill import TRITON_DISTILL_ROWS
-from torch_fce.ops.rowmath.triton.logprob import TRITON_LOGPROB_ROWS
+from torch_fce.ops.rowmath.triton.logprob import TRITON_LOGPROB_ROWS, TRITON_TRUNCATION_ROWS
 from torch_fce.ops.rowmath.triton.topk import triton_topk_rows
 
 from tests.references import linear_ce_reference, logits_ce_reference
@@ -219,9 +220,9 @@ def ce_problems(draw, dtypes=(torch.float32, torch.bfloat16, torch.float16),
 # functions on the shared loop, called directly (no dispatcher, no value checks)
 
 TORCH = Backend(TORCH_CE_ROWS, TORCH_LOGPROB_ROWS, TORCH_DISTILL_ROWS, topk_rows,
-                check_values=False)
+                TORCH_TRUNCATION_ROWS, check_values=False)
 TRITON = Backend(TRITON_CE_ROWS, TRITON_LOGPROB_ROWS, TRITON_DISTILL_ROWS, triton_topk_rows,
-                 check_values=False)
+                 TRITON_TRUNCATION_ROWS, check_values=False)
 BACKENDS = {"torch_rows": TORCH, "triton_rows": TRITON}
 
 

@@ -188,8 +188,9 @@ def fwd(hidden, weight, target, bias, temperature, *args, backend):
     opts, rest = take(LogProbOptions, args)
     shard = take(VocabShard, rest)[0]
     truncation.check_shard(opts, shard)
-    truncating = truncation.truncating(opts)
     V = shard.vocab(weight)
+    truncated = truncation.rows_for(backend, opts, shard, V) \
+        if truncation.truncating(opts) else None
     if backend.check_values:
         checks.check_target_range(target, V, opts.ignore_index)
         checks.check_temperature_values(temperature)
@@ -198,13 +199,13 @@ def fwd(hidden, weight, target, bias, temperature, *args, backend):
     out = [hidden.new_empty(N, dtype=mdt) for _ in range(3)] + [
         hidden.new_empty(N, dtype=torch.int64),
         hidden.new_empty(N, _row_stats_width(opts), dtype=mdt)]
-    merged = shard.group is not None and not truncating
+    merged = shard.group is not None and truncated is None
     start = shard.vocab_start
 
     def row_fn(logits, s, e):
-        if truncating:
-            return truncation.kept_stats(logits, target[s:e], inv_t()[s:e], opts, mdt,
-                                         backend.topk, shard)[:5], None
+        if truncated is not None:
+            return truncation.kept_stats(truncated, logits, target[s:e], inv_t()[s:e], opts,
+                                         mdt, shard), None
         if merged:  # a shard's classes of tokens [s, e)
             part = empty_tile_stats(e - s, mdt, hidden.device)
             backend.logprobs.tile_stats(logits, target[s:e], inv_t()[s:e], opts,
@@ -218,7 +219,7 @@ def fwd(hidden, weight, target, bias, temperature, *args, backend):
         parts = empty_tile_stats(N, mdt, hidden.device) if merged else None
         ldt = logits_dtype_for(hidden, opts)
         chunk = chunk_rows_for(hidden, weight, shard, ldt, per_logit=_per_logit(
-            opts, V, ldt, hidden.dtype))
+            truncated, ldt, hidden.dtype, opts, V))
         run_chunks(hidden, weight, bias, row_fn, parts or out, (False,) * 3, "fp32", chunk,
                    logits_dtype=ldt)
     if merged:
@@ -239,7 +240,10 @@ def bwd(grad_logprob, grad_entropy, row_stats, hidden, weight, target, bias, tem
     truncation: its PyTorch row math, the kept set from the forward's threshold)."""
     opts, rest = take(LogProbOptions, args)
     shard, (needs,) = take(VocabShard, rest)
-    grad = truncation.kept_grad if truncation.truncating(opts) else backend.logprobs.grad
+    V = shard.vocab(weight)
+    truncated = truncation.rows_for(backend, opts, shard, V) \
+        if truncation.truncating(opts) else None
+    grad = backend.logprobs.grad if truncated is None else truncated.grad
     N, mdt = hidden.shape[0], math_dtype_for(hidden.dtype)
     inv_t = after_first_gemm(lambda: inverse_temperature(temperature, N, hidden.device, mdt))
     per_token = after_first_gemm(lambda: [None if t is None else t.to(mdt)
@@ -257,14 +261,14 @@ def bwd(grad_logprob, grad_entropy, row_stats, hidden, weight, target, bias, tem
 
     ldt = logits_dtype_for(hidden, opts)  # the forward's: the same logits, bit for bit
     chunk = chunk_rows_for(hidden, weight, shard, ldt, log_prob_tiles=vocab,
-                           per_logit=_per_logit(opts, shard.vocab(weight), ldt, hidden.dtype))
+                           per_logit=_per_logit(truncated, ldt, hidden.dtype, opts, V))
     with no_autocast(hidden):
         gradients = run_chunks(hidden, weight, bias, row_fn, (), needs, opts.accumulator,
                                chunk, by_vocab=vocab, shard=shard, logits_dtype=ldt)
     return grad_outputs(hidden, weight, bias, gradients, keep_f32=False)
 
 
-def _per_logit(opts, V, logits_dtype, dz_dtype):
+def _per_logit(truncated, logits_dtype, dz_dtype, opts, V):
     """chunk_rows_for's per_logit: a truncation's (None: the loop's own)."""
-    return truncation.per_logit(opts, V, logits_dtype, dz_dtype) \
-        if truncation.truncating(opts) else None
+    return None if truncated is None else truncation.per_logit(truncated, logits_dtype,
+                                                               dz_dtype, opts, V)

@@ -273,7 +273,8 @@ def fwd(hidden, weight, target, advantages, bias, old_logprobs, ref_logprobs,
     opts = opts.check()
     shard, (needs,) = take(VocabShard, rest)
     truncation.check_shard(opts, shard)
-    truncating = truncation.truncating(opts)
+    truncated = truncation.rows_for(backend, opts, shard, shard.vocab(weight)) \
+        if truncation.truncating(opts) else None
     if backend.check_values:
         checks.check_target_range(target, shard.vocab(weight), opts.ignore_index)
         checks.check_temperature_values(temperature)
@@ -298,13 +299,12 @@ def fwd(hidden, weight, target, advantages, bias, old_logprobs, ref_logprobs,
                 None if ref_logprobs is None else ref_logprobs[s:e], weights[s:e], opts))
             return terms[0].g_lp, terms[0].g_h
 
-        if truncating:  # the sampler's distribution: its PyTorch row math
-            lp, ent, _, _, row_stats, processed = truncation.kept_stats(
-                logits, target[s:e], inv_t[s:e], opts, mdt, backend.topk, shard)
+        if truncated is not None:  # the sampler's distribution
+            lp, ent, _, _, row_stats = truncation.kept_stats(
+                truncated, logits, target[s:e], inv_t[s:e], opts, mdt, shard)
             g_lp, g_h = upstream(lp, ent)
-            dz = truncation.kept_grad(logits, target[s:e], inv_t[s:e], opts, g_lp, g_h,
-                                      row_stats, mdt, shard.vocab_start, hidden.dtype,
-                                      processed) if want else None
+            dz = truncated.grad(logits, target[s:e], inv_t[s:e], opts, g_lp, g_h, row_stats,
+                                mdt, shard.vocab_start, hidden.dtype) if want else None
         elif want:
             lp, ent, *_, dz = backend.logprobs.stats_then_grad(
                 logits, target[s:e], inv_t[s:e], opts, upstream, mdt, shard, hidden.dtype)
@@ -320,9 +320,10 @@ def fwd(hidden, weight, target, advantages, bias, old_logprobs, ref_logprobs,
         ldt = logits_dtype_for(hidden, opts)
         gradients = run_chunks(hidden, weight, bias, row_fn, out, needs, opts.accumulator,
                                chunk_rows_for(hidden, weight, shard, ldt,
-                                              log_prob_tiles=False, per_logit=truncation.per_logit(
-                                                  opts, shard.vocab(weight), ldt, hidden.dtype)
-                                              if truncating else None), shard=shard,
+                                              log_prob_tiles=False, per_logit=None
+                                              if truncated is None else truncation.per_logit(
+                                                  truncated, ldt, hidden.dtype, opts,
+                                                  shard.vocab(weight))), shard=shard,
                                logits_dtype=ldt)
     loss_t, *stats = out
     return (loss_t.sum(), *grad_outputs(hidden, weight, bias, gradients,

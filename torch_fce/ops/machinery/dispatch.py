@@ -18,6 +18,7 @@ from ..rowmath.ce import TORCH_CE_ROWS
 from ..rowmath.distill import TORCH_DISTILL_ROWS
 from ..rowmath.logprob import TORCH_LOGPROB_ROWS
 from ..rowmath.topk import topk_rows
+from ..rowmath.truncation import TORCH_TRUNCATION_ROWS
 
 LIB = torch.library.Library("fce", "DEF")
 
@@ -26,13 +27,15 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 class Backend(NamedTuple):
     """A device's row functions (ce.CERows, logprob.LogProbRows,
-    distill.DistillRows, topk.topk_rows' signature) and whether its kernels check
+    distill.DistillRows, topk.topk_rows' signature, truncation.TruncationRows) and
+    whether its kernels check
     target and temperature values (a host sync: always on the CPU, opt-in elsewhere
     with TORCH_FCE_CHECK_TARGETS=1, docs/api.md)."""
     ce: Any
     logprobs: Any
     distill: Any
     topk: Any
+    truncation: Any
     check_values: bool
 
 
@@ -40,10 +43,11 @@ class Backend(NamedTuple):
 def _triton_rows():
     from ..rowmath.triton.ce import TRITON_CE_ROWS
     from ..rowmath.triton.distill import TRITON_DISTILL_ROWS
-    from ..rowmath.triton.logprob import TRITON_LOGPROB_ROWS
+    from ..rowmath.triton.logprob import TRITON_LOGPROB_ROWS, TRITON_TRUNCATION_ROWS
     from ..rowmath.triton.topk import triton_topk_rows
 
-    return TRITON_CE_ROWS, TRITON_LOGPROB_ROWS, TRITON_DISTILL_ROWS, triton_topk_rows
+    return (TRITON_CE_ROWS, TRITON_LOGPROB_ROWS, TRITON_DISTILL_ROWS, triton_topk_rows,
+            TRITON_TRUNCATION_ROWS)
 
 
 def backend_for(hidden):
@@ -51,7 +55,8 @@ def backend_for(hidden):
     check = hidden.device.type == "cpu" or checks.CHECK_TARGETS
     if hidden.device.type == "cuda" and HAS_TRITON and hidden.dtype != torch.float64:
         return Backend(*_triton_rows(), check)
-    return Backend(TORCH_CE_ROWS, TORCH_LOGPROB_ROWS, TORCH_DISTILL_ROWS, topk_rows, check)
+    return Backend(TORCH_CE_ROWS, TORCH_LOGPROB_ROWS, TORCH_DISTILL_ROWS, topk_rows,
+                   TORCH_TRUNCATION_ROWS, check)
 
 
 def kernel(name, hidden=0):

@@ -16,19 +16,24 @@ tile or shard applies alone. Over K the row's statistics are those of logits set
 -inf outside it: log q_K(y) = (z_y - m) - log s_K (-inf for y outside K, with no
 gradient), H_K = log s_K - d_K, and the gradient the untruncated one's with q_K for p.
 
-The candidates are the first k classes (the backend's top-k rows, k <= MAX_CANDIDATES)
-or, without top_k or with a larger one, the whole row sorted (one device: a shard would
-need the group's whole row).
+The candidates are the first k classes (the top-k rows, k <= MAX_CANDIDATES) or,
+without top_k or with a larger one, the whole row sorted (one device: a shard would need
+the group's whole row). A TruncationRows family gives them and the gradient on one
+backend: the PyTorch members here (any device, any shard), the Triton ones in
+rowmath/triton/logprob.py (one device, top-k candidates: rows_for picks). The forward's
+candidate values and the backward's recomputed z come from the same backend's formula,
+so the backward's threshold test sees the forward's bits.
 """
 
 import math
-from typing import NamedTuple
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
 from ..loop.chunked import ONE_DEVICE
 from .ce import row_sum, softcapped
 from .logprob import logits_grad
+from .topk import topk_rows
 
 MAX_CANDIDATES = 256  # the top-k rows' largest k
 # row_stats' columns after the log-probs' (m, log s_K, d_K): the kept set's last class
@@ -37,11 +42,11 @@ MAX_CANDIDATES = 256  # the top-k rows' largest k
 ROW_STATS = 7
 
 
-class _TopK(NamedTuple):
-    """The top-k rows' options record, for candidates of already processed logits."""
+class TopKRecord(NamedTuple):
+    """The top-k rows' options record (TopKOptions' fields they read)."""
     k: int
     logit_scale: float = 1.0
-    softcap: None = None
+    softcap: Optional[float] = None
     ignore_index: int = -100
 
 
@@ -67,30 +72,87 @@ def check_shard(opts, shard):
             f"got top_k={opts.top_k}, top_p={opts.top_p}, min_p={opts.min_p}")
 
 
-def _candidates(z, opts, topk, shard):
-    """(values, classes, log_s) of z's first classes (n, L) in the order (z desc, class
-    asc), and log sum exp(z - max z) over the whole row (n,)."""
+class TruncationRows(NamedTuple):
+    """The truncation's row functions on one backend (logits (n, cols) the loop's
+    buffer, left intact; target whole-vocabulary classes; inv_t (n,) 1/T).
+      candidates(logits, target, inv_t, opts, math_dtype, shard)
+          -> (values, classes, z_y, logprob): the processed logits of the row's first
+          candidates (n, L) in the order (z desc, class asc), their classes, z at each
+          target (0 where ignored or out of range) and the target's untruncated
+          log-prob (n,)
+      grad(logits, target, inv_t, opts, g_lp, g_h, row_stats, math_dtype, col0,
+           dz_dtype) -> dz of the classes [col0, col0 + cols) from the forward's
+          row_stats (n, ROW_STATS), as LogProbRows.grad's over K
+      per_logit: the chunk's bytes per logit beyond the logits and dz"""
+    candidates: Callable
+    grad: Callable
+    per_logit: int
+
+
+def _processed(logits, opts, inv_t, math_dtype):
+    """(z, tanh): z = softcap(l) / T in math_dtype (a copy: logits stays intact), tanh
+    for the softcap's derivative (None without one)."""
+    z, tanh = softcapped(logits.to(math_dtype, copy=True), opts.softcap, math_dtype)
+    return z.mul_(inv_t[:, None]), tanh
+
+
+def torch_candidates(logits, target, inv_t, opts, math_dtype, shard=ONE_DEVICE):
+    """TruncationRows.candidates in PyTorch (also a shard's: the top-k rows merge the
+    group's candidates)."""
+    z, _ = _processed(logits, opts, inv_t, math_dtype)
     V = z.shape[1] if shard.group is None else shard.vocab_size
+    valid = target != opts.ignore_index
+    read = valid & (target >= 0) & (target < V)
+    z_y = _at(z, target, read, shard)
     if whole_row_sort(opts, V):
         assert shard.group is None
         values, classes = torch.sort(z, dim=-1, descending=True, stable=True)
         m = values[:, :1].clamp_min(torch.finfo(z.dtype).min)
+        log_s = row_sum(z.sub_(m).exp_()).log()
         k = V if opts.top_k is None else min(opts.top_k, V)
-        return values[:, :k], classes[:, :k], row_sum((z - m).exp_()).log()
+        return values[:, :k], classes[:, :k], z_y, (z_y - m[:, 0]) - log_s
     ones = torch.ones(z.shape[0], dtype=z.dtype, device=z.device)
-    classes, logprobs, _ = topk(z, None, ones, _TopK(min(opts.top_k, V)), z.dtype, shard)
-    log_s = -logprobs[:, 0]  # the most likely class's log-prob is -log s
+    classes, _, lp = topk_rows(z, target, ones, TopKRecord(
+        min(opts.top_k, V), ignore_index=opts.ignore_index), z.dtype, shard)
     col = classes - shard.vocab_start
     here = (col >= 0) & (col < z.shape[1])
     values = torch.where(here, z.gather(1, torch.where(here, col, 0)), 0.0)
     if shard.group is not None:  # each class's z from the rank holding it
         values = shard.all_reduce(values, "sum")
-    # the order of the rows' own values, equal ones by class (the kernel's may round
-    # otherwise where a softcap was applied before it)
-    key = torch.sort(classes, dim=-1, stable=True)
-    values, classes = values.gather(1, key.indices), key.values
-    order = torch.sort(values, dim=-1, descending=True, stable=True).indices
-    return values.gather(1, order), classes.gather(1, order), log_s
+    return values, classes, z_y, lp
+
+
+def _at(z, target, read, shard):
+    """z at each row's target (from the rank holding it), 0 where not read."""
+    col = target - shard.vocab_start
+    here = read & (col >= 0) & (col < z.shape[1])
+    z_y = torch.where(here, z.gather(1, torch.where(here, col, 0)[:, None].long())[:, 0], 0.0)
+    return shard.all_reduce(z_y, "sum") if shard.group is not None else z_y
+
+
+def torch_kept_grad(logits, target, inv_t, opts, g_lp, g_h, row_stats, math_dtype, col0,
+                    dz_dtype):
+    """TruncationRows.grad in PyTorch."""
+    z, tanh = _processed(logits, opts, inv_t, math_dtype)
+    v, c = row_stats[:, 3:4], row_stats[:, 4:5]
+    cols = torch.arange(col0, col0 + z.shape[1], device=z.device, dtype=math_dtype)
+    outside = (z < v) | ((z == v) & (cols > c))
+    z = z.sub_(row_stats[:, :1]).masked_fill_(outside, float("-inf"))  # z - m over K
+    g = torch.where(row_stats[:, 5] > 0, g_lp, 0.0)
+    return logits_grad(z, tanh, dz_dtype, target, inv_t, opts, g, g_h, row_stats[:, :3],
+                       col0)
+
+
+# the processed logits' copy and a few float32 / bool temporaries of the chunk's shape
+TORCH_TRUNCATION_ROWS = TruncationRows(torch_candidates, torch_kept_grad, 12)
+
+
+def rows_for(backend, opts, shard, vocab_size):
+    """The backend's truncation rows where they serve (one device, top-k candidates),
+    else the PyTorch ones (forward and backward pick alike)."""
+    if shard.group is None and not whole_row_sort(opts, vocab_size):
+        return backend.truncation
+    return TORCH_TRUNCATION_ROWS
 
 
 def _kept(values, opts):
@@ -107,20 +169,17 @@ def _kept(values, opts):
     return kept
 
 
-def _processed(logits, opts, inv_t, math_dtype):
-    """(z, tanh): z = softcap(l) / T in math_dtype, tanh for the softcap's derivative
-    (None without one). Overwrites logits where it can."""
-    z, tanh = softcapped(logits, opts.softcap, math_dtype)
-    return z.mul_(inv_t[:, None]), tanh
-
-
-def kept_stats(logits, target, inv_t, opts, math_dtype, topk, shard=ONE_DEVICE):
-    """(logprob, entropy, lse, argmax, row_stats, processed) of a chunk's rows under the
-    truncation: as LogProbRows.stats' over K, row_stats (n, ROW_STATS), processed the
-    chunk's (z, tanh) for kept_grad's reuse (logits overwritten where it can be). topk
-    is the backend's top-k rows."""
-    z, tanh = _processed(logits, opts, inv_t, math_dtype)
-    values, classes, log_s_all = _candidates(z, opts, topk, shard)
+def kept_stats(rows, logits, target, inv_t, opts, math_dtype, shard=ONE_DEVICE):
+    """(logprob, entropy, lse, argmax, row_stats) of a chunk's rows under the
+    truncation, as LogProbRows.stats' over K (rows: a TruncationRows); row_stats (n,
+    ROW_STATS). The logits stay intact (for a gradient from the same chunk)."""
+    values, classes, z_y, logprob_all = rows.candidates(logits, target, inv_t, opts,
+                                                        math_dtype, shard)
+    # the candidates in the order of their values, equal ones by class
+    key = torch.sort(classes, dim=-1, stable=True)
+    values, classes = values.gather(1, key.indices), key.values
+    order = torch.sort(values, dim=-1, descending=True, stable=True).indices
+    values, classes = values.gather(1, order), classes.gather(1, order)
     kept = _kept(values, opts)
     last = kept.sum(-1, keepdim=True) - 1
     m = values[:, 0].clamp_min(torch.finfo(math_dtype).min)  # finite if all -inf
@@ -130,49 +189,24 @@ def kept_stats(logits, target, inv_t, opts, math_dtype, topk, shard=ONE_DEVICE):
     log_s = s.log()
     d = row_sum(torch.where(e > 0, e * x, 0.0)) / s
     valid = target != opts.ignore_index
-    V = z.shape[1] if shard.group is None else shard.vocab_size
+    V = logits.shape[1] if shard.group is None else shard.vocab_size
     in_range = (target >= 0) & (target < V)
-    hit = kept & (classes == target[:, None])
-    y_kept = hit.any(-1)
-    x_y = _target_logit(z, target, valid & in_range, shard) - m  # 0 where not read
+    y_kept = (kept & (classes == target[:, None])).any(-1)
 
     def outputs(lp):  # 0 where ignored, NaN where the target is out of range
         return torch.where(valid, torch.where(in_range, lp, float("nan")), 0.0)
 
-    logprob = outputs(torch.where(y_kept, x_y - log_s, float("-inf")))
+    logprob = outputs(torch.where(y_kept, (z_y - m) - log_s, float("-inf")))
     entropy = torch.where(valid, log_s - d, 0.0)
     row_stats = torch.stack([m, log_s, d, values.gather(1, last)[:, 0],
                              classes.gather(1, last)[:, 0].to(math_dtype),
-                             (y_kept & valid).to(math_dtype), outputs(x_y - log_s_all)], 1)
-    return logprob, entropy, m + log_s, classes[:, 0], row_stats, (z, tanh)
+                             (y_kept & valid).to(math_dtype), outputs(logprob_all)], 1)
+    return logprob, entropy, m + log_s, classes[:, 0], row_stats
 
 
-def _target_logit(z, target, read, shard):
-    """z at each row's target (from the rank holding it), 0 where not read."""
-    col = target - shard.vocab_start
-    here = read & (col >= 0) & (col < z.shape[1])
-    z_y = torch.where(here, z.gather(1, torch.where(here, col, 0)[:, None].long())[:, 0], 0.0)
-    return shard.all_reduce(z_y, "sum") if shard.group is not None else z_y
-
-
-def kept_grad(logits, target, inv_t, opts, g_lp, g_h, row_stats, math_dtype, col0,
-              dz_dtype, processed=None):
-    """dz of the classes [col0, col0 + cols) from the forward's row_stats (n,
-    ROW_STATS): the log-probs' gradient with q_K for p (0 outside K), none from a
-    target outside K. processed: kept_stats' (z, tanh) of these logits (consumed)."""
-    z, tanh = processed or _processed(logits, opts, inv_t, math_dtype)
-    v, c = row_stats[:, 3:4], row_stats[:, 4:5]
-    cols = torch.arange(col0, col0 + z.shape[1], device=z.device, dtype=math_dtype)
-    outside = (z < v) | ((z == v) & (cols > c))
-    z = z.sub_(row_stats[:, :1]).masked_fill_(outside, float("-inf"))  # z - m over K
-    g = torch.where(row_stats[:, 5] > 0, g_lp, 0.0)
-    return logits_grad(z, tanh, dz_dtype, target, inv_t, opts, g, g_h, row_stats[:, :3],
-                       col0)
-
-
-def per_logit(opts, vocab_size, logits_dtype, dz_dtype):
+def per_logit(rows, logits_dtype, dz_dtype, opts, vocab_size):
     """The chunk's bytes per logit under the truncation (chunk_rows_for's per_logit):
-    the logits, dz, the float32 processed logits and temporaries, and the whole row's
-    sort (values, classes, the sort's own) where the candidates are that."""
+    the logits, dz, the rows' temporaries, and the whole row's sort (values, classes,
+    the sort's own) where the candidates are that."""
     sort = 24 if whole_row_sort(opts, vocab_size) else 0
-    return logits_dtype.itemsize + dz_dtype.itemsize + 12 + sort
+    return logits_dtype.itemsize + dz_dtype.itemsize + rows.per_logit + sort

@@ -14,7 +14,9 @@ import triton
 import triton.language as tl
 
 from ..logprob import LogProbRows, shard_stats
+from ..truncation import ROW_STATS, TopKRecord, TruncationRows
 from .ce import _block_max, _block_v, _load_z, _rebased_ez, _sweep_start, dz_buffer
+from .topk import triton_topk_rows
 
 
 @triton.jit
@@ -82,6 +84,7 @@ def _linear_logprobs_rows_kernel(
     # meta-parameters
     HAS_GRAD: tl.constexpr, TILE: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr,
     WANT_ENTROPY: tl.constexpr, HAS_SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr,
+    TRUNCATED: tl.constexpr = False, STATS_W: tl.constexpr = 3,
 ):
     """Without HAS_GRAD (the forward) on whole rows: logits (n, V) -> logprob,
     entropy, lse (n,) float32, argmax (n,) int64 and the row statistics (n, 3) (m,
@@ -90,7 +93,9 @@ def _linear_logprobs_rows_kernel(
     best, z_y) and argmax. With HAS_GRAD (the backward): dz (the logits themselves or a
     buffer of the inputs' dtype) <- dl for upstream
     g_lp (and, with HAS_ENTROPY_GRAD, g_h), from the forward's row statistics; the
-    logits may be a tile's (col0)."""
+    logits may be a tile's (col0). TRUNCATED (the backward only): the sampler's kept set
+    (rowmath/truncation.py): row_stats (n, ROW_STATS) also holds its last class (v, c)
+    and whether the target is kept; p is q_K, 0 outside it."""
     # int64: row * stride_ln passes 2^31 for chunks of large vocabularies.
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * stride_ln
@@ -123,12 +128,17 @@ def _linear_logprobs_rows_kernel(
             if WANT_ENTROPY:
                 tl.store(entropy_ptr + row, tl.where(valid, log_s - d, 0.0))
     else:
-        m = tl.load(stats_ptr + row * 3)
-        log_s = tl.load(stats_ptr + row * 3 + 1)
+        W = STATS_W  # row_stats' width
+        m = tl.load(stats_ptr + row * W)
+        log_s = tl.load(stats_ptr + row * W + 1)
         g = tl.where(valid, tl.load(g_lp_ptr + row), 0.0)
+        if TRUNCATED:  # K's last class (v, c); a target outside K has no gradient
+            v_last = tl.load(stats_ptr + row * W + 3)
+            c_last = tl.load(stats_ptr + row * W + 4)
+            g = tl.where(tl.load(stats_ptr + row * W + 5) > 0.0, g, 0.0)
         if HAS_ENTROPY_GRAD:
             h = tl.where(valid, tl.load(g_h_ptr + row), 0.0)
-            d = tl.load(stats_ptr + row * 3 + 2)
+            d = tl.load(stats_ptr + row * W + 2)
         dz_row = dz_ptr + row * stride_dn
         cols = tl.arange(0, BLOCK_V)
         for v0 in range(0, V, BLOCK_V):
@@ -137,6 +147,10 @@ def _linear_logprobs_rows_kernel(
             c = _load_z(row_ptr + offs, mask, softcap, HAS_SOFTCAP)
             zm = c * inv_t - m  # exact near the max
             p = tl.exp(zm - log_s)
+            if TRUNCATED:  # the forward's candidates' z, bit for bit (_gather_z_kernel)
+                z = c * inv_t
+                kept = (z > v_last) | ((z == v_last) & ((offs + col0).to(tl.float32) <= c_last))
+                p = tl.where(kept, p, 0.0)
             if HAS_ENTROPY_GRAD:  # p = 0 where z = -inf: no 0 * -inf
                 dz = -p * g - tl.where(p > 0.0, p * h * (zm - d), 0.0)
             else:
@@ -148,6 +162,51 @@ def _linear_logprobs_rows_kernel(
                 dz *= 1.0 - th * th
             dz = tl.where(valid, dz, 0.0)  # ignored rows: 0 even if their logits are not finite
             tl.store(dz_row + offs, dz.to(dz_row.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _gather_z_kernel(logits_ptr, idx_ptr, inv_t_ptr, out_ptr, V, k, stride_ln, softcap,
+                     HAS_SOFTCAP: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out (n, k) <- z = softcap(l) * inv_t at the classes idx (n, k) of each row, with
+    the gradient sweep's formula (so its threshold test sees these bits); 0 where a
+    class is outside [0, V)."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_K)
+    inside = offs < k
+    j = tl.load(idx_ptr + row * k + offs, mask=inside, other=0)
+    read = inside & (j >= 0) & (j < V)
+    c = _load_z(logits_ptr + row * stride_ln + tl.where(read, j, 0), read, softcap,
+                HAS_SOFTCAP)
+    z = c * tl.load(inv_t_ptr + row)
+    tl.store(out_ptr + row * k + offs, tl.where(read, z, 0.0), mask=inside)
+
+
+def triton_candidates(logits, target, inv_t, opts, math_dtype, shard):
+    """TruncationRows.candidates on the Triton kernels (one device, top_k <= 256): the
+    top-k rows' classes and target log-prob, then the candidates' and the target's z
+    gathered by _gather_z_kernel."""
+    assert math_dtype == torch.float32 and shard.group is None and logits.stride(1) == 1
+    n, V = logits.shape
+    classes, _, logprob = triton_topk_rows(
+        logits, target, inv_t, TopKRecord(min(opts.top_k, V), softcap=opts.softcap,
+                                          ignore_index=opts.ignore_index), math_dtype)
+    valid = target != opts.ignore_index
+    idx = torch.cat([classes, torch.where(valid, target, -1)[:, None]], 1).contiguous()
+    z = torch.empty(idx.shape, dtype=torch.float32, device=logits.device)
+    if n:
+        _gather_z_kernel[(n,)](logits, idx, inv_t.float().contiguous(), z, V, idx.shape[1],
+                               logits.stride(0), float(opts.softcap or 1.0),
+                               HAS_SOFTCAP=opts.softcap is not None,
+                               BLOCK_K=triton.next_power_of_2(idx.shape[1]))
+    return z[:, :-1], classes, z[:, -1], logprob
+
+
+def triton_kept_grad(logits, target, inv_t, opts, g_lp, g_h, row_stats, math_dtype, col0,
+                     dz_dtype):
+    """TruncationRows.grad: the log-probs' gradient sweep with the kept set's test."""
+    assert math_dtype == torch.float32
+    return _launch(logits, target, inv_t, opts, False, (g_lp, g_h, row_stats), col0,
+                   dz=dz_buffer(logits, dz_dtype), truncated=True)[5]
 
 
 def triton_logprob_stats(logits, target, inv_t, opts, entropy, math_dtype):
@@ -184,7 +243,8 @@ def triton_logprob_stats_then_grad(logits, target, inv_t, opts, upstream, math_d
                                           dz_dtype))
 
 
-def _launch(logits, target, inv_t, opts, entropy, grad, col0=None, into=None, dz=None):
+def _launch(logits, target, inv_t, opts, entropy, grad, col0=None, into=None, dz=None,
+            truncated=False):
     """One launch of the kernel: the forward sweep (of whole rows with col0 None, or of
     the classes [col0, col0 + V) merged into `into`), or the gradient sweep for grad =
     (g_lp, g_h, row_stats) into dz."""
@@ -217,7 +277,8 @@ def _launch(logits, target, inv_t, opts, entropy, grad, col0=None, into=None, dz
         opts.softcap if opts.softcap is not None else 1.0,
         logits.stride(0), dz.stride(0), HAS_GRAD=grad is not None, TILE=tile,
         HAS_ENTROPY_GRAD=entropy_grad, WANT_ENTROPY=entropy,
-        HAS_SOFTCAP=opts.softcap is not None, BLOCK_V=_block_v(V), num_warps=8)
+        HAS_SOFTCAP=opts.softcap is not None, BLOCK_V=_block_v(V), TRUNCATED=truncated,
+        STATS_W=ROW_STATS if truncated else 3, num_warps=8)
     if grad is not None:
         return None, None, None, None, None, dz
     if tile:
@@ -227,3 +288,5 @@ def _launch(logits, target, inv_t, opts, entropy, grad, col0=None, into=None, dz
 
 TRITON_LOGPROB_ROWS = LogProbRows(triton_logprob_stats, triton_logprob_tile_stats,
                                   triton_logprob_grad, triton_logprob_stats_then_grad)
+# the top-k rows' scratch and the candidates: a few bytes per row, none per logit
+TRITON_TRUNCATION_ROWS = TruncationRows(triton_candidates, triton_kept_grad, 0)
