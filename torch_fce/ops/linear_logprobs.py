@@ -180,11 +180,12 @@ torch.library.register_autograd("fce::linear_logprobs_fwd", _backward, setup_con
 @kernel("linear_logprobs_fwd")
 def fwd(hidden, weight, target, bias, temperature, *args, backend):
     """(logprob, entropy, lse, argmax) each (N,), and row_stats (N, 3 or
-    truncation.ROW_STATS); entropy (0,) unless asked for. Token chunks only, whatever N
+    truncation.ROW_STATS); entropy (0,) unless asked for. Token chunks, whatever N
     (vocabulary tiles' boundaries would move with N, and each row's statistics with
-    them: the outputs are batch-invariant, the logits GEMMs being row-invariant); a
-    shard merges per-row statistics across the group, then finishes them (a truncation:
-    its candidates)."""
+    them: the outputs are batch-invariant) where the logits GEMMs are row-invariant,
+    else cut as the backward (_cuts_vocab); tiles and a shard merge per-row statistics
+    across their blocks of classes, then the group, then finish them (a truncation: its
+    candidates)."""
     opts, rest = take(LogProbOptions, args)
     shard = take(VocabShard, rest)[0]
     truncation.check_shard(opts, shard)
@@ -199,10 +200,16 @@ def fwd(hidden, weight, target, bias, temperature, *args, backend):
     out = [hidden.new_empty(N, dtype=mdt) for _ in range(3)] + [
         hidden.new_empty(N, dtype=torch.int64),
         hidden.new_empty(N, _row_stats_width(opts), dtype=mdt)]
-    merged = shard.group is not None and truncated is None
+    vocab = _cuts_vocab(hidden, weight, opts)[0]
+    merged = vocab or (shard.group is not None and truncated is None)
+    total = after_first_gemm(lambda: empty_tile_stats(N, mdt, hidden.device))
     start = shard.vocab_start
 
     def row_fn(logits, s, e):
+        if vocab:  # classes [s, e) of every token
+            backend.logprobs.tile_stats(logits, target, inv_t(), opts, opts.entropy, mdt,
+                                        start + s, total())
+            return (), None
         if truncated is not None:
             return truncation.kept_stats(truncated, logits, target[s:e], inv_t()[s:e], opts,
                                          mdt, shard), None
@@ -216,15 +223,16 @@ def fwd(hidden, weight, target, bias, temperature, *args, backend):
 
     with no_autocast(hidden):
         # Token chunks of a shard write their partial statistics into a TileStats of N.
-        parts = empty_tile_stats(N, mdt, hidden.device) if merged else None
+        parts = empty_tile_stats(N, mdt, hidden.device) if merged and not vocab else None
         ldt = logits_dtype_for(hidden, opts)
-        chunk = chunk_rows_for(hidden, weight, shard, ldt, per_logit=_per_logit(
-            truncated, ldt, hidden.dtype, opts, V))
-        run_chunks(hidden, weight, bias, row_fn, parts or out, (False,) * 3, "fp32", chunk,
-                   logits_dtype=ldt)
+        chunk = chunk_rows_for(hidden, weight, shard, ldt, log_prob_tiles=vocab,
+                               per_logit=_per_logit(truncated, ldt, hidden.dtype, opts, V))
+        run_chunks(hidden, weight, bias, row_fn, () if vocab else (parts or out),
+                   (False,) * 3, "fp32", chunk, by_vocab=vocab, logits_dtype=ldt)
     if merged:
-        out = finish_stats(all_reduce_tile_stats(parts, shard), target, V, opts.ignore_index,
-                           opts.entropy)
+        stats = total() if vocab else parts
+        out = finish_stats(all_reduce_tile_stats(stats, shard) if shard.group else stats,
+                           target, V, opts.ignore_index, opts.entropy)
     logprob, ent, lse, argmax, row_stats = out
     return (logprob, ent if opts.entropy else hidden.new_empty(0, dtype=mdt), lse, argmax,
             row_stats)
@@ -248,7 +256,7 @@ def bwd(grad_logprob, grad_entropy, row_stats, hidden, weight, target, bias, tem
     inv_t = after_first_gemm(lambda: inverse_temperature(temperature, N, hidden.device, mdt))
     per_token = after_first_gemm(lambda: [None if t is None else t.to(mdt)
                                           for t in (grad_logprob, grad_entropy, row_stats)])
-    vocab = by_vocab(N, weight.shape[0])
+    vocab = _cuts_vocab(hidden, weight, opts)[1]
     start = shard.vocab_start
 
     def row_fn(logits, s, e):
@@ -272,3 +280,19 @@ def _per_logit(truncated, logits_dtype, dz_dtype, opts, V):
     """chunk_rows_for's per_logit: a truncation's (None: the loop's own)."""
     return None if truncated is None else truncation.per_logit(truncated, logits_dtype,
                                                                dz_dtype, opts, V)
+
+
+def _cuts_vocab(hidden, weight, opts):
+    """(forward, backward): whether each cuts vocabulary tiles. The backward does with
+    fewer tokens than classes (its float32 sum is then N x D), where it recomputes the
+    forward's logits bit for bit: on the CPU (fixed GEMM units) and for bf16 inputs on
+    CUDA (cuBLAS measured row- and column-invariant, docs/numerics.md) the forward cuts
+    token chunks whatever N (batch invariance); other inputs on CUDA cut as the
+    backward (the same tiles: the same GEMMs), and a truncation's threshold test needs
+    the same logits, so there both cut token chunks."""
+    tiles = by_vocab(hidden.shape[0], weight.shape[0])
+    if hidden.device.type != "cuda" or hidden.dtype == torch.bfloat16:
+        return False, tiles
+    if truncation.truncating(opts):
+        return False, False
+    return tiles, tiles
