@@ -136,7 +136,8 @@ def test_triton_rows_match_the_float64_reference(truncation, softcap, rows):
     assert (lp[kept].double() - want[0][kept]).abs().max() <= 1e-5
     assert (ent.double() - want[1]).abs().max() <= 1e-5
     assert (lse.double() - want[2]).abs().max() <= 1e-5
-    objective = (torch.where(kept, want[0], 0.0) * gl.double()).sum() + (want[1] * ge.double()).sum()
+    objective = ((torch.where(kept, want[0], 0.0) * gl.double()).sum()
+                 + (want[1] * ge.double()).sum())
     for a, r in zip((gh, gw), torch.autograd.grad(objective, leaves)):
         assert (a.double() - r).abs().max() <= 1e-5 * (1 + r.abs().max())
 

@@ -89,7 +89,8 @@ def sampler_and_model_logprobs(hidden, weight, target, bias, temperature, opts):
         raise ValueError("sampler_and_model_logprobs needs top_k, top_p or min_p")
     with torch.no_grad():
         out = _fwd(hidden, weight, target, bias, temperature, opts, ONE_DEVICE)
-    return out[0].reshape(target.shape), out[4][:, 6].reshape(target.shape)
+    return (out[0].reshape(target.shape),
+            out[4][:, truncation.MODEL_LOGPROB].reshape(target.shape))
 
 
 def _fwd(hidden, weight, target, bias, temperature, opts, shard):
@@ -242,10 +243,10 @@ def fwd(hidden, weight, target, bias, temperature, *args, backend):
 def bwd(grad_logprob, grad_entropy, row_stats, hidden, weight, target, bias, temperature,
          *args, backend):
     """Recomputes the logits chunk by chunk (vocabulary tiles when there are fewer
-    tokens than classes: the float32 sum it keeps is then N x D; the logits GEMMs being
-    row-invariant, the tiles' logits are the forward's bit for bit) and, with the
-    forward's row statistics, forms the logits gradient in one pass over them (a
-    truncation: its PyTorch row math, the kept set from the forward's threshold)."""
+    tokens than classes: the float32 sum it keeps is then N x D; _cuts_vocab says why
+    they are the forward's logits bit for bit) and, with the forward's row statistics,
+    forms the logits gradient in one pass over them (a truncation: its rows' gradient,
+    the kept set from the forward's threshold)."""
     opts, rest = take(LogProbOptions, args)
     shard, (needs,) = take(VocabShard, rest)
     V = shard.vocab(weight)

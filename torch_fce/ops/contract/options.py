@@ -16,8 +16,9 @@ from typing import Optional, get_type_hints
 
 import torch
 
-_SCHEMA_TYPES = {int: "SymInt", Optional[int]: "int?", float: "float", Optional[float]: "float?", str: "str",
-                 Optional[str]: "str?", bool: "bool", Optional[torch.dtype]: "ScalarType?"}
+_SCHEMA_TYPES = {int: "SymInt", Optional[int]: "int?", float: "float",
+                 Optional[float]: "float?", str: "str", Optional[str]: "str?", bool: "bool",
+                 Optional[torch.dtype]: "ScalarType?"}
 
 
 def _literal(value):

@@ -1,7 +1,6 @@
 """The sampler's truncation as row math: the log-probs, entropy and logits gradient of
 the distribution vLLM's sampler draws from under min_p, top_k and top_p (its
-`processed_logprobs`), in plain PyTorch on every device (the top-k candidates from the
-backend's top-k rows: the Triton kernel on CUDA).
+`processed_logprobs`).
 
 With z = softcap(l) / T the processed logits of a row, the classes ordered by z
 descending and equal values by ascending class, vLLM applies, in this order:
@@ -39,7 +38,7 @@ MAX_CANDIDATES = 256  # the top-k rows' largest k
 # row_stats' columns after the log-probs' (m, log s_K, d_K): the kept set's last class
 # (v, c), whether the target is kept (1.0 / 0.0) and its untruncated log-prob (for an
 # integration wanting both from one pass); c is exact in float32 below 2^24.
-ROW_STATS = 7
+ROW_STATS, MODEL_LOGPROB = 7, 6
 
 
 class TopKRecord(NamedTuple):

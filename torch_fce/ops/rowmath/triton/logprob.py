@@ -149,7 +149,8 @@ def _linear_logprobs_rows_kernel(
             p = tl.exp(zm - log_s)
             if TRUNCATED:  # the forward's candidates' z, bit for bit (_gather_z_kernel)
                 z = c * inv_t
-                kept = (z > v_last) | ((z == v_last) & ((offs + col0).to(tl.float32) <= c_last))
+                j = (offs + col0).to(tl.float32)  # exact below 2^24 classes
+                kept = (z > v_last) | ((z == v_last) & (j <= c_last))
                 p = tl.where(kept, p, 0.0)
             if HAS_ENTROPY_GRAD:  # p = 0 where z = -inf: no 0 * -inf
                 dz = -p * g - tl.where(p > 0.0, p * h * (zm - d), 0.0)
