@@ -122,6 +122,31 @@ def test_compiled_fullgraph_dynamic_equals_eager():
         assert torch.equal(a, c)
 
 
+@pytest.mark.parametrize("backend", ["torch_rows", "triton_rows"])
+def test_a_row_of_nan_gives_nan_logprobs_and_leaves_the_others(backend):
+    # a NaN hidden state (a diverged step): its row's log-probs are NaN, no index is out
+    # of bounds, the other rows are as without it
+    from tests.helpers import BACKENDS
+
+    g = torch.Generator().manual_seed(9)
+    h, w = torch.randn(4, 6, generator=g).to(DEVICE), torch.randn(23, 6, generator=g).to(DEVICE)
+    bad = h.clone()
+    bad[1] = float("nan")
+    y = torch.tensor([1, 2, 3, 4], device=DEVICE)
+    opts = room.TopKOptions(k=5)
+
+    def run(h):
+        return room.fwd(h, w, None, y, torch.ones(4, device=DEVICE), *opts,
+                        *ONE_DEVICE, backend=BACKENDS[backend])
+
+    clean, got = run(h), run(bad)
+    assert got[1][1].isnan().all() and got[2][1].isnan()
+    assert (got[0][1] >= 0).all() and (got[0][1] < 23).all()
+    for a, b in zip(got, clean):
+        keep = torch.tensor([True, False, True, True], device=DEVICE)
+        assert torch.equal(a[keep], b[keep])
+
+
 def test_opcheck():
     g = torch.Generator().manual_seed(5)
     args = (torch.randn(6, 4, generator=g), torch.randn(13, 4, generator=g), None,

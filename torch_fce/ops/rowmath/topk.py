@@ -34,7 +34,10 @@ def topk_rows(logits, target, inv_t, opts, math_dtype, shard=ONE_DEVICE):
     m = shard.all_reduce(z.amax(-1, keepdim=True), "max").clamp_min(
         torch.finfo(math_dtype).min)
     lse = (m + shard.all_reduce(row_sum((z - m).exp_(), True), "sum").log())[:, 0]
-    indices, values = _topk_ascending_ties(z, min(opts.k, z.shape[1]))
+    # selection ranks NaN as -inf (as the Triton kernel): NaN never compares, and a row
+    # holding one would leave fewer than k chosen (its lse, so its log-probs, are NaN)
+    indices, values = _topk_ascending_ties(torch.where(z.isnan(), -math.inf, z),
+                                           min(opts.k, z.shape[1]))
     if shard.group is not None:
         indices, values = _merged(indices + shard.vocab_start, values, opts.k, shard)
     logprobs = values - lse[:, None]

@@ -195,7 +195,8 @@ def kept_stats(rows, logits, target, inv_t, opts, math_dtype, shard=ONE_DEVICE):
     def outputs(lp):  # 0 where ignored, NaN where the target is out of range
         return torch.where(valid, torch.where(in_range, lp, float("nan")), 0.0)
 
-    logprob = outputs(torch.where(y_kept, (z_y - m) - log_s, float("-inf")))
+    # a row holding a NaN (its sums NaN): NaN, as the untruncated log-probs
+    logprob = outputs(torch.where(y_kept | log_s.isnan(), (z_y - m) - log_s, float("-inf")))
     entropy = torch.where(valid, log_s - d, 0.0)
     row_stats = torch.stack([m, log_s, d, values.gather(1, last)[:, 0],
                              classes.gather(1, last)[:, 0].to(math_dtype),
