@@ -231,3 +231,15 @@ def chunks(rows, hidden, weight):
     """The loop cuts `rows` token rows per chunk (a workspace of that many logits rows)."""
     with torch_fce.workspace(rows * weight.shape[0] * hidden.element_size()):
         yield
+
+
+def trainer_loss_step(trainer, batch, mode):
+    """(loss, {name: gradient}) of one compute_loss + backward of a TRL trainer's model
+    in train or eval mode (the trainers' integration tests compare both paths with it)."""
+    model = trainer.model
+    model.train(mode == "train")
+    model.zero_grad()
+    loss = trainer.compute_loss(model, batch)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
+                           if p.grad is not None}

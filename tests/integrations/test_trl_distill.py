@@ -21,7 +21,7 @@ from trl.trainer import distillation_trainer as trl_distill
 from torch_fce.integrations import trl as fce_trl
 from torch_fce.testing import rel_err, word_tokenizer
 
-from tests.helpers import DEVICE
+from tests.helpers import DEVICE, trainer_loss_step
 
 V, B, P, K = 96, 3, 4, 6
 
@@ -96,13 +96,8 @@ def _batch(tool_mask=False):
 
 
 def _step(trainer, batch, mode):
-    model = trainer.model
-    model.train(mode == "train")
-    model.zero_grad()
-    loss = trainer.compute_loss(model, batch)
-    loss.backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    return loss.detach(), grads, trainer._metrics[mode]["entropy"][-1]
+    return (*trainer_loss_step(trainer, batch, mode),
+            trainer._metrics[mode]["entropy"][-1])
 
 
 def _trl_exact(trainer, batch, mode, monkeypatch):

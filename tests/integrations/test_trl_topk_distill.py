@@ -30,6 +30,8 @@ from torch_fce.integrations import trl as fce_trl
 from torch_fce.integrations.trl.topk_distill import chunked_jsd_loss
 from torch_fce.testing import rel_err, word_tokenizer
 
+from tests.helpers import trainer_loss_step
+
 V, TOP_K = 96, 5
 
 
@@ -117,16 +119,6 @@ def _apply(trainer, method):
     assert method in vars(trainer)
 
 
-def _step(trainer, batch, mode):
-    model = trainer.model
-    model.train(mode == "train")
-    model.zero_grad()
-    loss = trainer.compute_loss(model, batch)
-    loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
-                           if p.grad is not None}
-
-
 def _same(got, want, tol=1e-6):
     # TRL forms the teacher's tail bucket and renormalisation in the teacher's float32
     # (torch.where with a 0-dim float64 -inf keeps its dtype), torch_fce in the student's
@@ -143,14 +135,14 @@ def test_server_apply_gives_trls_loss_and_gradients(tmp_path, monkeypatch, beta,
     batch = _server_batch()
     for tail, mode in ((True, "train"), (False, "train"), (True, "eval")):
         trainer.loss_add_tail = tail
-        want = _step(trainer, batch, mode)
+        want = trainer_loss_step(trainer, batch, mode)
         _apply(trainer, "compute_loss")
-        got = _step(trainer, batch, mode)
+        got = trainer_loss_step(trainer, batch, mode)
         fce_trl.revert(trainer)
         assert want[0] != 0 or (beta > 0 and not tail), (tail, mode)
         _same(got, want)
     assert "compute_loss" not in vars(trainer)
-    assert torch.equal(_step(trainer, batch, "eval")[0], want[0])  # TRL's own again
+    assert torch.equal(trainer_loss_step(trainer, batch, "eval")[0], want[0])  # TRL's own again
 
 
 def test_server_keeps_trls_checks_and_return_outputs(tmp_path, monkeypatch):
