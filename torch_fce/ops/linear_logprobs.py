@@ -191,8 +191,7 @@ def fwd(hidden, weight, target, bias, temperature, *args, backend):
     shard = take(VocabShard, rest)[0]
     truncation.check_shard(opts, shard)
     V = shard.vocab(weight)
-    truncated = truncation.rows_for(backend, opts, shard, V) \
-        if truncation.truncating(opts) else None
+    truncated = truncation.rows_for(backend, opts, shard, V)
     if backend.check_values:
         checks.check_target_range(target, V, opts.ignore_index)
         checks.check_temperature_values(temperature)
@@ -227,7 +226,8 @@ def fwd(hidden, weight, target, bias, temperature, *args, backend):
         parts = empty_tile_stats(N, mdt, hidden.device) if merged and not vocab else None
         ldt = logits_dtype_for(hidden, opts)
         chunk = chunk_rows_for(hidden, weight, shard, ldt, log_prob_tiles=vocab,
-                               per_logit=_per_logit(truncated, ldt, hidden.dtype, opts, V))
+                               per_logit=truncation.per_logit(truncated, ldt, hidden.dtype,
+                                                              opts, V))
         run_chunks(hidden, weight, bias, row_fn, () if vocab else (parts or out),
                    (False,) * 3, "fp32", chunk, by_vocab=vocab, logits_dtype=ldt)
     if merged:
@@ -250,8 +250,7 @@ def bwd(grad_logprob, grad_entropy, row_stats, hidden, weight, target, bias, tem
     opts, rest = take(LogProbOptions, args)
     shard, (needs,) = take(VocabShard, rest)
     V = shard.vocab(weight)
-    truncated = truncation.rows_for(backend, opts, shard, V) \
-        if truncation.truncating(opts) else None
+    truncated = truncation.rows_for(backend, opts, shard, V)
     grad = backend.logprobs.grad if truncated is None else truncated.grad
     N, mdt = hidden.shape[0], math_dtype_for(hidden.dtype)
     inv_t = after_first_gemm(lambda: inverse_temperature(temperature, N, hidden.device, mdt))
@@ -270,17 +269,12 @@ def bwd(grad_logprob, grad_entropy, row_stats, hidden, weight, target, bias, tem
 
     ldt = logits_dtype_for(hidden, opts)  # the forward's: the same logits, bit for bit
     chunk = chunk_rows_for(hidden, weight, shard, ldt, log_prob_tiles=vocab,
-                           per_logit=_per_logit(truncated, ldt, hidden.dtype, opts, V))
+                           per_logit=truncation.per_logit(truncated, ldt, hidden.dtype, opts,
+                                                          V))
     with no_autocast(hidden):
         gradients = run_chunks(hidden, weight, bias, row_fn, (), needs, opts.accumulator,
                                chunk, by_vocab=vocab, shard=shard, logits_dtype=ldt)
     return grad_outputs(hidden, weight, bias, gradients, keep_f32=False)
-
-
-def _per_logit(truncated, logits_dtype, dz_dtype, opts, V):
-    """chunk_rows_for's per_logit: a truncation's (None: the loop's own)."""
-    return None if truncated is None else truncation.per_logit(truncated, logits_dtype,
-                                                               dz_dtype, opts, V)
 
 
 def _cuts_vocab(hidden, weight, opts):

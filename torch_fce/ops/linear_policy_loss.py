@@ -273,8 +273,7 @@ def fwd(hidden, weight, target, advantages, bias, old_logprobs, ref_logprobs,
     opts = opts.check()
     shard, (needs,) = take(VocabShard, rest)
     truncation.check_shard(opts, shard)
-    truncated = truncation.rows_for(backend, opts, shard, shard.vocab(weight)) \
-        if truncation.truncating(opts) else None
+    truncated = truncation.rows_for(backend, opts, shard, shard.vocab(weight))
     if backend.check_values:
         checks.check_target_range(target, shard.vocab(weight), opts.ignore_index)
         checks.check_temperature_values(temperature)
@@ -320,8 +319,8 @@ def fwd(hidden, weight, target, advantages, bias, old_logprobs, ref_logprobs,
         ldt = logits_dtype_for(hidden, opts)
         gradients = run_chunks(hidden, weight, bias, row_fn, out, needs, opts.accumulator,
                                chunk_rows_for(hidden, weight, shard, ldt,
-                                              log_prob_tiles=False, per_logit=None
-                                              if truncated is None else truncation.per_logit(
+                                              log_prob_tiles=False,
+                                              per_logit=truncation.per_logit(
                                                   truncated, ldt, hidden.dtype, opts,
                                                   shard.vocab(weight))), shard=shard,
                                logits_dtype=ldt)

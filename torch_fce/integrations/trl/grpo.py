@@ -203,6 +203,7 @@ def sampler_patches(trainer):
     and then hands the step's inputs the untruncated ones from the same pass, so the
     PPO ratio keeps TRL's."""
     cls = type(trainer)
+    truncation = sampler_truncation(trainer)
     state = {}
 
     def generate(*args, **kwargs):
@@ -238,8 +239,7 @@ def sampler_patches(trainer):
                     attention_mask=attention_mask[start:start + step], use_cache=False)
             t, u = sampler_and_model_logprobs(
                 hidden, weight, ids[:, -logits_to_keep:].to(hidden.device), bias,
-                temperature=trainer.temperature, softcap=softcap,
-                **sampler_truncation(trainer))
+                temperature=trainer.temperature, softcap=softcap, **truncation)
             truncated.append(t)
             untruncated.append(u)
         state["untruncated"] = torch.cat(untruncated)

@@ -146,7 +146,8 @@ def run_chunks(hidden, weight, bias, row_fn, outputs, needs_grad, accumulator, c
 # invariance; multiples of the CPU kernels' blocking: measured +7% (bf16) / +17%
 # (float32 logits) at 4096 x 1024 x 32000 on a 2-core CPU against one GEMM).
 UNIT_ROWS, UNIT_COLS = 256, 4096
-# On CUDA, chunks of fewer rows run as this many (UNTESTED on the GPU: see the branch note)
+# On CUDA, chunks of fewer rows run zero-padded to this many (a one-row float32-logit
+# product took another kernel, with other rounding: docs/numerics.md)
 CUDA_MIN_ROWS = 128
 
 
@@ -169,9 +170,10 @@ class LogitsGemm:
 
     def __call__(self, h, v0=0, v1=None):
         """Logits of tokens h against the classes [v0, v1). On CUDA one GEMM (cuBLAS's
-        rows do not depend on the row count: measured, docs/api.md); elsewhere GEMMs of
-        one fixed shape, UNIT_ROWS zero-padded rows by the classes of one UNIT_COLS
-        block at a fixed offset, whose rows' bits then do not depend on the batch."""
+        rows do not depend on the row count: measured for bf16, docs/numerics.md);
+        elsewhere GEMMs of one fixed shape, UNIT_ROWS zero-padded rows by the classes of
+        one UNIT_COLS block at a fixed offset, whose rows' bits then do not depend on
+        the batch."""
         v1 = self.w.shape[0] if v1 is None else v1
         if h.device.type == "cuda":
             if h.shape[0] >= CUDA_MIN_ROWS:

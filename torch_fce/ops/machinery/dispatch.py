@@ -28,9 +28,8 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 class Backend(NamedTuple):
     """A device's row functions (ce.CERows, logprob.LogProbRows,
     distill.DistillRows, topk.topk_rows' signature, truncation.TruncationRows) and
-    whether its kernels check
-    target and temperature values (a host sync: always on the CPU, opt-in elsewhere
-    with TORCH_FCE_CHECK_TARGETS=1, docs/api.md)."""
+    whether its kernels check target and temperature values (a host sync: always on
+    the CPU, opt-in elsewhere with TORCH_FCE_CHECK_TARGETS=1, docs/api.md)."""
     ce: Any
     logprobs: Any
     distill: Any

@@ -180,8 +180,7 @@ def torch_logprob_grad(logits, target, inv_t, opts, g_lp, g_h, row_stats, math_d
     """LogProbRows.grad in PyTorch."""
     z, tanh = softcapped(logits, opts.softcap, math_dtype)
     z.mul_(inv_t[:, None]).sub_(row_stats[:, :1])  # z - m
-    return logits_grad(z, tanh, dz_dtype, target, inv_t, opts, g_lp, g_h, row_stats,
-                        col0)
+    return logits_grad(z, tanh, dz_dtype, target, inv_t, opts, g_lp, g_h, row_stats, col0)
 
 
 def torch_logprob_stats_then_grad(logits, target, inv_t, opts, upstream, math_dtype, shard,
@@ -199,7 +198,7 @@ def torch_logprob_stats_then_grad(logits, target, inv_t, opts, upstream, math_dt
     row_stats = outputs[4]
     z.sub_(row_stats[:, :1])  # z - m
     return (*outputs, logits_grad(z, tanh, dz_dtype, target, inv_t, opts, g_lp, g_h,
-                                   row_stats, shard.vocab_start))
+                                  row_stats, shard.vocab_start))
 
 
 def logits_grad(z, tanh, dtype, target, inv_t, opts, g_lp, g_h, row_stats, col0):

@@ -44,15 +44,22 @@ def topk_rows(logits, target, inv_t, opts, math_dtype, shard=ONE_DEVICE):
     if target is None:
         return indices, logprobs, torch.zeros_like(lse)
     valid = target != opts.ignore_index
-    col = target - shard.vocab_start  # the target's column in this shard
-    here = valid & (col >= 0) & (col < z.shape[1])
-    z_y = torch.where(here, z.gather(1, torch.where(here, col, 0)[:, None]).squeeze(1), 0.0)
-    z_y = shard.all_reduce(z_y, "sum") if shard.group is not None else z_y
+    z_y = at_classes(z, target[:, None], valid[:, None], shard)[:, 0]
     # a target outside [0, V) gives NaN, as the other ops' (nothing read out of bounds)
     in_range = (target >= 0) & (target < (z.shape[1] if shard.group is None
                                           else shard.vocab_size))
     return indices, logprobs, torch.where(valid, torch.where(in_range, z_y - lse, math.nan),
                                           0.0)
+
+
+def at_classes(z, classes, read=True, shard=ONE_DEVICE):
+    """z at whole-vocabulary classes (n, k) of each row, from the rank holding each (a
+    shard's z holds its classes); 0 where not read (a mask of classes' shape) or
+    outside the vocabulary."""
+    col = classes - shard.vocab_start  # the class's column in this shard
+    here = read & (col >= 0) & (col < z.shape[1])
+    z_c = torch.where(here, z.gather(1, torch.where(here, col, 0).long()), 0.0)
+    return shard.all_reduce(z_c, "sum") if shard.group is not None else z_c
 
 
 def _merged(indices, values, k, shard):

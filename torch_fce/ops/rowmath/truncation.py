@@ -32,7 +32,7 @@ import torch
 from ..loop.chunked import ONE_DEVICE
 from .ce import row_sum, softcapped
 from .logprob import logits_grad
-from .topk import topk_rows
+from .topk import at_classes, topk_rows
 
 MAX_CANDIDATES = 256  # the top-k rows' largest k
 # row_stats' columns after the log-probs' (m, log s_K, d_K): the kept set's last class
@@ -102,7 +102,7 @@ def torch_candidates(logits, target, inv_t, opts, math_dtype, shard=ONE_DEVICE):
     V = z.shape[1] if shard.group is None else shard.vocab_size
     valid = target != opts.ignore_index
     read = valid & (target >= 0) & (target < V)
-    z_y = _at(z, target, read, shard)
+    z_y = at_classes(z, target[:, None], read[:, None], shard)[:, 0]
     if whole_row_sort(opts, V):
         assert shard.group is None
         values, classes = torch.sort(z, dim=-1, descending=True, stable=True)
@@ -113,20 +113,7 @@ def torch_candidates(logits, target, inv_t, opts, math_dtype, shard=ONE_DEVICE):
     ones = torch.ones(z.shape[0], dtype=z.dtype, device=z.device)
     classes, _, lp = topk_rows(z, target, ones, TopKRecord(
         min(opts.top_k, V), ignore_index=opts.ignore_index), z.dtype, shard)
-    col = classes - shard.vocab_start
-    here = (col >= 0) & (col < z.shape[1])
-    values = torch.where(here, z.gather(1, torch.where(here, col, 0)), 0.0)
-    if shard.group is not None:  # each class's z from the rank holding it
-        values = shard.all_reduce(values, "sum")
-    return values, classes, z_y, lp
-
-
-def _at(z, target, read, shard):
-    """z at each row's target (from the rank holding it), 0 where not read."""
-    col = target - shard.vocab_start
-    here = read & (col >= 0) & (col < z.shape[1])
-    z_y = torch.where(here, z.gather(1, torch.where(here, col, 0)[:, None].long())[:, 0], 0.0)
-    return shard.all_reduce(z_y, "sum") if shard.group is not None else z_y
+    return at_classes(z, classes, shard=shard), classes, z_y, lp
 
 
 def torch_kept_grad(logits, target, inv_t, opts, g_lp, g_h, row_stats, math_dtype, col0,
@@ -147,8 +134,11 @@ TORCH_TRUNCATION_ROWS = TruncationRows(torch_candidates, torch_kept_grad, 12)
 
 
 def rows_for(backend, opts, shard, vocab_size):
-    """The backend's truncation rows where they serve (one device, top-k candidates),
-    else the PyTorch ones (forward and backward pick alike)."""
+    """The truncation rows for these options, None where they truncate nothing: the
+    backend's where they serve (one device, top-k candidates), else the PyTorch ones
+    (forward and backward pick alike)."""
+    if not truncating(opts):
+        return None
     if shard.group is None and not whole_row_sort(opts, vocab_size):
         return backend.truncation
     return TORCH_TRUNCATION_ROWS
@@ -205,8 +195,11 @@ def kept_stats(rows, logits, target, inv_t, opts, math_dtype, shard=ONE_DEVICE):
 
 
 def per_logit(rows, logits_dtype, dz_dtype, opts, vocab_size):
-    """The chunk's bytes per logit under the truncation (chunk_rows_for's per_logit):
-    the logits, dz, the rows' temporaries, and the whole row's sort (values, classes,
-    the sort's own) where the candidates are that."""
+    """The chunk's bytes per logit under the truncation rows `rows` (chunk_rows_for's
+    per_logit; None without a truncation, the loop's own): the logits, dz, the rows'
+    temporaries, and the whole row's sort (values, classes, the sort's own) where the
+    candidates are that."""
+    if rows is None:
+        return None
     sort = 24 if whole_row_sort(opts, vocab_size) else 0
     return logits_dtype.itemsize + dz_dtype.itemsize + rows.per_logit + sort
