@@ -2,22 +2,26 @@
 of rowmath/topk.py's topk_rows (its tie rule: value descending, equal values by
 ascending class).
 
-One program per token row, two sweeps over the vocabulary in the common case:
+One program per token row, three streaming sweeps over the vocabulary in the common
+case (no reduction or scan inside them: a block-wide scan per block cost the sweeps
+4-7x a read of the row on the H200):
   sweep 1  the logsumexp online, and the lanewise maxima of the row's blocks, folded
            into G groups (group j: the classes = j mod G). The k-th largest group
            maximum t is a lower bound of the k-th largest value v_k: the k groups of
            largest maxima hold k distinct classes >= t.
-  sweep 2  the classes above t, and the first k equal to t (in class order), written as
-           sort keys (value, then class) to a row scratch of C slots, counted.
-When they fit (the common case: about 1.15 k classes are above t for G = 4k, and a
-tie at t, such as a padding row's, keeps only k), one bitonic top-K of the C keys
-(tl.topk, K = k rounded up to a power of two) gives the top-k. Otherwise (structured
-rows whose largest values share few groups) a bisection over the values'
-order-preserving int32 images re-sweeps the row, each sweep the same compaction at a
-new threshold x, until one fits: it keeps count(u >= lo) >= k > count(u > hi), and at
-lo = hi = v_k the classes above v_k (< k) and k of its ties fit in C >= 2k - 1 slots.
-So a row takes at most 35 sweeps (the interval of images halves), whatever its
-values.
+  sweep 2  per lane (the classes = lane mod BLOCK_V) the count of classes >= t.
+  sweep 3  when they fit in the row scratch's C slots (the common case: about 1.15 k
+           classes are >= t for G = 4k), each one's sort key (value, then class)
+           written to its lane's slots (a scan of the lane counts).
+The candidates then rank among each other by key (keys are distinct: rank r < k is
+the r-th of the top-k, in the tie rule). Otherwise (many ties at t, such as a padding
+row's, or structured rows whose largest values share few groups) an ordered
+compaction keeps the classes above a threshold x and the first k equal to it (in
+class order), and a bisection over the values' order-preserving int32 images
+re-sweeps the row at new thresholds until they fit: it keeps count(u >= lo) >= k >
+count(u > hi), and at lo = hi = v_k the classes above v_k (< k) and k of its ties fit
+in C >= 2k - 1 slots. So a row takes at most 37 sweeps (the interval of images
+halves), whatever its values.
 
 Selection ranks NaN as -inf (NaN never compares, and the bisection needs a total
 order); the row's lse, and so every log-prob of a row holding a NaN, is NaN. An
@@ -33,6 +37,7 @@ from .ce import _block_v
 from .distill import _load_a, _online, _start
 
 _WARPS = 8
+_RANKED = 4096  # the ranking's candidates x slots a step: 16 int64 compares a thread
 _EMPTY = tl.constexpr(-9223372036854775808)  # int64's lowest: an empty slot's sort key
 
 
@@ -58,6 +63,22 @@ def _unkey(key):
 
 
 @triton.jit
+def _sort_key(r, offs):
+    """The int64 sort key of classes offs of selection values r: image(r) << 32 |
+    (2^31 - 1 - class), larger for a larger value, then for a lower class (+0.0 for
+    -0.0: equal values tie)."""
+    return (_key(tl.where(r == 0.0, 0.0, r)).to(tl.int64) << 32) \
+        | (0x7FFFFFFF - offs).to(tl.int64)
+
+
+@triton.jit
+def _slot(j, n_gt, C: tl.constexpr):
+    """The scratch slot of candidate j: the classes above the threshold fill slots
+    from 0 up, the ties (the ordered compaction's) from C - 1 down."""
+    return tl.where(j < n_gt, j, C - 1 - (j - n_gt))
+
+
+@triton.jit
 def _ranked_block(z_row, offs, V, x, scale, inv_t, cap, HAS_CAP: tl.constexpr):
     """(r, above, tied) of a block of classes offs: their selection values and whether
     each is above x or equal to it (False past V)."""
@@ -70,8 +91,7 @@ def _ranked_block(z_row, offs, V, x, scale, inv_t, cap, HAS_CAP: tl.constexpr):
 def _compact(z_row, buf, V, x, k, scale, inv_t, cap, HAS_CAP: tl.constexpr,
              BLOCK_V: tl.constexpr, SUB: tl.constexpr, C: tl.constexpr):
     """(#(u > x), #(u == x)) of a row; the classes above x written to buf's slots from 0
-    up, the first k equal to x (by class) from C - 1 down, each as the int64 sort key
-    image(u) << 32 | (2^31 - 1 - class) (larger value first, then lower class). Slots
+    up, the first k equal to x (by class) from C - 1 down, each as its sort key. Slots
     that would pass the other end are dropped: the caller checks the counts.
 
     A block only counts; one holding candidates is read again (from L1) in SUB-class
@@ -94,14 +114,39 @@ def _compact(z_row, buf, V, x, k, scale, inv_t, cap, HAS_CAP: tl.constexpr,
                 before = tl.cumsum(flags, axis=0) - flags
                 pos_gt = n_gt + (before & 0xFFFF)
                 pos_eq = n_eq + (before >> 16)
-                key = (_key(tl.where(r == 0.0, 0.0, r)).to(tl.int64) << 32) \
-                    | (0x7FFFFFFF - offs).to(tl.int64)  # +0.0 for -0.0: equal values tie
-                tl.store(buf + tl.where(gt, pos_gt, C - 1 - pos_eq), key,
+                tl.store(buf + tl.where(gt, pos_gt, C - 1 - pos_eq), _sort_key(r, offs),
                          mask=(gt & (pos_gt < C)) | (eq & (pos_eq < k)))
                 tot = tl.sum(flags, axis=0)
                 n_gt += tot & 0xFFFF
                 n_eq += tot >> 16
     return n_gt, n_eq
+
+
+@triton.jit
+def _lane_counts(z_row, V, x, scale, inv_t, cap, HAS_CAP: tl.constexpr,
+                 BLOCK_V: tl.constexpr):
+    """Per lane (the classes = lane mod BLOCK_V) the number of classes at or above x:
+    counted lanewise, no reduction in the sweep."""
+    cols = tl.arange(0, BLOCK_V)
+    count = tl.zeros([BLOCK_V], tl.int32)
+    for v0 in range(0, V, BLOCK_V):
+        _, above, tied = _ranked_block(z_row, v0 + cols, V, x, scale, inv_t, cap, HAS_CAP)
+        count += (above | tied).to(tl.int32)
+    return count
+
+
+@triton.jit
+def _scatter(z_row, buf, slot, V, x, scale, inv_t, cap, HAS_CAP: tl.constexpr,
+             BLOCK_V: tl.constexpr):
+    """Writes the sort key of every class at or above x to buf: a lane's classes to its
+    slots from slot up (lane-major order, no scan in the sweep)."""
+    cols = tl.arange(0, BLOCK_V)
+    for v0 in range(0, V, BLOCK_V):
+        offs = v0 + cols
+        r, above, tied = _ranked_block(z_row, offs, V, x, scale, inv_t, cap, HAS_CAP)
+        hit = above | tied
+        tl.store(buf + slot, _sort_key(r, offs), mask=hit)
+        slot += hit.to(tl.int32)
 
 
 @triton.jit
@@ -115,10 +160,12 @@ def _topk_rows_kernel(
     # meta-parameters
     HAS_TARGET: tl.constexpr, HAS_CAP: tl.constexpr, BLOCK_V: tl.constexpr,
     SUB: tl.constexpr, K: tl.constexpr, G: tl.constexpr, C: tl.constexpr,
+    RANKED: tl.constexpr,
 ):
     """Logits rows (n, V) -> the top-k classes (n, k) int64, their log-probs (n, k) and
     the target's log-prob (n,) float32; buf (n, C) int64 the rows' scratch; K the
-    power of two >= k the bitonic top-K keeps."""
+    power of two >= k the bitonic top-K of the group maxima keeps; RANKED the
+    candidates ranked at a time."""
     row = tl.program_id(0).to(tl.int64)  # int64: row * stride passes 2^31
     z_row = z_ptr + row * stride_z
     buf = buf_ptr + row * C
@@ -139,33 +186,47 @@ def _topk_rows_kernel(
     top = tl.arange(0, K)
     t = tl.max(tl.where(top == k - 1, tl.topk(group, K), float("-inf")), axis=0)
 
-    # sweep 2 at x = t, then (rarely) bisection sweeps until the candidates fit
-    lo = _key(tl.full([], float("-inf"), tl.float32)).to(tl.int64)  # count(u >= -inf) = V
-    hi = _key(tl.max(group, axis=0)).to(tl.int64)
-    mid = _key(t).to(tl.int64)
-    n_gt = tl.zeros([], tl.int32)
-    n_eq = n_gt
-    # lo <= hi: a guard against a hang should a sweep count otherwise than another
-    while ((n_gt + n_eq < k) | (n_gt + tl.minimum(n_eq, k) > C)) & (lo <= hi):
-        n_gt, n_eq = _compact(z_row, buf, V, _unkey(mid.to(tl.int32)), k, scale, inv_t,
-                              cap, HAS_CAP, BLOCK_V, SUB, C)
-        if n_gt + n_eq >= k:
-            lo = mid
-        else:
-            hi = mid - 1
-        mid = lo + (hi - lo + 1) // 2
-        tl.debug_barrier()  # this sweep's scratch stores before the next's and the sort's
+    # sweeps 2 and 3: every class at or above t (the common case: they fit)
+    count = _lane_counts(z_row, V, t, scale, inv_t, cap, HAS_CAP, BLOCK_V)
+    n_gt = tl.sum(count, axis=0)
+    n_tie = tl.zeros([], tl.int32)
+    if n_gt <= C:
+        _scatter(z_row, buf, tl.cumsum(count, axis=0) - count, V, t, scale, inv_t, cap,
+                 HAS_CAP, BLOCK_V)
+    else:
+        # the ordered compaction, then (rarely) bisection sweeps until the candidates fit
+        lo = _key(tl.full([], float("-inf"), tl.float32)).to(tl.int64)  # count(u >= -inf) = V
+        hi = _key(tl.max(group, axis=0)).to(tl.int64)
+        mid = _key(t).to(tl.int64)
+        todo = n_gt > C
+        # lo <= hi: a guard against a hang should a sweep count otherwise than another
+        while todo & (lo <= hi):
+            n_gt, n_eq = _compact(z_row, buf, V, _unkey(mid.to(tl.int32)), k, scale,
+                                  inv_t, cap, HAS_CAP, BLOCK_V, SUB, C)
+            if n_gt + n_eq >= k:
+                lo = mid
+            else:
+                hi = mid - 1
+            mid = lo + (hi - lo + 1) // 2
+            todo = (n_gt + n_eq < k) | (n_gt + tl.minimum(n_eq, k) > C)
+            n_tie = tl.minimum(n_eq, k)
+            tl.debug_barrier()  # this sweep's scratch stores before the next's
+    tl.debug_barrier()  # the scratch's stores before the ranking's loads
 
-    # the candidates' largest K keys, sorted: the first k decode to the top-k, in the
-    # tie rule
+    # the candidates (slots [0, n_gt) and [C - n_tie, C)) ranked among each other by
+    # their keys, which are distinct: rank r < k is the r-th of the top-k, in the tie rule
+    n = n_gt + n_tie
     j = tl.arange(0, C)
-    keep = (j < n_gt) | (j >= C - tl.minimum(n_eq, k))
-    keys = tl.topk(tl.load(buf + j, mask=keep, other=_EMPTY), K)
-    value = _unkey((keys >> 32).to(tl.int32))
-    cls = 0x7FFFFFFF - (keys & 0x7FFFFFFF)
-    out = row * k + top
-    tl.store(idx_ptr + out, cls, mask=top < k)
-    tl.store(lp_ptr + out, (value - m) - ls, mask=top < k)  # relative to the max
+    keys = tl.load(buf + _slot(j, n_gt, C), mask=j < n, other=_EMPTY)
+    ri = tl.arange(0, RANKED)
+    for i0 in range(0, n, RANKED):
+        mine = tl.load(buf + _slot(i0 + ri, n_gt, C), mask=i0 + ri < n, other=_EMPTY)
+        rank = tl.sum((keys[None, :] > mine[:, None]).to(tl.int32), axis=1)
+        out = row * k + rank
+        write = (i0 + ri < n) & (rank < k)
+        tl.store(idx_ptr + out, 0x7FFFFFFF - (mine & 0x7FFFFFFF), mask=write)
+        value = _unkey((mine >> 32).to(tl.int32))
+        tl.store(lp_ptr + out, (value - m) - ls, mask=write)  # relative to the max
 
     lp_y = 0.0
     if HAS_TARGET:
@@ -180,12 +241,12 @@ def _topk_rows_kernel(
 
 
 def _launch_sizes(V, k):
-    """(BLOCK_V, SUB, G, C): SUB the compaction's pieces, 4 classes a thread; G = 4k
-    groups (k rounded up to a power of two) bound the k-th value closely at a top-K of
-    G floats per row; C = 4k slots hold the classes above the bound and k of its ties
-    (on random rows of V = 2^18 about 1.15 k, 1.9 k on tie-heavy bfloat16 ones) and
-    always the exact k-th value's (C >= 2k - 1). All three at least 128: small top-Ks
-    cost little."""
+    """(BLOCK_V, SUB, G, C): SUB the ordered compaction's pieces, 4 classes a thread;
+    G = 4k groups (k rounded up to a power of two) bound the k-th value closely at a
+    top-K of G floats per row; C = 4k slots hold the classes at or above the bound (on
+    random rows of V = 2^18 about 1.15 k, 1.9 k on tie-heavy bfloat16 ones) and always
+    the exact k-th value's (C >= 2k - 1). All three at least 128: small top-Ks cost
+    little."""
     block_v = max(_block_v(V), 128)
     kk = max(triton.next_power_of_2(k), 32)
     return block_v, min(block_v, 4 * _WARPS * 32), min(block_v, 4 * kk), 4 * kk
@@ -215,5 +276,6 @@ def triton_topk_rows(logits, target, inv_t, opts, math_dtype, shard=ONE_DEVICE,
         inv_t.float().contiguous(), buf, indices, logprobs, target_lp,
         V, k, opts.ignore_index, float(opts.logit_scale), float(opts.softcap or 1.0),
         logits.stride(0), HAS_TARGET=target is not None, HAS_CAP=opts.softcap is not None,
-        BLOCK_V=block_v, SUB=sub, K=K, G=G, C=C, num_warps=_WARPS)
+        BLOCK_V=block_v, SUB=sub, K=K, G=G, C=C, RANKED=max(_RANKED // C, 1),
+        num_warps=_WARPS)
     return indices, logprobs, target_lp
