@@ -4,7 +4,7 @@ ascending class).
 
 One program per token row, three streaming sweeps over the vocabulary in the common
 case (no reduction or scan inside them: a block-wide scan per block cost the sweeps
-4-7x a read of the row on the H200):
+4-7x a read of the row on the H200), in a kernel of their own (_candidates_kernel):
   sweep 1  the logsumexp online, and the lanewise maxima of the row's blocks, folded
            into G groups (group j: the classes = j mod G). The k-th largest group
            maximum t is a lower bound of the k-th largest value v_k: the k groups of
@@ -13,15 +13,15 @@ case (no reduction or scan inside them: a block-wide scan per block cost the swe
   sweep 3  when they fit in the row scratch's C slots (the common case: about 1.15 k
            classes are >= t for G = 4k), each one's sort key (value, then class)
            written to its lane's slots (a scan of the lane counts).
-The candidates then rank among each other by key (keys are distinct: rank r < k is
-the r-th of the top-k, in the tie rule). Otherwise (many ties at t, such as a padding
-row's, or structured rows whose largest values share few groups) an ordered
-compaction keeps the classes above a threshold x and the first k equal to it (in
-class order), and a bisection over the values' order-preserving int32 images
-re-sweeps the row at new thresholds until they fit: it keeps count(u >= lo) >= k >
-count(u > hi), and at lo = hi = v_k the classes above v_k (< k) and k of its ties fit
-in C >= 2k - 1 slots. So a row takes at most 37 sweeps (the interval of images
-halves), whatever its values.
+A second kernel (_topk_rows_kernel) ranks the candidates among each other by key
+(keys are distinct: rank r < k is the r-th of the top-k, in the tie rule). Otherwise
+(many ties at t, such as a padding row's, or structured rows whose largest values
+share few groups) it first runs an ordered compaction, the classes above a threshold
+x and the first k equal to it (in class order), and a bisection over the values'
+order-preserving int32 images re-sweeps the row at new thresholds until they fit: it
+keeps count(u >= lo) >= k > count(u > hi), and at lo = hi = v_k the classes above
+v_k (< k) and k of its ties fit in C >= 2k - 1 slots. So a row takes at most 37
+sweeps (the interval of images halves), whatever its values.
 
 Selection ranks NaN as -inf (NaN never compares, and the bisection needs a total
 order); the row's lse, and so every log-prob of a row holding a NaN, is NaN. An
@@ -150,25 +150,25 @@ def _scatter(z_row, buf, slot, V, x, scale, inv_t, cap, HAS_CAP: tl.constexpr,
 
 
 @triton.jit
-def _topk_rows_kernel(
+def _candidates_kernel(
     # pointers
-    z_ptr, target_ptr, inv_t_ptr, buf_ptr, idx_ptr, lp_ptr, tlp_ptr,
+    z_ptr, inv_t_ptr, buf_ptr, stats_ptr, count_ptr,
     # sizes and options
-    V, k, ignore_index, scale, cap,
+    V, k, scale, cap,
     # strides
     stride_z,
     # meta-parameters
-    HAS_TARGET: tl.constexpr, HAS_CAP: tl.constexpr, BLOCK_V: tl.constexpr,
-    SUB: tl.constexpr, K: tl.constexpr, G: tl.constexpr, C: tl.constexpr,
-    RANKED: tl.constexpr,
+    HAS_CAP: tl.constexpr, BLOCK_V: tl.constexpr, K: tl.constexpr, G: tl.constexpr,
+    C: tl.constexpr,
 ):
-    """Logits rows (n, V) -> the top-k classes (n, k) int64, their log-probs (n, k) and
-    the target's log-prob (n,) float32; buf (n, C) int64 the rows' scratch; K the
-    power of two >= k the bitonic top-K of the group maxima keeps; RANKED the
-    candidates ranked at a time."""
+    """Sweeps 1 to 3 of logits rows (n, V): each row's (m, log s, t, max) to stats
+    (n, 4) float32, the count of classes at or above t to count (n,) int32, and when
+    it is at most C their sort keys to the row's scratch buf (n, C) int64. K the power
+    of two >= k the bitonic top-K of the group maxima keeps. A kernel of its own: the
+    ranking's and the compaction's registers would leave the sweeps fewer warps an
+    SM."""
     row = tl.program_id(0).to(tl.int64)  # int64: row * stride passes 2^31
     z_row = z_ptr + row * stride_z
-    buf = buf_ptr + row * C
     cols = tl.arange(0, BLOCK_V)
     inv_t = tl.load(inv_t_ptr + row)
 
@@ -180,23 +180,52 @@ def _topk_rows_kernel(
         u = _load_a(z_row + offs, offs < V, scale, cap, HAS_CAP) * inv_t
         m, s = _online(m, s, u)
         lane = tl.maximum(lane, _ranked(u))
-    ls = tl.log(s)
     # the k-th largest of the G group maxima (G >= k; lanes past V are -inf, a bound too)
     group = tl.max(tl.reshape(lane, [BLOCK_V // G, G]), axis=0)
     top = tl.arange(0, K)
     t = tl.max(tl.where(top == k - 1, tl.topk(group, K), float("-inf")), axis=0)
 
-    # sweeps 2 and 3: every class at or above t (the common case: they fit)
+    # sweeps 2 and 3: every class at or above t, when they fit (the common case)
     count = _lane_counts(z_row, V, t, scale, inv_t, cap, HAS_CAP, BLOCK_V)
-    n_gt = tl.sum(count, axis=0)
+    n = tl.sum(count, axis=0)
+    if n <= C:
+        _scatter(z_row, buf_ptr + row * C, tl.cumsum(count, axis=0) - count, V, t, scale,
+                 inv_t, cap, HAS_CAP, BLOCK_V)
+    tl.store(stats_ptr + 4 * row, m)
+    tl.store(stats_ptr + 4 * row + 1, tl.log(s))
+    tl.store(stats_ptr + 4 * row + 2, t)
+    tl.store(stats_ptr + 4 * row + 3, tl.max(group, axis=0))
+    tl.store(count_ptr + row, n)
+
+
+@triton.jit
+def _topk_rows_kernel(
+    # pointers
+    z_ptr, target_ptr, inv_t_ptr, buf_ptr, stats_ptr, count_ptr, idx_ptr, lp_ptr, tlp_ptr,
+    # sizes and options
+    V, k, ignore_index, scale, cap,
+    # strides
+    stride_z,
+    # meta-parameters
+    HAS_TARGET: tl.constexpr, HAS_CAP: tl.constexpr, BLOCK_V: tl.constexpr,
+    SUB: tl.constexpr, C: tl.constexpr, RANKED: tl.constexpr,
+):
+    """_candidates_kernel's rows -> the top-k classes (n, k) int64, their log-probs
+    (n, k) and the target's log-prob (n,) float32. RANKED the candidates ranked at a
+    time."""
+    row = tl.program_id(0).to(tl.int64)
+    z_row = z_ptr + row * stride_z
+    buf = buf_ptr + row * C
+    inv_t = tl.load(inv_t_ptr + row)
+    m = tl.load(stats_ptr + 4 * row)
+    ls = tl.load(stats_ptr + 4 * row + 1)
+    t = tl.load(stats_ptr + 4 * row + 2)
+    n_gt = tl.load(count_ptr + row)
     n_tie = tl.zeros([], tl.int32)
-    if n_gt <= C:
-        _scatter(z_row, buf, tl.cumsum(count, axis=0) - count, V, t, scale, inv_t, cap,
-                 HAS_CAP, BLOCK_V)
-    else:
+    if n_gt > C:
         # the ordered compaction, then (rarely) bisection sweeps until the candidates fit
         lo = _key(tl.full([], float("-inf"), tl.float32)).to(tl.int64)  # count(u >= -inf) = V
-        hi = _key(tl.max(group, axis=0)).to(tl.int64)
+        hi = _key(tl.load(stats_ptr + 4 * row + 3)).to(tl.int64)
         mid = _key(t).to(tl.int64)
         todo = n_gt > C
         # lo <= hi: a guard against a hang should a sweep count otherwise than another
@@ -211,7 +240,6 @@ def _topk_rows_kernel(
             todo = (n_gt + n_eq < k) | (n_gt + tl.minimum(n_eq, k) > C)
             n_tie = tl.minimum(n_eq, k)
             tl.debug_barrier()  # this sweep's scratch stores before the next's
-    tl.debug_barrier()  # the scratch's stores before the ranking's loads
 
     # the candidates (slots [0, n_gt) and [C - n_tie, C)) ranked among each other by
     # their keys, which are distinct: rank r < k is the r-th of the top-k, in the tie rule
@@ -271,11 +299,17 @@ def triton_topk_rows(logits, target, inv_t, opts, math_dtype, shard=ONE_DEVICE,
     target_lp = logits.new_empty(n, dtype=torch.float32)
     if n == 0:
         return indices, logprobs, target_lp
-    _topk_rows_kernel[(n,)](
-        logits, target_lp if target is None else target.contiguous(),
-        inv_t.float().contiguous(), buf, indices, logprobs, target_lp,
-        V, k, opts.ignore_index, float(opts.logit_scale), float(opts.softcap or 1.0),
-        logits.stride(0), HAS_TARGET=target is not None, HAS_CAP=opts.softcap is not None,
-        BLOCK_V=block_v, SUB=sub, K=K, G=G, C=C, RANKED=max(_RANKED // C, 1),
+    inv_t = inv_t.float().contiguous()
+    stats = logits.new_empty((n, 4), dtype=torch.float32)
+    count = logits.new_empty(n, dtype=torch.int32)
+    options = (float(opts.logit_scale), float(opts.softcap or 1.0))
+    _candidates_kernel[(n,)](
+        logits, inv_t, buf, stats, count, V, k, *options, logits.stride(0),
+        HAS_CAP=opts.softcap is not None, BLOCK_V=block_v, K=K, G=G, C=C,
         num_warps=_WARPS)
+    _topk_rows_kernel[(n,)](
+        logits, target_lp if target is None else target.contiguous(), inv_t, buf, stats,
+        count, indices, logprobs, target_lp, V, k, opts.ignore_index, *options,
+        logits.stride(0), HAS_TARGET=target is not None, HAS_CAP=opts.softcap is not None,
+        BLOCK_V=block_v, SUB=sub, C=C, RANKED=max(_RANKED // C, 1), num_warps=_WARPS)
     return indices, logprobs, target_lp
