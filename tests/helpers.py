@@ -51,6 +51,17 @@ def grad_tol(dtype, terms):
 LOSS_TOL = 64 * EPS[torch.float32]
 
 
+def nan_row_inputs(row, seed):
+    """(hidden, the same with row `row` NaN (a diverged step), weight, target, the other
+    rows' mask) on DEVICE: 4 tokens, D 6, V 23."""
+    g = torch.Generator().manual_seed(seed)
+    h, w = torch.randn(4, 6, generator=g).to(DEVICE), torch.randn(23, 6, generator=g).to(DEVICE)
+    bad = h.clone()
+    bad[row] = float("nan")
+    others = torch.arange(4, device=DEVICE) != row
+    return h, bad, w, torch.tensor([1, 2, 3, 4], device=DEVICE), others
+
+
 def confident_inputs(N, D, V, *, offset=20.0, spread=20.0, seed=0):
     """float32 (hidden, weight, target) whose logits sit around `offset` (a constant
     first feature) with a spread of about `spread`, target the argmax of each row: the

@@ -126,13 +126,9 @@ def test_compiled_fullgraph_dynamic_equals_eager():
 def test_a_row_of_nan_gives_nan_logprobs_and_leaves_the_others(backend):
     # a NaN hidden state (a diverged step): its row's log-probs are NaN, no index is out
     # of bounds, the other rows are as without it
-    from tests.helpers import BACKENDS
+    from tests.helpers import BACKENDS, nan_row_inputs
 
-    g = torch.Generator().manual_seed(9)
-    h, w = torch.randn(4, 6, generator=g).to(DEVICE), torch.randn(23, 6, generator=g).to(DEVICE)
-    bad = h.clone()
-    bad[1] = float("nan")
-    y = torch.tensor([1, 2, 3, 4], device=DEVICE)
+    h, bad, w, y, keep = nan_row_inputs(1, seed=9)
     opts = room.TopKOptions(k=5)
 
     def run(h):
@@ -143,7 +139,6 @@ def test_a_row_of_nan_gives_nan_logprobs_and_leaves_the_others(backend):
     assert got[1][1].isnan().all() and got[2][1].isnan()
     assert (got[0][1] >= 0).all() and (got[0][1] < 23).all()
     for a, b in zip(got, clean):
-        keep = torch.tensor([True, False, True, True], device=DEVICE)
         assert torch.equal(a[keep], b[keep])
 
 

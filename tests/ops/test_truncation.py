@@ -198,19 +198,14 @@ def test_triton_policy_rows_match_the_pytorch_rows(softcap):
 def test_a_row_of_nan_gives_nan_and_leaves_the_others(rows):
     # a NaN hidden state: its row's outputs are NaN (no index out of bounds, no crash),
     # the other rows' as without it
-    from tests.helpers import BACKENDS
+    from tests.helpers import BACKENDS, nan_row_inputs
 
-    g = torch.Generator().manual_seed(10)
-    h, w = torch.randn(4, 6, generator=g).to(DEVICE), torch.randn(23, 6, generator=g).to(DEVICE)
-    bad = h.clone()
-    bad[2] = float("nan")
-    y = torch.tensor([1, 2, 3, 4], device=DEVICE)
+    h, bad, w, y, keep = nan_row_inputs(2, seed=10)
     T = torch.ones(4, device=DEVICE)
     opts = room.LogProbOptions(entropy=True, top_k=5, top_p=0.9)
     clean, got = (room.fwd(x, w, y, None, T, *opts, *ONE_DEVICE, backend=BACKENDS[rows])
                   for x in (h, bad))
     assert got[0][2].isnan() and got[1][2].isnan()
-    keep = torch.tensor([True, True, False, True], device=DEVICE)
     for a, b in zip(got[:3], clean[:3]):
         assert torch.equal(a[keep], b[keep])
 
