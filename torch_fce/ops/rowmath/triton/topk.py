@@ -37,7 +37,7 @@ from ...loop.chunked import ONE_DEVICE
 from .ce import _block_v
 from .distill import _load_a, _online, _start
 
-_WARPS = 8
+_WARPS = 8  # both kernels' (a probe varies them: bench/probes/topk_kernel.py)
 _RANKED = 4096  # the ranking's candidates x slots a step: 16 int64 compares a thread
 _EMPTY = tl.constexpr(-9223372036854775808)  # int64's lowest: an empty slot's sort key
 
@@ -223,12 +223,14 @@ def _topk_rows_kernel(
     t = tl.load(stats_ptr + 4 * row + 2)
     n_gt = tl.load(count_ptr + row)
     n_tie = tl.zeros([], tl.int32)
-    if n_gt > C:
+    # n_gt >= k unless the sweeps computed a class's value differently (a guard, as the
+    # loop's lo <= hi)
+    if (n_gt > C) | (n_gt < k):
         # the ordered compaction, then (rarely) bisection sweeps until the candidates fit
         lo = _key(tl.full([], float("-inf"), tl.float32)).to(tl.int64)  # count(u >= -inf) = V
         hi = _key(tl.load(stats_ptr + 4 * row + 3)).to(tl.int64)
         mid = _key(t).to(tl.int64)
-        todo = n_gt > C
+        todo = (n_gt > C) | (n_gt < k)
         # lo <= hi: a guard against a hang should a sweep count otherwise than another
         while todo & (lo <= hi):
             n_gt, n_eq = _compact(z_row, buf, V, _unkey(mid.to(tl.int32)), k, scale,
@@ -244,6 +246,9 @@ def _topk_rows_kernel(
 
     # the candidates (slots [0, n_gt) and [C - n_tie, C)) ranked among each other by
     # their keys, which are distinct: rank r < k is the r-th of the top-k, in the tie rule
+    # (the guard's exit may leave more counted than slots: never read past the row's)
+    n_gt = tl.minimum(n_gt, C)
+    n_tie = tl.minimum(n_tie, C - n_gt)
     n = n_gt + n_tie
     j = tl.arange(0, C)
     keys = tl.load(buf + _slot(j, n_gt, C), mask=j < n, other=_EMPTY)
@@ -269,7 +274,7 @@ def _topk_rows_kernel(
     tl.store(tlp_ptr + row, lp_y)
 
 
-def _launch_sizes(V, k):
+def _launch_sizes(V, k, warps=_WARPS):
     """(BLOCK_V, SUB, G, C): SUB the ordered compaction's pieces, 4 classes a thread;
     G = 4k groups (k rounded up to a power of two) bound the k-th value closely at a
     top-K of G floats per row; C = 4k slots hold the classes at or above the bound (on
@@ -278,19 +283,20 @@ def _launch_sizes(V, k):
     little."""
     block_v = max(_block_v(V), 128)
     kk = max(triton.next_power_of_2(k), 32)
-    return block_v, min(block_v, 4 * _WARPS * 32), min(block_v, 4 * kk), 4 * kk
+    return block_v, min(block_v, 4 * warps * 32), min(block_v, 4 * kk), 4 * kk
 
 
 def triton_topk_rows(logits, target, inv_t, opts, math_dtype, shard=ONE_DEVICE,
-                     groups=None, slots=None):
-    """topk_rows (rowmath/topk.py) on the Triton kernel, one device: logits (n, V) with
+                     groups=None, slots=None, warps=(_WARPS, _WARPS)):
+    """topk_rows (rowmath/topk.py) on the Triton kernels, one device: logits (n, V) with
     unit stride along V, opts a TopKOptions; float32 math. groups, slots: G and C
-    (powers of two; tests force the bisection with small ones)."""
+    (powers of two; tests force the bisection with small ones); warps: the two
+    kernels'."""
     n, V = logits.shape
     k = opts.k
     assert math_dtype == torch.float32 and logits.stride(1) == 1 and shard.group is None
     assert 1 <= k <= V < 2 ** 31
-    block_v, sub, G, C = _launch_sizes(V, k)
+    block_v, sub, G, C = _launch_sizes(V, k, warps[1])
     G, C = groups or G, slots or C
     K = max(triton.next_power_of_2(k), 2)  # triton 3.6's tl.topk fails for K = 1
     assert K <= G <= block_v and C >= 2 * k - 1
@@ -307,10 +313,10 @@ def triton_topk_rows(logits, target, inv_t, opts, math_dtype, shard=ONE_DEVICE,
     _candidates_kernel[(n,)](
         logits, inv_t, buf, stats, count, V, k, *options, logits.stride(0),
         HAS_CAP=opts.softcap is not None, BLOCK_V=block_v, K=K, G=G, C=C,
-        num_warps=_WARPS)
+        num_warps=warps[0])
     _topk_rows_kernel[(n,)](
         logits, target_lp if target is None else target.contiguous(), inv_t, buf, stats,
         count, indices, logprobs, target_lp, V, k, opts.ignore_index, *options,
         logits.stride(0), HAS_TARGET=target is not None, HAS_CAP=opts.softcap is not None,
-        BLOCK_V=block_v, SUB=sub, C=C, RANKED=max(_RANKED // C, 1), num_warps=_WARPS)
+        BLOCK_V=block_v, SUB=sub, C=C, RANKED=max(_RANKED // C, 1), num_warps=warps[1])
     return indices, logprobs, target_lp

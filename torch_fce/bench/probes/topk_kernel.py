@@ -1,0 +1,75 @@
+"""Where the top-k row kernels' time goes (rowmath/triton/topk.py), and what their
+warps buy.
+
+On one logits chunk (4096 x 151936 from a bf16 GEMM, D 1536, temperature 0.7), bf16
+and float32 logits, k 8 / 50 / 128 / 256: each kernel's GPU time (profiler) at the
+launch in use, against one read of the chunk (z.amax), then the whole call at other
+(candidates kernel, ranking kernel) warps, its answer checked bitwise against the
+launch in use's.
+
+    python -m torch_fce.bench.probes.topk_kernel    # needs one CUDA GPU
+"""
+
+import torch
+import torch.nn.functional as F
+import triton
+from torch.profiler import ProfilerActivity, profile
+
+from torch_fce.bench.measure import median_time
+from torch_fce.ops.linear_topk_logprobs import TopKOptions
+from torch_fce.ops.rowmath.triton import topk
+
+N, D, V = 4096, 1536, 151936
+KS = (8, 50, 128, 256)
+WARPS = ((4, 8), (16, 8), (8, 4), (16, 4))  # (candidates, ranking); (8, 8) in use
+
+
+def _ms(fn):
+    return median_time(fn, "cuda", reps=10, warmup=2) * 1e3
+
+
+def _kernel_ms(call):
+    """GPU ms of each kernel one call queues."""
+    call()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        call()
+        torch.cuda.synchronize()
+    times = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            times[e.name[:30]] = times.get(e.name[:30], 0.0) + e.device_time / 1e3
+    return times
+
+
+def main():
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, "
+          f"triton {triton.__version__}; chunk {N} x {V}, D {D}")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    hidden = torch.randn(N, D, device="cuda", generator=gen).bfloat16()
+    weight = (torch.randn(V, D, device="cuda", generator=gen) * (2 / D ** 0.5)).bfloat16()
+    inv_t = torch.full((N,), 1 / 0.7, device="cuda")
+    for dtype in (torch.bfloat16, torch.float32):
+        z = F.linear(hidden, weight).to(dtype)
+        read = _ms(lambda: z.amax(-1))
+        print(f"{dtype} logits: one read {read:.3f} ms")
+        for k in KS:
+            opts = TopKOptions(k=k)
+
+            def call(warps=(topk._WARPS, topk._WARPS)):
+                return topk.triton_topk_rows(z, None, inv_t, opts, torch.float32,
+                                             warps=warps)
+
+            kernels = " ".join(f"{name} {ms:.3f}" for name, ms in _kernel_ms(call).items())
+            ref = call()
+            line = [f"k {k}: {_ms(call):.3f} ms ({kernels})"]
+            for warps in WARPS:
+                out = call(warps)
+                same = torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])
+                line.append(f"warps {warps} {_ms(lambda: call(warps)):.3f}"
+                            + ("" if same else " DIFFERS"))
+            print("  " + " | ".join(line))
+
+
+if __name__ == "__main__":
+    main()
