@@ -134,7 +134,7 @@ def fwd(hidden, weight, idx, probs, bias, token_weights_, temperature, *args, ba
         checks.check_temperature_values(temperature)
     N, mdt = hidden.shape[0], math_dtype_for(hidden.dtype)
     loss_t = hidden.new_empty(N, dtype=mdt)
-    sparse = backend.distill.sparse_for(shard)
+    sparse = backend.distill.on(shard).sparse
 
     @after_first_gemm
     def per_token():  # 1 / T, w_t

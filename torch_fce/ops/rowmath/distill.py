@@ -1,8 +1,8 @@
 """The distillation's row math (PyTorch, on every device): one chunk's divergence,
 student entropy, hard loss and the student's logits gradient from the student's and the
 teacher's logits (divergence_rows), and the losses over a few classes of each row
-(sparse_rows, below: the sparse divergence's and the cross entropy to sparse teacher
-targets, soft_ce_rows).
+(sparse_rows, below: the sparse-target cross entropy's, soft_ce_rows, and the sparse
+divergence's over a teacher's top-k, sparse_divergence_rows).
 
 With a_s = softcap(logit_scale * z_s), u_s = a_s / T (the teacher's alike), q =
 softmax(u_s), p = softmax(u_t) and TRL's generalized JSD convention:
@@ -44,16 +44,18 @@ class DistillRows(NamedTuple):
       divergence(z_s, z_t, target, valid, inv_t, weights, opts, math_dtype, dz_dtype,
                  want_grad) -> (loss_t, divergence, entropy, dz): divergence_rows'
       sparse(z, idx, inv_t, terms, math_dtype, dz_dtype, want_grad, logit_scale,
-             softcap) -> (out, dz): sparse_rows' (one device: a shard's run the PyTorch
-             rows, `sparse_for`)
-    each a RowMath."""
+             softcap) -> (out, dz): sparse_rows'
+      sparse_divergence(z, support, teacher, inv_t, weights, opts, math_dtype,
+                        dz_dtype, want_grad) -> (out, dz): sparse_divergence_rows'
+    each a RowMath; the sparse members on one device (`on`)."""
     divergence: RowMath
     sparse: RowMath
+    sparse_divergence: RowMath
 
-    def sparse_for(self, shard):
-        """The sparse rows for a vocabulary layout: the backend's on one device, the
-        PyTorch rows across a shard group (the kernels sweep whole rows)."""
-        return self.sparse if shard.group is None else TORCH_DISTILL_ROWS.sparse
+    def on(self, shard):
+        """The family for a vocabulary layout: the backend's on one device, the PyTorch
+        rows across a shard group (the kernels sweep whole rows)."""
+        return self if shard.group is None else TORCH_DISTILL_ROWS
 
 
 def capped(z, scale, cap, mdt):
@@ -212,5 +214,107 @@ def soft_ce_rows(z, idx, probs, inv_t, weights, opts, mdt, dz_dtype, want_grad,
     return loss_t, dz  # a token not counted has g = 0: dz exactly 0
 
 
+# ---- the sparse divergence over a teacher's top-k (linear_sparse_divergence) --------
+# Per token, with S the support's valid entries and s_j the student's full-vocabulary
+# log-softmax at j, both distributions made proper over the support as TRL 1.16's
+# server and async distillation trainers do (tail: a (K+1)-th bucket log(1 - sum_S
+# exp(.)); else each renormalised over S), then TRL's generalized JSD over it. The
+# formula is written once here, on the (n, K) log-probs (`_divergence`), and autograd
+# gives its derivative g; the Triton twin (rowmath/triton/distill.py) writes both by
+# hand in its row kernel and is tested against this.
+
+def sparse_entries(support, teacher, ignore_index):
+    """The support's valid entries: not ignore_index, a finite teacher log-prob."""
+    return (support != ignore_index) & (teacher > -math.inf)
+
+
+def _with_tail(lp, entries):
+    """TRL's _add_tail_bucket: (K+1) log-probs, the last log(1 - sum exp(lp)), the sum's
+    log clamped below -1e-7 (so the bucket stays finite), and its support mask."""
+    log_sum = torch.logsumexp(lp, dim=-1, keepdim=True).clamp(max=-1e-7)
+    tail = torch.log(-torch.expm1(log_sum))
+    return (torch.cat([lp, tail], dim=-1),
+            torch.cat([entries, torch.ones_like(entries[..., :1])], dim=-1))
+
+
+def _jsd(s, t, beta, support):
+    """TRL's _jsd_divergence with a support mask, per entry: beta 0 p (log p - log q), 1
+    q (log q - log p), between beta KL(p || m) + (1 - beta) KL(q || m), m = beta p +
+    (1 - beta) q (log m clamped at float's tiny); masked entries 0."""
+    s0, t0 = torch.where(support, s, 0.0), torch.where(support, t, 0.0)
+    q, p = torch.where(support, s.exp(), 0.0), torch.where(support, t.exp(), 0.0)
+    if beta == 0.0:
+        return torch.nan_to_num(p * (t0 - s0), nan=0.0)
+    if beta == 1.0:
+        return torch.nan_to_num(q * (s0 - t0), nan=0.0)
+    tiny = torch.finfo(s.dtype).tiny
+    m = torch.where(support, torch.log(((1 - beta) * q + beta * p).clamp_min(tiny)), 0.0)
+    return beta * torch.nan_to_num(p * (t0 - m), nan=0.0) + \
+        (1 - beta) * torch.nan_to_num(q * (s0 - m), nan=0.0)
+
+
+def _divergence(s, t, entries, opts):
+    """Each token's divergence (n,) from the student's and the teacher's log-probs at
+    the support (n, K), only valid entries read (every token has one)."""
+    neg_inf = torch.full((), -math.inf, dtype=s.dtype, device=s.device)
+    s, t = torch.where(entries, s, neg_inf), torch.where(entries, t, neg_inf)
+    if opts.tail:
+        (s, support), (t, _) = _with_tail(s, entries), _with_tail(t, entries)
+    else:
+        s = s - torch.logsumexp(s, dim=-1, keepdim=True)
+        t = t - torch.logsumexp(t, dim=-1, keepdim=True)
+        support = entries
+    return _jsd(s, t, opts.beta, support).sum(-1)
+
+
+def _sparse_terms(log_q, teacher, entries, weights, opts):
+    """(loss_t, g, divergence, mass) of a chunk, each (n,) but g (n, K): the weighted
+    loss term, its derivative w.r.t. the student's support log-probs, the divergence and
+    the student's mass on the support, 0 at tokens not counted. Autograd differentiates
+    `_divergence` on these (n, K) tensors below the op's own autograd
+    (inference_mode(False) lifts the dispatcher's exclusion of the autograd keys; the
+    tensors entering the small graph are cloned)."""
+    counted = entries.any(-1)
+    # a token without valid entries reads one dummy entry (its results are zeroed)
+    first = torch.zeros_like(entries)
+    first[:, :1] = True
+    safe = torch.where(counted[:, None], entries, first)
+    mdt = log_q.dtype
+    with torch.inference_mode(False), torch.enable_grad():
+        s = log_q.clone().requires_grad_()
+        t = torch.where(safe & ~entries, 0.0, teacher.to(mdt)).clone()
+        div = _divergence(s, t, safe, opts)
+        w = torch.where(counted, weights.to(mdt), 0.0).clone()
+        loss_t = w * torch.where(counted, div, 0.0)
+        g, = torch.autograd.grad(loss_t.sum(), s)
+    zero = torch.zeros_like(w)
+    mass = torch.where(entries, log_q.exp(), 0.0).sum(-1)
+    return (loss_t.detach(), torch.where(entries, g, 0.0),
+            torch.where(counted, div.detach(), zero), torch.where(counted, mass, zero))
+
+
+def sparse_divergence_rows(z, support, teacher, inv_t, weights, opts, mdt, dz_dtype,
+                           want_grad, shard=ONE_DEVICE):
+    """((loss_t, divergence, student_mass, entropy), dz) of a chunk's sparse divergence:
+    z (n, V) the logits (a vocabulary shard's: as sparse_rows'), support and teacher
+    (n, K) the teacher's classes and log-probs, inv_t, weights (n,) 1 / T and w_t; opts
+    a SparseDivOptions. The results are 0 at a token without valid entries, and dz
+    exactly 0 there; a valid entry outside [0, V) makes its token's results NaN
+    (nothing is read out of bounds). Overwrites z where it can."""
+    V = z.shape[1] if shard.group is None else shard.vocab_size
+    entries = sparse_entries(support, teacher, opts.ignore_index)
+    bad = entries & ((support < 0) | (support >= V))
+    safe = torch.where(entries & ~bad, support, 0).long()
+
+    def terms(log_q):
+        return _sparse_terms(torch.where(bad, math.nan, log_q), teacher, entries, weights,
+                             opts)
+
+    (loss_t, div, mass, ent), dz = sparse_rows(
+        z, safe, inv_t, terms, mdt, dz_dtype, want_grad, opts.logit_scale, opts.softcap,
+        entropy=True, shard=shard)
+    return (loss_t, div, mass, torch.where(entries.any(-1), ent, 0.0)), dz
+
 TORCH_DISTILL_ROWS = DistillRows(RowMath(divergence_rows, temporaries=6),
-                                 RowMath(sparse_rows, temporaries=2))
+                                 RowMath(sparse_rows, temporaries=2),
+                                 RowMath(sparse_divergence_rows, temporaries=2))

@@ -9,12 +9,15 @@ each class's log q and log p exactly, summing the divergence, the entropy and (b
 sum) and in a third sweep otherwise (q (g - G) needs G). So a chunk's two logits are
 read two or three times and the gradient written once, in the inputs' dtype.
 
-The losses over a few classes of each row (the sparse divergence, the sparse-target
-cross entropy) sweep a row twice, in two kernels: the first forms its logsumexp at T
-(and the entropy, when asked); the loss terms and their derivative g on the support
-follow from the gathered support logits; the second writes dz's softmax part, -sum(g) q
-/ T; the support classes' exact values (that plus their g / T) are then written over
-theirs, each rounded once.
+The losses over a few classes of each row sweep a row twice: the first sweep forms its
+logsumexp at T (and the entropy); the loss terms and their derivative g on the support
+follow from the gathered support logits; the second sweep writes dz's softmax part,
+-sum(g) q / T; the support classes' exact values (that plus their g / T) are then
+written over theirs, each rounded once. The sparse-target cross entropy runs them as two
+kernels with its terms in PyTorch between (triton_sparse_rows); the sparse divergence in
+one kernel with its terms written out (its per-chunk PyTorch math on (n, K) tensors
+left an H200 waiting on the host: 46-65 ms a step at 16384 x 1024 x 151936 against 31-32
+ms with 4x larger chunks).
 """
 
 import math
@@ -203,16 +206,12 @@ def _distill_rows_kernel(
 
 
 @triton.jit
-def _sparse_stats_kernel(z_ptr, inv_t_ptr, m_ptr, ls_ptr, ent_ptr, V, stride_z, scale, cap,
-                         HAS_CAP: tl.constexpr, ENTROPY: tl.constexpr, BLOCK_V: tl.constexpr):
-    """Logits rows (n, V) -> m, log s (n,) of u = softcap(scale z) / T (lse = m +
-    log s) and, with ENTROPY, -sum q log q = log s - t / s, t = sum e (u - m) and e =
-    exp(u - m) (both rescaled as the max moves: t' = r (t + (m - m') s), r = exp(m -
-    m'))."""
-    row = tl.program_id(0).to(tl.int64)
-    z_row = z_ptr + row * stride_z
+def _row_lse(z_row, V, inv_t, scale, cap, HAS_CAP: tl.constexpr, ENTROPY: tl.constexpr,
+             BLOCK_V: tl.constexpr):
+    """(m, log s, entropy) of a logits row: u = softcap(scale z) / T, lse = m + log s,
+    and with ENTROPY -sum q log q = log s - t / s, t = sum e (u - m) and e = exp(u - m)
+    (both rescaled as the max moves: t' = r (t + (m - m') s), r = exp(m - m')); else 0."""
     cols = tl.arange(0, BLOCK_V)
-    inv_t = tl.load(inv_t_ptr + row)
     m, s = _start(BLOCK_V)
     t = s
     for v0 in range(0, V, BLOCK_V):
@@ -229,25 +228,28 @@ def _sparse_stats_kernel(z_ptr, inv_t_ptr, m_ptr, ls_ptr, ent_ptr, V, stride_z, 
         else:
             m, s = _online(m, s, u)
     ls = tl.log(s)
-    tl.store(m_ptr + row, m)
-    tl.store(ls_ptr + row, ls)
-    if ENTROPY:
-        tl.store(ent_ptr + row, ls - t / s)
+    return m, ls, ls - t / s
 
 
 @triton.jit
-def _sparse_grad_kernel(z_ptr, dz_ptr, inv_t_ptr, m_ptr, ls_ptr, coef_ptr, V, stride_z,
-                        stride_d, scale, cap, HAS_CAP: tl.constexpr, BLOCK_V: tl.constexpr):
-    """dz = c softmax(u) d a / d z / scale over logits rows (n, V), c (n,) the row's
-    coefficient -sum(g) scale / T (exactly 0 where c is); the support classes' values
-    are written over these afterwards."""
+def _sparse_stats_kernel(z_ptr, inv_t_ptr, m_ptr, ls_ptr, ent_ptr, V, stride_z, scale, cap,
+                         HAS_CAP: tl.constexpr, ENTROPY: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Logits rows (n, V) -> m, log s (n,) and, with ENTROPY, the entropy (_row_lse)."""
     row = tl.program_id(0).to(tl.int64)
-    z_row = z_ptr + row * stride_z
+    m, ls, ent = _row_lse(z_ptr + row * stride_z, V, tl.load(inv_t_ptr + row), scale, cap,
+                          HAS_CAP, ENTROPY, BLOCK_V)
+    tl.store(m_ptr + row, m)
+    tl.store(ls_ptr + row, ls)
+    if ENTROPY:
+        tl.store(ent_ptr + row, ent)
+
+
+@triton.jit
+def _softmax_sweep(z_row, dz_row, V, inv_t, m, ls, c, scale, cap, HAS_CAP: tl.constexpr,
+                   BLOCK_V: tl.constexpr):
+    """Writes dz = c softmax(u) d a / d z / scale over a logits row, c the row's
+    coefficient (exactly 0 where c is)."""
     cols = tl.arange(0, BLOCK_V)
-    inv_t = tl.load(inv_t_ptr + row)
-    m = tl.load(m_ptr + row)
-    ls = tl.load(ls_ptr + row)
-    c = tl.load(coef_ptr + row)
     for v0 in range(0, V, BLOCK_V):
         offs = v0 + cols
         mask = offs < V
@@ -257,7 +259,18 @@ def _sparse_grad_kernel(z_ptr, dz_ptr, inv_t_ptr, m_ptr, ls_ptr, coef_ptr, V, st
             th = a / cap
             d *= 1.0 - th * th
         d = tl.where(c != 0.0, d, 0.0)
-        tl.store(dz_ptr + row * stride_d + offs, d.to(dz_ptr.dtype.element_ty), mask=mask)
+        tl.store(dz_row + offs, d.to(dz_row.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _sparse_grad_kernel(z_ptr, dz_ptr, inv_t_ptr, m_ptr, ls_ptr, coef_ptr, V, stride_z,
+                        stride_d, scale, cap, HAS_CAP: tl.constexpr, BLOCK_V: tl.constexpr):
+    """_softmax_sweep over logits rows (n, V), c (n,) the row's coefficient -sum(g)
+    scale / T; the support classes' values are written over these afterwards."""
+    row = tl.program_id(0).to(tl.int64)
+    _softmax_sweep(z_ptr + row * stride_z, dz_ptr + row * stride_d, V,
+                   tl.load(inv_t_ptr + row), tl.load(m_ptr + row), tl.load(ls_ptr + row),
+                   tl.load(coef_ptr + row), scale, cap, HAS_CAP, BLOCK_V)
 
 
 def _class_sums(idx, g):
@@ -307,6 +320,184 @@ def triton_sparse_rows(z, idx, inv_t, terms, mdt, dz_dtype, want_grad, logit_sca
     return (loss_t, *stats), dz.scatter_(1, idx, exact.to(dz.dtype))
 
 
+_TAIL_MAX = tl.constexpr(-1e-7)  # TRL's clamp of the support's log-mass (the tail bucket)
+_TINY = tl.constexpr(1.1754943508222875e-38)  # float32's tiny: the mixture's log clamp
+_FMAX = tl.constexpr(3.4028234663852886e38)
+
+
+@triton.jit
+def _expm1(x):
+    """exp(x) - 1 without exp's cancellation near 0: the Taylor series below |x| = 0.3
+    (exact to float32 rounding there)."""
+    small = x * (1.0 + x * (0.5 + x * (1.0 / 6.0 + x * (1.0 / 24.0 + x * (1.0 / 120.0 + x * (
+        1.0 / 720.0 + x * (1.0 / 5040.0 + x / 40320.0)))))))
+    return tl.where(tl.abs(x) < 0.3, small, tl.exp(x) - 1.0)
+
+
+@triton.jit
+def _masked_lse(x, mask):
+    """torch.logsumexp of x's entries under mask: -inf over none, NaN if one is NaN."""
+    mx = tl.max(tl.where(mask, x, float("-inf")), axis=0)
+    mx = tl.where(tl.abs(mx) == float("inf"), 0.0, mx)
+    return mx + tl.log(tl.sum(tl.where(mask, tl.exp(x - mx), 0.0), axis=0))
+
+
+@triton.jit
+def _finite(x):
+    return (x == x) & (tl.abs(x) < float("inf"))
+
+
+@triton.jit
+def _nan_to_num(x):
+    """torch.nan_to_num(x, nan=0.0): NaN 0, +-inf float32's largest."""
+    return tl.where(x == x, tl.minimum(tl.maximum(x, -_FMAX), _FMAX), 0.0)
+
+
+@triton.jit
+def _jsd_entry(sh, th, beta, one_m_beta, KIND: tl.constexpr):
+    """(term, d term / d sh) of distill._jsd at entries (or the tail bucket) of the
+    student's and teacher's log-probs sh, th, with the derivative autograd forms
+    (nan_to_num's: 0 where its argument is not finite; the clamp's: 0 below tiny)."""
+    q = tl.exp(sh)
+    p = tl.exp(th)
+    if KIND == 0:
+        x = p * (th - sh)
+        return _nan_to_num(x), tl.where(_finite(x), -p, 0.0)
+    elif KIND == 1:
+        x = q * (sh - th)
+        return _nan_to_num(x), tl.where(_finite(x), x + q, 0.0)
+    else:
+        mix = one_m_beta * q + beta * p
+        mc = tl.where(mix < _TINY, _TINY, mix)  # clamp_min's: NaN stays NaN
+        lm = tl.log(mc)
+        dlm = tl.where(mix >= _TINY, one_m_beta * q / mc, 0.0)  # d log m / d sh
+        xa = p * (th - lm)
+        xb = q * (sh - lm)
+        term = beta * _nan_to_num(xa) + one_m_beta * _nan_to_num(xb)
+        d = beta * tl.where(_finite(xa), -p * dlm, 0.0) + \
+            one_m_beta * tl.where(_finite(xb), xb + q - q * dlm, 0.0)
+        return term, d
+
+
+@triton.jit
+def _support_block(support_ptr, teacher_ptr, row, K, ks, V, ignore_index):
+    """(entries, bad, safe, teacher) of a row's support entries ks: the valid ones
+    (distill.sparse_entries), the valid ones outside [0, V), the classes safe to read
+    (0 for both others) and the teacher's log-probs in float32."""
+    kmask = ks < K
+    sup = tl.load(support_ptr + row * K + ks, mask=kmask, other=0).to(tl.int64)
+    tch = tl.load(teacher_ptr + row * K + ks, mask=kmask, other=float("-inf")).to(tl.float32)
+    entries = kmask & (sup != ignore_index) & (tch > float("-inf"))
+    bad = entries & ((sup < 0) | (sup >= V))
+    return entries, bad, tl.where(entries & ~bad, sup, 0), tch
+
+
+@triton.jit
+def _sparse_divergence_kernel(
+    # pointers
+    z_ptr, dz_ptr, support_ptr, teacher_ptr, inv_t_ptr, w_ptr, out_ptr, g_ptr,
+    # sizes and options
+    n, V, K, ignore_index, beta, one_m_beta, scale, cap,
+    # strides
+    stride_z, stride_d,
+    # meta-parameters
+    KIND: tl.constexpr, TAIL: tl.constexpr, HAS_GRAD: tl.constexpr, HAS_CAP: tl.constexpr,
+    BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr,
+):
+    """distill.sparse_divergence_rows of logits rows (n, V), one program a row: the
+    logsumexp sweep, the support's log-probs gathered, the divergence and its
+    derivative g on them (as autograd forms _divergence's), then the softmax sweep of
+    dz and the support classes' exact values over theirs (g summed over duplicate
+    classes through the row's g scratch). out (4, n): loss_t, divergence, mass,
+    entropy."""
+    row = tl.program_id(0).to(tl.int64)  # int64: row * stride passes 2^31
+    z_row = z_ptr + row * stride_z
+    inv_t = tl.load(inv_t_ptr + row)
+    m, ls, ent = _row_lse(z_row, V, inv_t, scale, cap, HAS_CAP, True, BLOCK_V)
+
+    ks = tl.arange(0, BLOCK_K)
+    entries, bad, safe, tch = _support_block(support_ptr, teacher_ptr, row, K, ks, V,
+                                             ignore_index)
+    a_k = _load_a(z_row + safe, ks < K, scale, cap, HAS_CAP)
+    log_q = (a_k * inv_t - m) - ls  # relative to the max
+    counted = tl.sum(entries.to(tl.int32), axis=0) > 0
+    w = tl.where(counted, tl.load(w_ptr + row), 0.0)
+    s = tl.where(entries, tl.where(bad, float("nan"), log_q), float("-inf"))
+    t = tl.where(entries, tch, float("-inf"))
+    lse_s = _masked_lse(s, entries)
+    sig = tl.where(entries, tl.exp(s - lse_s), 0.0)  # d lse_s / d s
+    if TAIL:
+        # the (K+1)-th bucket log(1 - sum exp), its log-sum clamped below -1e-7 (the
+        # clamp as torch's: NaN stays NaN; its derivative 0 above)
+        l_s = tl.where(lse_s > _TAIL_MAX, _TAIL_MAX, lse_s)
+        lse_t = _masked_lse(t, entries)
+        l_t = tl.where(lse_t > _TAIL_MAX, _TAIL_MAX, lse_t)
+        em_s = _expm1(l_s)
+        term, d = _jsd_entry(s, t, beta, one_m_beta, KIND)
+        term_b, d_b = _jsd_entry(tl.log(-em_s), tl.log(-_expm1(l_t)), beta, one_m_beta,
+                                 KIND)
+        div = tl.sum(tl.where(entries, term, 0.0), axis=0) + term_b
+        d_l = tl.where(lse_s <= _TAIL_MAX, d_b * (em_s + 1.0) / em_s, 0.0)
+        g = d + d_l * sig
+    else:  # each renormalised over the support
+        term, d = _jsd_entry(s - lse_s, t - _masked_lse(t, entries), beta, one_m_beta, KIND)
+        div = tl.sum(tl.where(entries, term, 0.0), axis=0)
+        g = d - sig * tl.sum(tl.where(entries, d, 0.0), axis=0)
+    g = tl.where(entries & counted, w * g, 0.0)
+    mass = tl.sum(tl.where(entries, tl.exp(tl.where(bad, float("nan"), log_q)), 0.0), axis=0)
+    tl.store(out_ptr + row, tl.where(counted, w * div, 0.0))
+    tl.store(out_ptr + n + row, tl.where(counted, div, 0.0))
+    tl.store(out_ptr + 2 * n + row, tl.where(counted, mass, 0.0))
+    tl.store(out_ptr + 3 * n + row, tl.where(counted, ent, 0.0))
+
+    if HAS_GRAD:
+        c = inv_t * scale  # d u / d (scale z), times scale
+        coef = -tl.sum(g, axis=0) * c
+        dz_row = dz_ptr + row * stride_d
+        _softmax_sweep(z_row, dz_row, V, inv_t, m, ls, coef, scale, cap, HAS_CAP, BLOCK_V)
+        g_row = g_ptr + row * BLOCK_K
+        tl.store(g_row + ks, g)
+        tl.debug_barrier()  # the sweep's and the scratch's stores before the reads below
+        sums = tl.zeros([BLOCK_K], tl.float32)  # g summed over the entries of each class
+        for j0 in range(0, BLOCK_K, SUB_K):
+            jj = j0 + tl.arange(0, SUB_K)
+            _, _, safe_j, _ = _support_block(support_ptr, teacher_ptr, row, K, jj, V,
+                                             ignore_index)
+            g_j = tl.load(g_row + jj)
+            sums += tl.sum(tl.where(safe[:, None] == safe_j[None, :], g_j[None, :], 0.0),
+                           axis=1)
+        exact = coef * tl.exp(log_q) + c * sums
+        if HAS_CAP:
+            th = a_k / cap
+            exact *= 1.0 - th * th
+        # a row whose g is all 0 (a token not counted): exactly 0, as its sweep wrote
+        exact = tl.where(tl.sum((g != 0.0).to(tl.int32), axis=0) == 0, 0.0, exact)
+        tl.store(dz_row + safe, exact.to(dz_row.dtype.element_ty), mask=ks < K)
+
+
+def triton_sparse_divergence_rows(z, support, teacher, inv_t, weights, opts, mdt, dz_dtype,
+                                  want_grad, shard=ONE_DEVICE):
+    """distill.sparse_divergence_rows in one Triton kernel (one device; the formula and
+    its derivative written by hand, as distill._divergence and autograd form them)."""
+    n, V = z.shape
+    assert mdt == torch.float32 and z.stride(1) == 1 and shard.group is None
+    K = support.shape[1]
+    block_k = triton.next_power_of_2(max(K, 1))
+    out = z.new_empty((4, n), dtype=torch.float32)
+    dz = dz_buffer(z, dz_dtype) if want_grad else z
+    g = z.new_empty((n, block_k), dtype=torch.float32) if want_grad else out
+    beta = float(opts.beta)
+    if n:
+        _sparse_divergence_kernel[(n,)](
+            z, dz, support.contiguous(), teacher.contiguous(), inv_t.float().contiguous(),
+            weights.float().contiguous(), out, g, n, V, K, opts.ignore_index, beta,
+            1.0 - beta, float(opts.logit_scale), float(opts.softcap or 1.0), z.stride(0),
+            dz.stride(0), KIND=0 if beta == 0.0 else 1 if beta == 1.0 else 2,
+            TAIL=bool(opts.tail), HAS_GRAD=want_grad, HAS_CAP=opts.softcap is not None,
+            BLOCK_V=_block_v(V), BLOCK_K=block_k, SUB_K=min(block_k, 16), num_warps=_WARPS)
+    return tuple(out), dz if want_grad else None
+
+
 def triton_divergence_rows(z_s, z_t, target, valid, inv_t, weights, opts, mdt, dz_dtype,
                            want_grad):
     """distill.divergence_rows on the Triton kernel (valid is read from target)."""
@@ -331,4 +522,5 @@ def triton_divergence_rows(z_s, z_t, target, valid, inv_t, weights, opts, mdt, d
 
 
 TRITON_DISTILL_ROWS = DistillRows(RowMath(triton_divergence_rows, temporaries=0),
-                                  RowMath(triton_sparse_rows, temporaries=0))
+                                  RowMath(triton_sparse_rows, temporaries=0),
+                                  RowMath(triton_sparse_divergence_rows, temporaries=0))
