@@ -82,7 +82,8 @@ class TruncationRows(NamedTuple):
       grad(logits, target, inv_t, opts, g_lp, g_h, row_stats, math_dtype, col0,
            dz_dtype) -> dz of the classes [col0, col0 + cols) from the forward's
           row_stats (n, ROW_STATS), as LogProbRows.grad's over K
-      per_logit: the chunk's bytes per logit beyond the logits and dz"""
+      per_logit: the chunk's bytes per logit beyond the logits and a dz written over
+          them (a dz buffer of its own, for logits wider than dz, is counted apart)"""
     candidates: Callable
     grad: Callable
     per_logit: int
@@ -129,8 +130,9 @@ def torch_kept_grad(logits, target, inv_t, opts, g_lp, g_h, row_stats, math_dtyp
                        col0)
 
 
-# the processed logits' copy and a few float32 / bool temporaries of the chunk's shape
-TORCH_TRUNCATION_ROWS = TruncationRows(torch_candidates, torch_kept_grad, 12)
+# the processed logits' copy, a few float32 / bool temporaries of the chunk's shape and
+# dz (never written over the logits here)
+TORCH_TRUNCATION_ROWS = TruncationRows(torch_candidates, torch_kept_grad, 16)
 
 
 def rows_for(backend, opts, shard, vocab_size):
@@ -196,10 +198,11 @@ def kept_stats(rows, logits, target, inv_t, opts, math_dtype, shard=ONE_DEVICE):
 
 def per_logit(rows, logits_dtype, dz_dtype, opts, vocab_size):
     """The chunk's bytes per logit under the truncation rows `rows` (chunk_rows_for's
-    per_logit; None without a truncation, the loop's own): the logits, dz, the rows'
-    temporaries, and the whole row's sort (values, classes, the sort's own) where the
-    candidates are that."""
+    per_logit; None without a truncation, the loop's own): the logits, dz where it has
+    a buffer of its own (logits wider than dz), the rows' temporaries, and the whole
+    row's sort (values, classes, the sort's own) where the candidates are that."""
     if rows is None:
         return None
     sort = 24 if whole_row_sort(opts, vocab_size) else 0
-    return logits_dtype.itemsize + dz_dtype.itemsize + rows.per_logit + sort
+    own_dz = dz_dtype.itemsize if logits_dtype != dz_dtype else 0
+    return logits_dtype.itemsize + own_dz + rows.per_logit + sort
