@@ -114,6 +114,29 @@ def test_triton_rows_match_the_float64_composition(p, rows, logits_dtype):
         assert (a.double() - r.detach()).norm() <= 2e-5 * (r.norm() + scale * 1e-2), name
 
 
+@pytest.mark.parametrize("tail, beta", [(False, 0.0), (True, 0.5), (True, 1.0)])
+def test_triton_rows_sum_a_class_over_blocks_of_a_wide_support(tail, beta):
+    # K = 40: the row kernel sums g over a class's entries 16 entries at a time, and here
+    # every class recurs in each block (entries j, j + 13, j + 26, j + 39 the same class)
+    g = torch.Generator().manual_seed(3)
+    h = torch.randn(6, 5, generator=g).to(DEVICE)
+    w = torch.randn(53, 5, generator=g).to(DEVICE)
+    support = torch.randint(0, 53, (6, 13), generator=g).repeat(1, 4)[:, :40].to(DEVICE)
+    lp = (torch.randn(6, 40, generator=g).log_softmax(-1) - 0.2).to(DEVICE)
+    lp[:, 5] = float("-inf")  # an invalid entry among them
+    T = torch.full((6,), 0.8, device=DEVICE)
+    rec = room.SparseDivOptions(beta=beta, tail=tail, softcap=4.0)
+    loss, gh, gw, _, *stats = room.fwd(h, w, support, lp, None, None, T, *rec, *ONE_DEVICE,
+                                       [True, True, False], backend=TRITON)
+    leaves = [h.double().requires_grad_(), w.double().requires_grad_()]
+    want = reference(*leaves, support, lp.double(), temperature=0.8, tail=tail, beta=beta,
+                     softcap=4.0)
+    grads = torch.autograd.grad(want[0], leaves)
+    for name, a, r in zip(("loss", "divergence", "mass", "entropy", "hidden", "weight"),
+                          (loss, *stats, gh, gw), (*want, *grads)):
+        assert (a.double() - r.detach()).norm() <= 1e-5 * (r.norm() + 1e-3), name
+
+
 @pytest.mark.parametrize("rows", ["torch_rows", "triton_rows"])
 @pytest.mark.parametrize("softcap", [None, 3.0])
 def test_a_token_not_counted_with_non_finite_logits_gives_zero_gradient(rows, softcap):

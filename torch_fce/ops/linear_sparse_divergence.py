@@ -16,8 +16,9 @@ made proper over the support, as TRL 1.16's server and async distillation traine
 then TRL's generalized JSD over that support (_jsd_divergence: beta 0 KL(teacher ||
 student), 1 KL(student || teacher), between the mixture form). loss = sum_t w_t
 div_t. The row math forms the logits gradient in the same pass: three GEMMs, the
-gradients formed in the forward. Beside the divergence and the student's mass on the support, the
-rows give the student's whole-distribution entropy (TRL's async trainer logs it).
+gradients formed in the forward. Beside the divergence and the student's mass on the
+support, the rows give the student's whole-distribution entropy (TRL's async trainer
+logs it).
 """
 
 import collections

@@ -315,6 +315,7 @@ def sparse_divergence_rows(z, support, teacher, inv_t, weights, opts, mdt, dz_dt
         entropy=True, shard=shard)
     return (loss_t, div, mass, torch.where(entries.any(-1), ent, 0.0)), dz
 
+
 TORCH_DISTILL_ROWS = DistillRows(RowMath(divergence_rows, temporaries=6),
                                  RowMath(sparse_rows, temporaries=2),
                                  RowMath(sparse_divergence_rows, temporaries=2))
