@@ -111,13 +111,19 @@ def chunk_rows_for(hidden, weight, shard=ONE_DEVICE, logits_dtype=None, log_prob
     scale: the op's CUDA default workspace as a multiple of the loop's."""
     V = weight.shape[0] if shard.group is None else -(-shard.vocab_size // shard.world_size)
     N, D = hidden.shape
-    if per_logit is None and logits_dtype is not None and logits_dtype != hidden.dtype:
-        per_logit = logits_dtype.itemsize + hidden.dtype.itemsize
+    if per_logit is None and logits_dtype is not None:
+        per_logit = logits_bytes(logits_dtype, hidden.dtype)
     held = None
     if log_prob_tiles is not None:  # float32 sums beyond the gradient of their shape
         held = (N if log_prob_tiles else V) * D * (4 - min(4, hidden.dtype.itemsize))
     return _workspace_rows(N, max(1, V), D, hidden.dtype, hidden.device, per_logit, held,
                            scale)
+
+
+def logits_bytes(logits_dtype, dz_dtype):
+    """A chunk's bytes per logit for the logits and their gradient dz: dz is written
+    over logits of its dtype, and has a buffer of its own beside wider ones."""
+    return logits_dtype.itemsize + (dz_dtype.itemsize if logits_dtype != dz_dtype else 0)
 
 
 def run_chunks(hidden, weight, bias, row_fn, outputs, needs_grad, accumulator, chunk_rows,

@@ -21,7 +21,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from ..loop.chunked import ONE_DEVICE, math_dtype_for
+from ..loop.chunked import ONE_DEVICE, logits_bytes, math_dtype_for
 from .ce import row_sum
 
 
@@ -35,8 +35,8 @@ class RowMath(NamedTuple):
     def per_logit(self, logits_dtype, dtype):
         """A chunk's bytes per logit: the logits, the temporaries and dz (in the inputs'
         dtype) where it has a buffer of its own (logits wider than the inputs)."""
-        return logits_dtype.itemsize + self.temporaries * math_dtype_for(dtype).itemsize + \
-            (dtype.itemsize if logits_dtype != dtype else 0)
+        return logits_bytes(logits_dtype, dtype) + \
+            self.temporaries * math_dtype_for(dtype).itemsize
 
 
 class DistillRows(NamedTuple):

@@ -29,7 +29,7 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
-from ..loop.chunked import ONE_DEVICE
+from ..loop.chunked import ONE_DEVICE, logits_bytes
 from .ce import row_sum, softcapped
 from .logprob import logits_grad
 from .topk import at_classes, topk_rows
@@ -204,5 +204,4 @@ def per_logit(rows, logits_dtype, dz_dtype, opts, vocab_size):
     if rows is None:
         return None
     sort = 24 if whole_row_sort(opts, vocab_size) else 0
-    own_dz = dz_dtype.itemsize if logits_dtype != dz_dtype else 0
-    return logits_dtype.itemsize + own_dz + rows.per_logit + sort
+    return logits_bytes(logits_dtype, dz_dtype) + rows.per_logit + sort
