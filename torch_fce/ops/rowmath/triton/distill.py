@@ -10,14 +10,14 @@ sum) and in a third sweep otherwise (q (g - G) needs G). So a chunk's two logits
 read two or three times and the gradient written once, in the inputs' dtype.
 
 The losses over a few classes of each row sweep a row twice: the first sweep forms its
-logsumexp at T (and the entropy); the loss terms and their derivative g on the support
-follow from the gathered support logits; the second sweep writes dz's softmax part,
--sum(g) q / T; the support classes' exact values (that plus their g / T) are then
-written over theirs, each rounded once. The sparse-target cross entropy runs them as two
-kernels with its terms in PyTorch between (triton_sparse_rows); the sparse divergence in
-one kernel with its terms written out (its per-chunk PyTorch math on (n, K) tensors
-left an H200 waiting on the host: 46-65 ms a step at 16384 x 1024 x 151936 against 31-32
-ms with 4x larger chunks).
+logsumexp at T (the sparse divergence: and the entropy); the loss terms and their
+derivative g on the support follow from the gathered support logits; the second sweep
+writes dz's softmax part, -sum(g) q / T; the support classes' exact values (that plus
+their g / T) are then written over theirs, each rounded once. The sparse-target cross
+entropy runs them as two kernels with its terms in PyTorch between (triton_sparse_rows);
+the sparse divergence in one kernel with its terms written out (its per-chunk PyTorch
+math on (n, K) tensors left an H200 waiting on the host: 46-65 ms a step at 16384 x 1024
+x 151936 against 31-32 ms with 4x larger chunks).
 """
 
 import math
@@ -232,16 +232,14 @@ def _row_lse(z_row, V, inv_t, scale, cap, HAS_CAP: tl.constexpr, ENTROPY: tl.con
 
 
 @triton.jit
-def _sparse_stats_kernel(z_ptr, inv_t_ptr, m_ptr, ls_ptr, ent_ptr, V, stride_z, scale, cap,
-                         HAS_CAP: tl.constexpr, ENTROPY: tl.constexpr, BLOCK_V: tl.constexpr):
-    """Logits rows (n, V) -> m, log s (n,) and, with ENTROPY, the entropy (_row_lse)."""
+def _sparse_stats_kernel(z_ptr, inv_t_ptr, m_ptr, ls_ptr, V, stride_z, scale, cap,
+                         HAS_CAP: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Logits rows (n, V) -> m, log s (n,) (_row_lse)."""
     row = tl.program_id(0).to(tl.int64)
-    m, ls, ent = _row_lse(z_ptr + row * stride_z, V, tl.load(inv_t_ptr + row), scale, cap,
-                          HAS_CAP, ENTROPY, BLOCK_V)
+    m, ls, _ = _row_lse(z_ptr + row * stride_z, V, tl.load(inv_t_ptr + row), scale, cap,
+                        HAS_CAP, False, BLOCK_V)
     tl.store(m_ptr + row, m)
     tl.store(ls_ptr + row, ls)
-    if ENTROPY:
-        tl.store(ent_ptr + row, ent)
 
 
 @triton.jit
@@ -287,7 +285,7 @@ def _class_sums(idx, g):
 
 
 def triton_sparse_rows(z, idx, inv_t, terms, mdt, dz_dtype, want_grad, logit_scale=1.0,
-                       softcap=None, entropy=False, shard=ONE_DEVICE):
+                       softcap=None, shard=ONE_DEVICE):
     """distill.sparse_rows on the Triton kernels (one device): a sweep for each row's
     logsumexp, terms on the support's log-probs (from its gathered logits), a sweep
     writing the softmax part of dz, then the support classes' exact values over theirs
@@ -297,14 +295,12 @@ def triton_sparse_rows(z, idx, inv_t, terms, mdt, dz_dtype, want_grad, logit_sca
     inv_t = inv_t.float().contiguous()
     # the support's a = softcap(scale z), gathered before dz may be written over z
     a_k, da_k = capped(z.gather(1, idx), logit_scale, softcap, mdt)
-    m, ls, ent = (z.new_empty(n, dtype=torch.float32) for _ in range(3))
+    m, ls = (z.new_empty(n, dtype=torch.float32) for _ in range(2))
     flags = dict(HAS_CAP=softcap is not None, BLOCK_V=_block_v(V), num_warps=_WARPS)
     scale, cap = float(logit_scale), float(softcap or 1.0)
-    _sparse_stats_kernel[(n,)](z, inv_t, m, ls, ent, V, z.stride(0), scale, cap,
-                               ENTROPY=entropy, **flags)
+    _sparse_stats_kernel[(n,)](z, inv_t, m, ls, V, z.stride(0), scale, cap, **flags)
     log_q = (a_k * inv_t[:, None] - m[:, None]) - ls[:, None]  # relative to the max
     loss_t, g, *stats = terms(log_q)
-    stats += [ent] if entropy else []
     if not want_grad:
         return (loss_t, *stats), None
     c = inv_t[:, None] * logit_scale  # d u / d (logit_scale z), times logit_scale
