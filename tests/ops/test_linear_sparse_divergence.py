@@ -138,6 +138,35 @@ def test_triton_rows_sum_a_class_over_blocks_of_a_wide_support(tail, beta):
 
 
 @pytest.mark.parametrize("rows", ["torch_rows", "triton_rows"])
+@pytest.mark.parametrize("tail, beta", [(False, 0.0), (True, 0.5), (False, 1.0)])
+def test_an_entry_outside_the_vocabulary_makes_its_tokens_loss_nan(rows, tail, beta):
+    # without the value checks (CUDA's default): that token's loss, divergence and
+    # gradient NaN, as docs/api.md says, nothing read out of bounds; the others as
+    # without it
+    g = torch.Generator().manual_seed(4)
+    h = torch.randn(4, 6, generator=g).to(DEVICE)
+    w = torch.randn(17, 6, generator=g).to(DEVICE)
+    support = torch.randint(0, 17, (4, 3), generator=g).to(DEVICE)
+    lp = (torch.randn(4, 3, generator=g).log_softmax(-1) - 0.2).to(DEVICE)
+    rec = room.SparseDivOptions(beta=beta, tail=tail)
+    backend = helpers.BACKENDS[rows]._replace(check_values=False)
+
+    def run(support):
+        return room.fwd(h, w, support, lp, None, torch.ones(4, device=DEVICE) / 4,
+                        torch.ones(4, device=DEVICE), *rec, *ONE_DEVICE,
+                        [True, True, False], backend=backend)
+
+    clean = run(support)
+    bad = support.clone()
+    bad[1, 2] = 17
+    got = run(bad)
+    assert got[0].isnan() and got[4][1].isnan() and got[1][1].isnan().all()
+    keep = torch.tensor([0, 2, 3], device=DEVICE)
+    assert torch.equal(got[4][keep], clean[4][keep])
+    assert torch.equal(got[1][keep], clean[1][keep])
+
+
+@pytest.mark.parametrize("rows", ["torch_rows", "triton_rows"])
 @pytest.mark.parametrize("softcap", [None, 3.0])
 def test_a_token_not_counted_with_non_finite_logits_gives_zero_gradient(rows, softcap):
     # its dz is exactly 0 from the sparse rows themselves (no pass of the callers'):

@@ -313,7 +313,10 @@ def sparse_divergence_rows(z, support, teacher, inv_t, weights, opts, mdt, dz_dt
     (loss_t, div, mass, ent), dz = sparse_rows(
         z, safe, inv_t, terms, mdt, dz_dtype, want_grad, opts.logit_scale, opts.softcap,
         entropy=True, shard=shard)
-    return (loss_t, div, mass, torch.where(entries.any(-1), ent, 0.0)), dz
+    # the divergence's nan_to_num would hide the NaN of an out-of-range entry: set it
+    nan = bad.any(-1)
+    return (torch.where(nan, math.nan, loss_t), torch.where(nan, math.nan, div), mass,
+            torch.where(entries.any(-1), ent, 0.0)), dz
 
 
 TORCH_DISTILL_ROWS = DistillRows(RowMath(divergence_rows, temporaries=6),

@@ -441,6 +441,8 @@ def _sparse_divergence_kernel(
         g = d - sig * tl.sum(tl.where(entries, d, 0.0), axis=0)
     g = tl.where(entries & counted, w * g, 0.0)
     mass = tl.sum(tl.where(entries, tl.exp(tl.where(bad, float("nan"), log_q)), 0.0), axis=0)
+    # the divergence's nan_to_num would hide the NaN of an out-of-range entry: set it
+    div = tl.where(tl.sum(bad.to(tl.int32), axis=0) > 0, float("nan"), div)
     tl.store(out_ptr + row, tl.where(counted, w * div, 0.0))
     tl.store(out_ptr + n + row, tl.where(counted, div, 0.0))
     tl.store(out_ptr + 2 * n + row, tl.where(counted, mass, 0.0))
