@@ -184,6 +184,23 @@ def test_ties_across_lanes():
     check(z.to(torch.bfloat16), 10, expect_overflow=False)
 
 
+def test_many_segments_and_gather_steps():
+    # more segments than a listing step reads and more hit segments than a gather step
+    # takes (rowmath/triton/topk.py: _SEGMENT, _STEP), the last segment partial. Row 1:
+    # k of its candidates early, the largest class in the last segment (a listing that
+    # stops early still counts k and answers wrong, not through the exact fallback)
+    z = randn(2, 40001, seed=13)
+    z[1] *= 0.1
+    z[1, 0:5000:20] = 3.0 + randn(1, 250, seed=14)[0] * 0.01
+    z[1, 40000] = 7.0
+    check(z, 200, target=torch.tensor([40000, 997]), expect_overflow=False)
+    # k = 8: about a hundred segments hold a class above the bound, 40 of them ties
+    z = randn(1, 40001, seed=15) * 0.1
+    z[0, 0:1280:32] = 3.0
+    z[0, 40000] = 7.0
+    check(z, 8, expect_overflow=False)
+
+
 def test_blocks_without_candidates():
     # the largest classes in the first block: later blocks only count
     z = randn(1, 20000, seed=12, dtype=torch.bfloat16)

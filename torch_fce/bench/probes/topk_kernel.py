@@ -1,11 +1,12 @@
 """Where the top-k row kernels' time goes (rowmath/triton/topk.py), and what their
-warps buy.
+launch buys.
 
 On one logits chunk (4096 x 151936 from a bf16 GEMM, D 1536, temperature 0.7), bf16
 and float32 logits, k 8 / 50 / 128 / 256: each kernel's GPU time (profiler) at the
 launch in use, against one read of the chunk (z.amax), then the whole call at other
-(candidates kernel, ranking kernel) warps, its answer checked bitwise against the
-launch in use's.
+sweep launches (classes a step, candidates kernel's warps, pipeline stages), its
+classes checked bitwise against the launch in use's (the log-probs' largest difference
+printed where not 0: a block's sums in another order).
 
     python -m torch_fce.bench.probes.topk_kernel    # needs one CUDA GPU
 """
@@ -21,7 +22,9 @@ from torch_fce.ops.rowmath.triton import topk
 
 N, D, V = 4096, 1536, 151936
 KS = (8, 50, 128, 256)
-WARPS = ((4, 8), (16, 8), (8, 4), (16, 4))  # (candidates, ranking); (8, 8) in use
+# (block, candidates kernel's warps, stages); topk's _BLOCK, _WARPS[0], _STAGES in use
+LAUNCHES = ((4096, 8, 1), (4096, 8, 3), (2048, 8, 3), (4096, 4, 3), (1024, 4, 3),
+            (2048, 4, 1), (2048, 4, 4))
 
 
 def _ms(fn):
@@ -56,18 +59,21 @@ def main():
         for k in KS:
             opts = TopKOptions(k=k)
 
-            def call(warps=(topk._WARPS, topk._WARPS)):
+            def call(block=None, warps=topk._WARPS[0], stages=topk._STAGES):
                 return topk.triton_topk_rows(z, None, inv_t, opts, torch.float32,
-                                             warps=warps)
+                                             warps=(warps, topk._WARPS[1]), block=block,
+                                             stages=stages)
 
             kernels = " ".join(f"{name} {ms:.3f}" for name, ms in _kernel_ms(call).items())
             ref = call()
             line = [f"k {k}: {_ms(call):.3f} ms ({kernels})"]
-            for warps in WARPS:
-                out = call(warps)
-                same = torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])
-                line.append(f"warps {warps} {_ms(lambda: call(warps)):.3f}"
-                            + ("" if same else " DIFFERS"))
+            for launch in LAUNCHES:
+                out = call(*launch)
+                # the classes bit for bit; the log-probs within the sums' order
+                lp = (out[1] - ref[1]).abs().max().item()
+                line.append(f"{launch} {_ms(lambda: call(*launch)):.3f}"
+                            + ("" if torch.equal(out[0], ref[0]) else " CLASSES DIFFER")
+                            + (f" lp {lp:.1e}" if lp else ""))
             print("  " + " | ".join(line))
 
 

@@ -35,9 +35,13 @@ import triton.language as tl
 
 from ...loop.chunked import ONE_DEVICE
 from .ce import _block_v
-from .distill import _load_a, _online, _start
+from .distill import _load_a, _start
 
-_WARPS = 8  # both kernels' (a probe varies them: bench/probes/topk_kernel.py)
+_WARPS = (4, 8)  # (candidates, ranking) kernels' warps
+_BLOCK = 2048  # the sweep's classes a step
+_STAGES = 3  # the sweep's loads in flight (tl.range's software pipeline)
+_SEGMENT = 32  # classes a segment: the sweep writes each one's maximum (1/32 of a float32 row)
+_STEP = 1024  # the segment maxima a listing step reads, the classes a gather step reads
 _RANKED = 4096  # the ranking's candidates x slots a step: 16 int64 compares a thread
 _EMPTY = tl.constexpr(-9223372036854775808)  # int64's lowest: an empty slot's sort key
 
@@ -124,74 +128,82 @@ def _compact(z_row, buf, V, x, k, scale, inv_t, cap, HAS_CAP: tl.constexpr,
 
 
 @triton.jit
-def _lane_counts(z_row, V, x, scale, inv_t, cap, HAS_CAP: tl.constexpr,
-                 BLOCK_V: tl.constexpr):
-    """Per lane (the classes = lane mod BLOCK_V) the number of classes at or above x:
-    counted lanewise, no reduction in the sweep."""
-    cols = tl.arange(0, BLOCK_V)
-    count = tl.zeros([BLOCK_V], tl.int32)
-    for v0 in range(0, V, BLOCK_V):
-        _, above, tied = _ranked_block(z_row, v0 + cols, V, x, scale, inv_t, cap, HAS_CAP)
-        count += (above | tied).to(tl.int32)
-    return count
-
-
-@triton.jit
-def _scatter(z_row, buf, slot, V, x, scale, inv_t, cap, HAS_CAP: tl.constexpr,
-             BLOCK_V: tl.constexpr):
-    """Writes the sort key of every class at or above x to buf: a lane's classes to its
-    slots from slot up (lane-major order, no scan in the sweep)."""
-    cols = tl.arange(0, BLOCK_V)
-    for v0 in range(0, V, BLOCK_V):
-        offs = v0 + cols
-        r, above, tied = _ranked_block(z_row, offs, V, x, scale, inv_t, cap, HAS_CAP)
-        hit = above | tied
-        tl.store(buf + slot, _sort_key(r, offs), mask=hit)
-        slot += hit.to(tl.int32)
-
-
-@triton.jit
 def _candidates_kernel(
     # pointers
-    z_ptr, inv_t_ptr, buf_ptr, stats_ptr, count_ptr,
+    z_ptr, inv_t_ptr, buf_ptr, seg_ptr, hit_ptr, stats_ptr, count_ptr,
     # sizes and options
     V, k, scale, cap,
     # strides
     stride_z,
     # meta-parameters
     HAS_CAP: tl.constexpr, BLOCK_V: tl.constexpr, K: tl.constexpr, G: tl.constexpr,
-    C: tl.constexpr,
+    C: tl.constexpr, S: tl.constexpr, STEP: tl.constexpr, STAGES: tl.constexpr,
 ):
-    """Sweeps 1 to 3 of logits rows (n, V): each row's (m, log s, t, max) to stats
-    (n, 4) float32, the count of classes at or above t to count (n,) int32, and when
-    it is at most C their sort keys to the row's scratch buf (n, C) int64. K the power
-    of two >= k the bitonic top-K of the group maxima keeps. A kernel of its own: the
-    ranking's and the compaction's registers would leave the sweeps fewer warps an
-    SM."""
+    """The sweep and the gathers of logits rows (n, V): each row's (m, log s, t, max) to
+    stats (n, 4) float32, the count of classes at or above t to count (n,) int32, and
+    when it is at most C their sort keys to the row's scratch buf (n, C) int64. seg
+    (n, cdiv(V, S)) float32 the row's segment maxima, hit (n, C) int32 the segments
+    holding a class >= t. K the power of two >= k the bitonic top-K of the group maxima
+    keeps; STEP the segments (and classes) a gather step takes. A kernel of its own: the
+    ranking's and the compaction's registers would leave the sweep fewer warps an SM."""
     row = tl.program_id(0).to(tl.int64)  # int64: row * stride passes 2^31
     z_row = z_ptr + row * stride_z
-    cols = tl.arange(0, BLOCK_V)
+    n_seg = tl.cdiv(V, S)
+    seg_row = seg_ptr + row * n_seg
+    hit_row = hit_ptr + row * C
+    SEGS: tl.constexpr = BLOCK_V // S
+    segs = tl.arange(0, SEGS)
+    cols = segs[:, None] * S + tl.arange(0, S)[None, :]  # a block as (segment, class)
     inv_t = tl.load(inv_t_ptr + row)
 
-    # sweep 1: the lse of u = softcap(scale z) / T, and lanewise maxima
+    # the sweep: the lse of u = softcap(scale z) / T, the lanewise maxima (for the
+    # bound) and the segments' maxima (for the gathers); NaN ranks as -inf, and its exp
+    # makes the sum (so the lse) NaN
     m, s = _start(BLOCK_V)
-    lane = tl.full([BLOCK_V], float("-inf"), tl.float32)
-    for v0 in range(0, V, BLOCK_V):
+    lane = tl.full([SEGS, S], float("-inf"), tl.float32)
+    for v0 in tl.range(0, V, BLOCK_V, num_stages=STAGES):
         offs = v0 + cols
         u = _load_a(z_row + offs, offs < V, scale, cap, HAS_CAP) * inv_t
-        m, s = _online(m, s, u)
-        lane = tl.maximum(lane, _ranked(u))
+        r = _ranked(u)
+        seg_max = tl.max(r, axis=1)
+        m_new = tl.maximum(m, tl.max(seg_max, axis=0))
+        s = s * tl.exp(m - m_new) + tl.sum(tl.sum(tl.exp(u - m_new), axis=1), axis=0)
+        m = m_new
+        lane = tl.maximum(lane, r)
+        tl.store(seg_row + v0 // S + segs, seg_max, mask=v0 // S + segs < n_seg)
     # the k-th largest of the G group maxima (G >= k; lanes past V are -inf, a bound too)
     group = tl.max(tl.reshape(lane, [BLOCK_V // G, G]), axis=0)
     top = tl.arange(0, K)
     t = tl.max(tl.where(top == k - 1, tl.topk(group, K), float("-inf")), axis=0)
 
-    # sweeps 2 and 3: every class at or above t, when they fit (the common case)
-    count = _lane_counts(z_row, V, t, scale, inv_t, cap, HAS_CAP, BLOCK_V)
-    n = tl.sum(count, axis=0)
-    if n <= C:
-        _scatter(z_row, buf_ptr + row * C, tl.cumsum(count, axis=0) - count, V, t, scale,
-                 inv_t, cap, HAS_CAP, BLOCK_V)
+    # the segments whose maximum is at or above t, listed (no more of them than classes
+    # >= t: when they pass C, so do the classes)
+    step = tl.arange(0, STEP)
+    n_hit = tl.sum(tl.zeros([STEP], tl.int32), axis=0)
+    for j0 in range(0, n_seg, STEP):
+        j = j0 + step
+        hit = (j < n_seg) & (tl.load(seg_row + j, mask=j < n_seg, other=0.0) >= t)
+        pos = n_hit + tl.cumsum(hit.to(tl.int32), axis=0) - hit.to(tl.int32)
+        tl.store(hit_row + pos, j, mask=hit & (pos < C))
+        n_hit += tl.sum(hit.to(tl.int32), axis=0)
+    tl.debug_barrier()  # the list's stores before its loads
+
+    # their classes at or above t, gathered STEP at a time: each one's sort key (value,
+    # then class) to the row's slots
+    n = n_hit  # more than C: the ranking kernel's compaction takes the row
+    if n_hit <= C:
+        n = n_hit * 0
+        PER: tl.constexpr = STEP // S
+        for i0 in range(0, n_hit, PER):
+            i = i0 + step // S
+            seg = tl.load(hit_row + i, mask=i < n_hit, other=0)
+            offs = seg * S + step % S
+            mask = (i < n_hit) & (offs < V)
+            r = _ranked(_load_a(z_row + offs, mask, scale, cap, HAS_CAP) * inv_t)
+            take = (mask & (r >= t)).to(tl.int32)
+            pos = n + tl.cumsum(take, axis=0) - take
+            tl.store(buf_ptr + row * C + pos, _sort_key(r, offs), mask=(take > 0) & (pos < C))
+            n += tl.sum(take, axis=0)
     tl.store(stats_ptr + 4 * row, m)
     tl.store(stats_ptr + 4 * row + 1, tl.log(s))
     tl.store(stats_ptr + 4 * row + 2, t)
@@ -274,7 +286,7 @@ def _topk_rows_kernel(
     tl.store(tlp_ptr + row, lp_y)
 
 
-def _launch_sizes(V, k, warps=_WARPS):
+def _launch_sizes(V, k, warps=_WARPS[1]):
     """(BLOCK_V, SUB, G, C): SUB the ordered compaction's pieces, 4 classes a thread;
     G = 4k groups (k rounded up to a power of two) bound the k-th value closely at a
     top-K of G floats per row; C = 4k slots hold the classes at or above the bound (on
@@ -287,19 +299,21 @@ def _launch_sizes(V, k, warps=_WARPS):
 
 
 def triton_topk_rows(logits, target, inv_t, opts, math_dtype, shard=ONE_DEVICE,
-                     groups=None, slots=None, warps=(_WARPS, _WARPS)):
+                     groups=None, slots=None, warps=_WARPS, block=None, stages=_STAGES):
     """topk_rows (rowmath/topk.py) on the Triton kernels, one device: logits (n, V) with
     unit stride along V, opts a TopKOptions; float32 math. groups, slots: G and C
     (powers of two; tests force the bisection with small ones); warps: the two
-    kernels'."""
+    kernels'; block, stages: the sweep's classes a step and software pipeline (a probe
+    varies them: bench/probes/topk_kernel.py)."""
     n, V = logits.shape
     k = opts.k
     assert math_dtype == torch.float32 and logits.stride(1) == 1 and shard.group is None
     assert 1 <= k <= V < 2 ** 31
     block_v, sub, G, C = _launch_sizes(V, k, warps[1])
     G, C = groups or G, slots or C
+    sweep_v = block or min(block_v, _BLOCK)
     K = max(triton.next_power_of_2(k), 2)  # triton 3.6's tl.topk fails for K = 1
-    assert K <= G <= block_v and C >= 2 * k - 1
+    assert K <= G <= min(block_v, sweep_v) and C >= 2 * k - 1
     buf = logits.new_empty((n, C), dtype=torch.int64)
     indices = logits.new_empty((n, k), dtype=torch.int64)
     logprobs = logits.new_empty((n, k), dtype=torch.float32)
@@ -309,11 +323,13 @@ def triton_topk_rows(logits, target, inv_t, opts, math_dtype, shard=ONE_DEVICE,
     inv_t = inv_t.float().contiguous()
     stats = logits.new_empty((n, 4), dtype=torch.float32)
     count = logits.new_empty(n, dtype=torch.int32)
+    seg = logits.new_empty((n, triton.cdiv(V, _SEGMENT)), dtype=torch.float32)
+    hit = logits.new_empty((n, C), dtype=torch.int32)
     options = (float(opts.logit_scale), float(opts.softcap or 1.0))
     _candidates_kernel[(n,)](
-        logits, inv_t, buf, stats, count, V, k, *options, logits.stride(0),
-        HAS_CAP=opts.softcap is not None, BLOCK_V=block_v, K=K, G=G, C=C,
-        num_warps=warps[0])
+        logits, inv_t, buf, seg, hit, stats, count, V, k, *options, logits.stride(0),
+        HAS_CAP=opts.softcap is not None, BLOCK_V=sweep_v, K=K, G=G, C=C, S=_SEGMENT,
+        STEP=_STEP, STAGES=stages, num_warps=warps[0])
     _topk_rows_kernel[(n,)](
         logits, target_lp if target is None else target.contiguous(), inv_t, buf, stats,
         count, indices, logprobs, target_lp, V, k, opts.ignore_index, *options,
