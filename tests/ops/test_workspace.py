@@ -36,6 +36,16 @@ def test_cuda_default_rows(h200, N, V, D, dtype, rows):
     assert workspace.chunk_rows(N, V, D, dtype, "cuda") == rows
 
 
+@pytest.mark.parametrize("D,rows", [(4096, 1664), (1536, 1664), (256, 1664)])
+def test_cuda_default_without_a_weight_gradient_is_the_floor(h200, D, rows):
+    # the top-k's float32 logits (4 bytes a logit, V = 151936): 1 GiB whatever the head
+    # (1766 rows, balanced over 10 chunks of whole tiles), not twice a 4096-wide head
+    assert workspace.chunk_rows(16384, 151936, D, torch.bfloat16, "cuda", per_logit=4,
+                                weight_grad=False) == rows
+    assert workspace.chunk_rows(16384, 151936, 4096, torch.bfloat16, "cuda",
+                                per_logit=4) == 4096
+
+
 @pytest.mark.parametrize("V,rows", [(64, (1 << 22) // 64), (16384, 256), (32000, 256),
                                     (262144, 256)])
 def test_other_device_default_rows(V, rows):

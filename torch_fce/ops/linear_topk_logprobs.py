@@ -133,9 +133,10 @@ def fwd(hidden, weight, bias, target, temperature, *args, backend):
     with no_autocast(hidden):
         ldt = logits_dtype_for(hidden, opts)
         # the PyTorch rows hold float32 z, two boolean masks and an int32 rank beside the
-        # logits; the Triton rows a few slots per row only
+        # logits; the Triton rows a few slots per row and a float32 per 32 logits only
         per_logit = ldt.itemsize + (4 + 2 + 4 + 4 if rows is topk_rows else 0)
         run_chunks(hidden, weight, bias, row_fn, out, (False,) * 3, "fp32",
-                   chunk_rows_for(hidden, weight, shard, per_logit=per_logit),
+                   chunk_rows_for(hidden, weight, shard, per_logit=per_logit,
+                                  weight_grad=False),
                    shard=shard, logits_dtype=ldt)
     return out

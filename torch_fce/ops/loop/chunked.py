@@ -98,7 +98,7 @@ def logits_dtype_for(hidden, opts):
 
 
 def chunk_rows_for(hidden, weight, shard=ONE_DEVICE, logits_dtype=None, log_prob_tiles=None,
-                   per_logit=None, scale=1.0):
+                   per_logit=None, scale=1.0, weight_grad=True):
     """Token rows per chunk (logits_dtype: the loop's, when wider than hidden's: the
     chunk then holds those logits and a dz of hidden's dtype beside them). Every rank
     of a shard group must cut the same chunks (each chunk's statistics are
@@ -108,7 +108,8 @@ def chunk_rows_for(hidden, weight, shard=ONE_DEVICE, logits_dtype=None, log_prob
     family whether it cuts vocabulary tiles (its default is then bounded by the float32
     sums it keeps, see workspace). per_logit: the chunk's bytes per logit where the row
     function holds more than the logits and dz (the distillation family's, RowMath's);
-    scale: the op's CUDA default workspace as a multiple of the loop's."""
+    scale: the op's CUDA default workspace as a multiple of the loop's; weight_grad=False:
+    an op without a weight gradient (workspace.chunk_rows)."""
     V = weight.shape[0] if shard.group is None else -(-shard.vocab_size // shard.world_size)
     N, D = hidden.shape
     if per_logit is None and logits_dtype is not None:
@@ -117,7 +118,7 @@ def chunk_rows_for(hidden, weight, shard=ONE_DEVICE, logits_dtype=None, log_prob
     if log_prob_tiles is not None:  # float32 sums beyond the gradient of their shape
         held = (N if log_prob_tiles else V) * D * (4 - min(4, hidden.dtype.itemsize))
     return _workspace_rows(N, max(1, V), D, hidden.dtype, hidden.device, per_logit, held,
-                           scale)
+                           scale, weight_grad)
 
 
 def logits_bytes(logits_dtype, dz_dtype):

@@ -10,7 +10,10 @@ Default: on CUDA, twice the head's size in the input dtype (the float32 gradient
 that size already), at least 1 GiB or 4096 rows, whichever is smaller (4096-row GEMMs
 are already efficient, and a small head's chunk then stays well below its logits), at
 most 4 GiB or 1/16 of the GPU's memory (that cap wins on GPUs under 16 GiB), and at
-most half the logits (so the op saves memory also when all of them would fit); on
+most half the logits (so the op saves memory also when all of them would fit). An op
+without a weight gradient (the teacher's top-k) has no float32 sum to match, so its
+default is the floor alone (measured on an H200, docs/distillation.md: the top-k at
+1 GiB, not twice a 4096-wide head); on
 other devices 2^22 elements or 256 rows, whichever is more (smaller chunks re-read the
 float32 sum so often that a 2-core CPU ran 5-14% slower at 131 rows).
 The log-prob family (log-probs, policy loss) is bounded further on CUDA: its peak within
@@ -88,19 +91,22 @@ def _total_memory(device):  # the driver query costs the host more than the op's
     return torch.cuda.get_device_properties(device).total_memory
 
 
-def _default_cuda_bytes(V, D, itemsize, device, scale=1.0):
+def _default_cuda_bytes(V, D, itemsize, device, scale=1.0, weight_grad=True):
     cap = min(4 * _GIB, _total_memory(device) // 16)
     floor = min(_GIB, _FLOOR_ROWS * V * itemsize)
-    return min(cap, int(scale * max(floor, 2 * V * D * itemsize)))
+    head = 2 * V * D * itemsize if weight_grad else 0
+    return min(cap, int(scale * max(floor, head)))
 
 
-def chunk_rows(N, V, D, dtype, device, per_logit=None, held=None, scale=1.0):
+def chunk_rows(N, V, D, dtype, device, per_logit=None, held=None, scale=1.0,
+               weight_grad=True):
     """Rows per chunk for N tokens, V classes (this rank's, for a vocabulary shard) and
     hidden size D, inputs of dtype and per_logit bytes per logit of the chunk (None:
     dtype's; float32 logits of bfloat16 inputs hold 4 + 2 with their gradient); at
     least one row. held: the log-prob family's float32 sums beside the chunk, in bytes
     (None: not that family). scale: the op's CUDA default as a multiple of the loop's,
-    within the same cap. Chunks are balanced (as many as the workspace needs, of equal
+    within the same cap. weight_grad=False: an op without a weight gradient (the
+    top-k's), whose CUDA default is the floor alone. Chunks are balanced (as many as the workspace needs, of equal
     rows); CUDA chunks are a multiple of 128 rows (GEMM tiles) unless that is below one
     tile."""
     device = torch.device(device)
@@ -110,7 +116,7 @@ def chunk_rows(N, V, D, dtype, device, per_logit=None, held=None, scale=1.0):
     if _nbytes is not None:
         rows = _nbytes // (V * per_logit)
     elif cuda:
-        nbytes = _default_cuda_bytes(V, D, itemsize, device, scale)
+        nbytes = _default_cuda_bytes(V, D, itemsize, device, scale, weight_grad)
         if held is not None:
             nbytes = min(nbytes, max(_TILE_BYTES, 4 * V * D + _TILE_BYTES - held))
         rows = min(nbytes // (V * per_logit), -(-N // _MIN_CHUNKS))

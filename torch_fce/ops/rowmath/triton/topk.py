@@ -34,8 +34,8 @@ import triton
 import triton.language as tl
 
 from ...loop.chunked import ONE_DEVICE
-from .ce import _block_v
-from .distill import _load_a, _start
+from .ce import _NEG_BIG, _block_v
+from .distill import _load_a
 
 _WARPS = (4, 8)  # (candidates, ranking) kernels' warps
 _BLOCK = 2048  # the sweep's classes a step
@@ -159,18 +159,23 @@ def _candidates_kernel(
     # the sweep: the lse of u = softcap(scale z) / T, the lanewise maxima (for the
     # bound) and the segments' maxima (for the gathers); NaN ranks as -inf, and its exp
     # makes the sum (so the lse) NaN
-    m, s = _start(BLOCK_V)
+    # online per segment position (no reduction across warps in the loop), merged after
+    m = tl.full([SEGS], _NEG_BIG, tl.float32)  # finite: m - m_new stays a number
+    s = tl.zeros([SEGS], tl.float32)
     lane = tl.full([SEGS, S], float("-inf"), tl.float32)
     for v0 in tl.range(0, V, BLOCK_V, num_stages=STAGES):
         offs = v0 + cols
         u = _load_a(z_row + offs, offs < V, scale, cap, HAS_CAP) * inv_t
         r = _ranked(u)
         seg_max = tl.max(r, axis=1)
-        m_new = tl.maximum(m, tl.max(seg_max, axis=0))
-        s = s * tl.exp(m - m_new) + tl.sum(tl.sum(tl.exp(u - m_new), axis=1), axis=0)
+        m_new = tl.maximum(m, seg_max)
+        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(u - m_new[:, None]), axis=1)
         m = m_new
         lane = tl.maximum(lane, r)
         tl.store(seg_row + v0 // S + segs, seg_max, mask=v0 // S + segs < n_seg)
+    m_row = tl.max(m, axis=0)
+    s = tl.sum(s * tl.exp(m - m_row), axis=0)
+    m = m_row
     # the k-th largest of the G group maxima (G >= k; lanes past V are -inf, a bound too)
     group = tl.max(tl.reshape(lane, [BLOCK_V // G, G]), axis=0)
     top = tl.arange(0, K)
