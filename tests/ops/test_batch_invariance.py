@@ -1,6 +1,7 @@
 """Batch invariance: a token's per-token outputs are bitwise the same whatever batch it
 is computed in (sizes 1 to N, its position, the workspace), for every op family, with
-bf16 and float32 logits, on the CPU and (the GPU tier) on CUDA. More tokens than the
+bf16 and float32 logits, the log-probs also under the sampler's truncation (its top-k
+candidates, and its threshold sweeps on CUDA), on the CPU and (the GPU tier) on CUDA. More tokens than the
 one-row sum threshold's classes (V > 32768) and fewer tokens than classes (the log-probs'
 old vocabulary tiles)."""
 
@@ -37,6 +38,12 @@ def _ops(h, w, t, ht, wt, ldt):
     return {
         "logprobs": lambda s, e: torch.stack(torch_fce.linear_logprobs(
             h[s:e], w, t[s:e], temperature=0.7, entropy=True, logits_dtype=ldt)[:3], 1),
+        "log-probs, top_k and top_p": lambda s, e: torch.stack(torch_fce.linear_logprobs(
+            h[s:e], w, t[s:e], temperature=0.7, entropy=True, logits_dtype=ldt, top_k=50,
+            top_p=0.9)[:3], 1),
+        "log-probs, top_p and min_p": lambda s, e: torch.stack(torch_fce.linear_logprobs(
+            h[s:e], w, t[s:e], temperature=0.7, entropy=True, logits_dtype=ldt, top_p=0.9,
+            min_p=0.001)[:3], 1),
         "cross entropy": lambda s, e: torch_fce.linear_cross_entropy(
             h[s:e], w, t[s:e], reduction="none", label_smoothing=0.1,
             logits_dtype=ldt).float()[:, None],

@@ -108,13 +108,16 @@ def test_the_rules_boundaries():
     assert torch.allclose(out.entropy, torch.tensor([math.log(2.0)], dtype=torch.float64))
 
 
-@pytest.mark.parametrize("truncation", [dict(top_k=5), dict(top_k=4, top_p=0.8, min_p=0.05)])
+@pytest.mark.parametrize("truncation", [dict(top_k=5), dict(top_k=4, top_p=0.8, min_p=0.05),
+                                        dict(top_p=0.8), dict(top_p=0.9, min_p=0.05),
+                                        dict(min_p=0.2)])
 @pytest.mark.parametrize("softcap", [None, 2.0])
 @pytest.mark.parametrize("rows", [1, 4])
 def test_triton_rows_match_the_float64_reference(truncation, softcap, rows):
     # float32 inputs on the Triton rows (the interpreter off the GPU: the top-k kernel's
-    # candidates, their z gathered, the gradient sweep's kept-set test), a tie in every
-    # row, forward and backward (token chunks, and vocabulary tiles with rows = 1)
+    # candidates, their z gathered, or without a top-k the threshold sweeps; the
+    # gradient sweep's kept-set test), a tie in every row, forward and backward (token
+    # chunks, and vocabulary tiles with rows = 1)
     g = torch.Generator().manual_seed(3)
     h = torch.randn(6, 8, generator=g).to(DEVICE)
     w = torch.randn(29, 8, generator=g).to(DEVICE)
@@ -140,6 +143,76 @@ def test_triton_rows_match_the_float64_reference(truncation, softcap, rows):
                  + (want[1] * ge.double()).sum())
     for a, r in zip((gh, gw), torch.autograd.grad(objective, leaves)):
         assert (a.double() - r).abs().max() <= 1e-5 * (1 + r.abs().max())
+
+
+def _threshold_rows_problem():
+    """Rows (n, 3000) of every regime the threshold sweeps meet: flat to confident
+    (scales 0.3 to 4: K of thousands of classes to a few), bf16-rounded and half-integer
+    rows (ties at the boundary), an all-equal row and one with a single larger class
+    (ties only), -inf and -0.0 entries, a large magnitude, four finite classes (top_p
+    0.5 reached exactly after two); per-row temperatures; targets the argmax, random,
+    ignored and out of range."""
+    g = torch.Generator().manual_seed(21)
+    V = 3000
+    z = torch.randn(13, V, generator=g) * torch.tensor(
+        [0.3, 1.0, 4.0, 0.3, 1.0, 4.0, 1.0, 1.0, 1.0, 1.0, 1.0, 30.0, 1.0])[:, None]
+    z[3:6] = z[3:6].bfloat16().float()
+    z[6] = (z[6] * 2).round() / 2
+    z[7] = 0.0
+    z[8] = 0.0
+    z[8, 2999] = 1.0
+    z[9, ::7] = -math.inf
+    z[9, 1::7] = -0.0
+    z[10] += 1e4
+    z[12] = -math.inf
+    z[12, [5, 700, 701, 2999]] = 5.0
+    inv_t = torch.rand(13, generator=g) + 0.5
+    inv_t[12] = 1.0
+    y = torch.randint(0, V, (13,), generator=g)
+    y[:4] = z[:4].argmax(-1)
+    y[4], y[5] = -100, V + 3
+    return z.to(DEVICE), y.to(DEVICE), inv_t.to(DEVICE)
+
+
+@pytest.mark.parametrize("slots", [None, 8])
+@pytest.mark.parametrize("truncation", [dict(top_p=0.9), dict(top_p=0.5), dict(top_p=0.5, min_p=0.02),
+                                        dict(top_p=0.999), dict(top_p=0.01),
+                                        dict(min_p=0.1), dict(top_p=0.7, top_k=5000)])
+def test_triton_threshold_rows_match_the_sorted_rows(monkeypatch, truncation, slots):
+    # top_p / min_p without a top-k on the Triton rows' sweeps (rowmath/triton/
+    # truncation.py: bisection on the mass, the bracket's sort, the ties) against the
+    # PyTorch rows' sort of the whole row; 8 slots take every row through the bisection
+    from torch_fce.ops.rowmath import truncation as rows
+    from torch_fce.ops.rowmath.triton import truncation as sweeps
+    from torch_fce.ops.rowmath.triton.logprob import TRITON_TRUNCATION_ROWS
+
+    if slots:
+        monkeypatch.setattr(sweeps, "_C", slots)
+    z, y, inv_t = _threshold_rows_problem()
+    opts = room.LogProbOptions(entropy=True, **truncation)
+    want = rows.kept_stats(rows.TORCH_TRUNCATION_ROWS, z, y, inv_t, opts, torch.float32)
+    got = rows.kept_stats(TRITON_TRUNCATION_ROWS, z, y, inv_t, opts, torch.float32)
+    for name, a, r in zip(("logprob", "entropy", "lse"), got, want):
+        assert torch.equal(a.isnan(), r.isnan()) and torch.equal(a == -math.inf,
+                                                                 r == -math.inf), name
+        ok = torch.isfinite(r)
+        assert ((a - r).abs()[ok] <= 1e-5 * (1 + r.abs()[ok])).all(), name
+    assert torch.equal(got[3], want[3])  # argmax
+    stats, ref = got[4], want[4]
+    cols = [0, 1, 2, 5, 6] if "top_p" not in truncation else list(range(7))
+    ok = torch.isfinite(ref[:, cols])
+    assert torch.equal(ok, torch.isfinite(stats[:, cols]))
+    assert ((stats[:, cols] - ref[:, cols]).abs()[ok] <= 1e-5 * (1 + ref[:, cols].abs()[ok])).all()
+    if "top_p" not in truncation:  # min_p alone: K = {z >= thr}, (thr, V) for (v, c)
+        thr = ref[:, 0] + math.log(truncation["min_p"])
+        assert torch.equal(stats[:, 3], thr) and (stats[:, 4] == 3000).all()
+    nan_row = z.clone()
+    nan_row[2, 17] = float("nan")
+    got = rows.kept_stats(TRITON_TRUNCATION_ROWS, nan_row, y, inv_t, opts, torch.float32)
+    assert got[1][2].isnan() and got[2][2].isnan()
+    assert torch.equal(got[1][torch.arange(13) != 2].cpu(),
+                       rows.kept_stats(TRITON_TRUNCATION_ROWS, z, y, inv_t, opts,
+                                       torch.float32)[1][torch.arange(13) != 2].cpu())
 
 
 def test_policy_loss_matches_the_reference():

@@ -17,11 +17,13 @@ gradient), H_K = log s_K - d_K, and the gradient the untruncated one's with q_K 
 
 The candidates are the first k classes (the top-k rows, k <= MAX_CANDIDATES) or,
 without top_k or with a larger one, the whole row sorted (one device: a shard would need
-the group's whole row). A TruncationRows family gives them and the gradient on one
-backend: the PyTorch members here (any device, any shard), the Triton ones in
-rowmath/triton/logprob.py (one device, top-k candidates: rows_for picks). The forward's
-candidate values and the backward's recomputed z come from the same backend's formula,
-so the backward's threshold test sees the forward's bits.
+the group's whole row). Without a top-k (top_p and min_p only) the Triton rows find K
+by sweeps of the row instead (rowmath/triton/truncation.py: bisection on top_p's mass,
+no sort). A TruncationRows family gives them and the gradient on one backend: the
+PyTorch members here (any device, any shard), the Triton ones in
+rowmath/triton/logprob.py (one device, top-k candidates or no top-k: rows_for picks).
+The forward's candidate values and the backward's recomputed z come from the same
+backend's formula, so the backward's threshold test sees the forward's bits.
 """
 
 import math
@@ -60,6 +62,11 @@ def whole_row_sort(opts, vocab_size):
     return not (opts.top_k is not None and min(opts.top_k, vocab_size) <= MAX_CANDIDATES)
 
 
+def no_top_k(opts, vocab_size):
+    """Whether top_k keeps every class (None or >= V): K is a threshold of the row."""
+    return opts.top_k is None or opts.top_k >= vocab_size
+
+
 def check_shard(opts, shard):
     """Raises where a vocabulary shard cannot find the kept set: among each shard's
     top-k candidates only (the whole row's sort is one device's)."""
@@ -83,10 +90,14 @@ class TruncationRows(NamedTuple):
            dz_dtype) -> dz of the classes [col0, col0 + cols) from the forward's
           row_stats (n, ROW_STATS), as LogProbRows.grad's over K
       per_logit: the chunk's bytes per logit beyond the logits and a dz written over
-          them (a dz buffer of its own, for logits wider than dz, is counted apart)"""
+          them (a dz buffer of its own, for logits wider than dz, is counted apart)
+      thresholds(logits, target, inv_t, opts, math_dtype) -> kept_stats' outputs
+          without a top-k (top_p, min_p) and without candidates (None: the whole row
+          sorted instead)"""
     candidates: Callable
     grad: Callable
     per_logit: int
+    thresholds: Optional[Callable] = None
 
 
 def _processed(logits, opts, inv_t, math_dtype):
@@ -135,14 +146,22 @@ def torch_kept_grad(logits, target, inv_t, opts, g_lp, g_h, row_stats, math_dtyp
 TORCH_TRUNCATION_ROWS = TruncationRows(torch_candidates, torch_kept_grad, 16)
 
 
+def _by_thresholds(rows, opts, vocab_size):
+    """Whether rows find K by their sweeps (no top-k, rows that can), not candidates."""
+    return rows.thresholds is not None and whole_row_sort(opts, vocab_size) \
+        and no_top_k(opts, vocab_size)
+
+
 def rows_for(backend, opts, shard, vocab_size):
     """The truncation rows for these options, None where they truncate nothing: the
-    backend's where they serve (one device, top-k candidates), else the PyTorch ones
-    (forward and backward pick alike)."""
+    backend's where they serve (one device, top-k candidates or their sweeps), else the
+    PyTorch ones (forward and backward pick alike)."""
     if not truncating(opts):
         return None
-    if shard.group is None and not whole_row_sort(opts, vocab_size):
-        return backend.truncation
+    rows = backend.truncation
+    if shard.group is None and (not whole_row_sort(opts, vocab_size)
+                                or _by_thresholds(rows, opts, vocab_size)):
+        return rows
     return TORCH_TRUNCATION_ROWS
 
 
@@ -164,6 +183,9 @@ def kept_stats(rows, logits, target, inv_t, opts, math_dtype, shard=ONE_DEVICE):
     """(logprob, entropy, lse, argmax, row_stats) of a chunk's rows under the
     truncation, as LogProbRows.stats' over K (rows: a TruncationRows); row_stats (n,
     ROW_STATS). The logits stay intact (for a gradient from the same chunk)."""
+    V = logits.shape[1] if shard.group is None else shard.vocab_size
+    if _by_thresholds(rows, opts, V):
+        return rows.thresholds(logits, target, inv_t, opts, math_dtype)
     values, classes, z_y, logprob_all = rows.candidates(logits, target, inv_t, opts,
                                                         math_dtype, shard)
     # the candidates in the order of their values, equal ones by class
@@ -176,13 +198,21 @@ def kept_stats(rows, logits, target, inv_t, opts, math_dtype, shard=ONE_DEVICE):
     m = values[:, 0].clamp_min(torch.finfo(math_dtype).min)  # finite if all -inf
     x = values - m[:, None]
     e = torch.where(kept, x.exp(), 0.0)
-    s = row_sum(e)
+    return kept_outputs(m, row_sum(e), row_sum(torch.where(e > 0, e * x, 0.0)),
+                        values.gather(1, last)[:, 0],
+                        classes.gather(1, last)[:, 0].to(math_dtype), z_y, logprob_all,
+                        classes[:, 0], target, opts, V)
+
+
+def kept_outputs(m, s, ez, v, c, z_y, logprob_all, argmax, target, opts, vocab_size):
+    """kept_stats' outputs from a row's max m, K's sums s of exp(z - m) and ez of
+    exp(z - m) (z - m), its last class (v, c), z and the untruncated log-prob at the
+    target and the argmax (each (n,))."""
     log_s = s.log()
-    d = row_sum(torch.where(e > 0, e * x, 0.0)) / s
+    d = ez / s
     valid = target != opts.ignore_index
-    V = logits.shape[1] if shard.group is None else shard.vocab_size
-    in_range = (target >= 0) & (target < V)
-    y_kept = (kept & (classes == target[:, None])).any(-1)
+    in_range = (target >= 0) & (target < vocab_size)
+    y_kept = in_range & ((z_y > v) | ((z_y == v) & (target <= c)))
 
     def outputs(lp):  # 0 where ignored, NaN where the target is out of range
         return torch.where(valid, torch.where(in_range, lp, float("nan")), 0.0)
@@ -190,10 +220,9 @@ def kept_stats(rows, logits, target, inv_t, opts, math_dtype, shard=ONE_DEVICE):
     # a row holding a NaN (its sums NaN): NaN, as the untruncated log-probs
     logprob = outputs(torch.where(y_kept | log_s.isnan(), (z_y - m) - log_s, float("-inf")))
     entropy = torch.where(valid, log_s - d, 0.0)
-    row_stats = torch.stack([m, log_s, d, values.gather(1, last)[:, 0],
-                             classes.gather(1, last)[:, 0].to(math_dtype),
-                             (y_kept & valid).to(math_dtype), outputs(logprob_all)], 1)
-    return logprob, entropy, m + log_s, classes[:, 0], row_stats
+    row_stats = torch.stack([m, log_s, d, v, c, (y_kept & valid).to(m.dtype),
+                             outputs(logprob_all)], 1)
+    return logprob, entropy, m + log_s, argmax, row_stats
 
 
 def per_logit(rows, logits_dtype, dz_dtype, opts, vocab_size):
@@ -203,5 +232,6 @@ def per_logit(rows, logits_dtype, dz_dtype, opts, vocab_size):
     row's sort (values, classes, the sort's own) where the candidates are that."""
     if rows is None:
         return None
-    sort = 24 if whole_row_sort(opts, vocab_size) else 0
+    sort = 24 if whole_row_sort(opts, vocab_size) and not _by_thresholds(
+        rows, opts, vocab_size) else 0
     return logits_bytes(logits_dtype, dz_dtype) + rows.per_logit + sort

@@ -17,6 +17,7 @@ from ..logprob import LogProbRows, shard_stats
 from ..truncation import ROW_STATS, TopKRecord, TruncationRows
 from .ce import _block_max, _block_v, _load_z, _rebased_ez, _sweep_start, dz_buffer
 from .topk import triton_topk_rows
+from .truncation import triton_threshold_stats
 
 
 @triton.jit
@@ -290,4 +291,5 @@ def _launch(logits, target, inv_t, opts, entropy, grad, col0=None, into=None, dz
 TRITON_LOGPROB_ROWS = LogProbRows(triton_logprob_stats, triton_logprob_tile_stats,
                                   triton_logprob_grad, triton_logprob_stats_then_grad)
 # the top-k rows' scratch and the candidates: a few bytes per row, none per logit
-TRITON_TRUNCATION_ROWS = TruncationRows(triton_candidates, triton_kept_grad, 0)
+TRITON_TRUNCATION_ROWS = TruncationRows(triton_candidates, triton_kept_grad, 0,
+                                        triton_threshold_stats)

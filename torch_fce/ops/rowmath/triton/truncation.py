@@ -1,0 +1,255 @@
+"""Triton row kernel: the sampler's kept set under top_p and min_p without a top-k
+(rowmath/truncation.py's rules), found by sweeps of the row instead of a sort of it.
+
+One program per token row, z = softcap(l) / T as the log-probs' gradient sweep forms it
+(so its kept-set test sees these bits), NaN ranked as -inf:
+  sweep 1  the max m, its first class, the sum s of exp(z - m), the smallest finite z
+           and the count of finite classes; z at the target.
+  min_p    one sweep: the mass S0 of the classes at or above thr = m + log(min_p)
+           (without min_p every finite class: S0 = s), and its sum of
+           exp(z - m) (z - m). Without top_p, K is those classes (ties all kept).
+  top_p    K is the shortest prefix (z desc, class asc) of those classes whose mass
+           reaches T = top_p S0: a class is kept while the mass before it is < T. With
+           f(x) the mass of the classes above x, K's last value v is the smallest value
+           with f(v) < T. A bracket (lo, hi] (closed at lo while lo is thr or the
+           smallest finite z) with f(lo) >= T > f(hi) holds it; each bisection sweep
+           halves it (at the value's midpoint, then, once that stalls, at the midpoint
+           of the values' order-preserving int32 images: at most 56 sweeps) until at
+           most C classes lie in it. Two sweeps write their sort keys (value, then
+           class) to the row's scratch, and a sort of the C slots walks their masses
+           down from f(hi) to K's last class. A bracket of one value (two adjacent
+           floats) holding more than C classes holds ties: the first of them by class
+           are kept while the mass before each is < T, and one sweep finds the last.
+Per row (m, s, s_K, sum over K of exp(z - m)(z - m), v, c, argmax, z_y): K is the classes
+with z > v, or z == v and class <= c.
+"""
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ..truncation import kept_outputs
+from .ce import _NEG_BIG, _block_v, _load_z
+from .topk import _EMPTY, _key, _ranked, _sort_key, _unkey
+
+_C = 256  # the bracket's classes the scratch holds
+_STAGES = 3  # the sweeps' loads in flight
+_VALUE_STEPS = 24  # midpoints of values, then of their int32 images
+_STATS = 8
+
+
+@triton.jit
+def _z(row_ptr, offs, V, inv_t, softcap, HAS_SOFTCAP: tl.constexpr):
+    """z of classes offs (-inf past V), and its selection value (NaN as -inf)."""
+    z = _load_z(row_ptr + offs, offs < V, softcap, HAS_SOFTCAP) * inv_t
+    return z, _ranked(z)
+
+
+@triton.jit
+def _inside(r, lo, lo_closed, hi):
+    """Whether selection values r lie in the bracket (lo, hi], or [lo, hi]."""
+    return tl.where(lo_closed != 0, r >= lo, r > lo) & (r <= hi)
+
+
+@triton.jit
+def _above_sweep(row_ptr, V, x, closed, lo, lo_closed, hi, m, inv_t, softcap,
+                 HAS_SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr, STAGES: tl.constexpr):
+    """Over the classes above x (at or above, closed): the sum of e = exp(z - m) and of
+    e (z - m); and the count of the classes in the bracket (lo, hi] above x."""
+    cols = tl.arange(0, BLOCK_V)
+    f = tl.zeros([BLOCK_V], tl.float32)
+    g = tl.zeros([BLOCK_V], tl.float32)
+    n = tl.zeros([BLOCK_V], tl.int32)
+    for v0 in tl.range(0, V, BLOCK_V, num_stages=STAGES):
+        _, r = _z(row_ptr, v0 + cols, V, inv_t, softcap, HAS_SOFTCAP)
+        above = tl.where(closed != 0, r >= x, r > x)
+        e = tl.where(above, tl.exp(r - m), 0.0)
+        f += e
+        g += tl.where(e > 0.0, e * (r - m), 0.0)
+        n += (above & _inside(r, lo, lo_closed, hi)).to(tl.int32)
+    return tl.sum(f, axis=0), tl.sum(g, axis=0), tl.sum(n, axis=0)
+
+
+@triton.jit
+def _threshold_kernel(
+    # pointers
+    logits_ptr, target_ptr, inv_t_ptr, buf_ptr, out_ptr,
+    # sizes and options
+    V, ignore_index, top_p, log_min_p, softcap,
+    # strides
+    stride_ln,
+    # meta-parameters
+    HAS_SOFTCAP: tl.constexpr, HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr,
+    BLOCK_V: tl.constexpr, C: tl.constexpr, VALUE_STEPS: tl.constexpr,
+    STAGES: tl.constexpr,
+):
+    """Logits rows (n, V) -> out (n, 8) float32 (module docstring); buf (n, C) int64
+    the rows' scratch."""
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = logits_ptr + row * stride_ln
+    buf = buf_ptr + row * C
+    out = out_ptr + row * 8
+    inv_t = tl.load(inv_t_ptr + row)
+    cols = tl.arange(0, BLOCK_V)
+
+    # sweep 1: online per lane, merged after
+    m_l = tl.full([BLOCK_V], _NEG_BIG, tl.float32)  # finite: m - m_new stays a number
+    s_l = tl.zeros([BLOCK_V], tl.float32)
+    best = tl.full([BLOCK_V], float("-inf"), tl.float32)
+    best_i = tl.zeros([BLOCK_V], tl.int32)
+    low = tl.full([BLOCK_V], float("inf"), tl.float32)
+    finite = tl.zeros([BLOCK_V], tl.int32)
+    for v0 in tl.range(0, V, BLOCK_V, num_stages=STAGES):
+        offs = v0 + cols
+        z, r = _z(row_ptr, offs, V, inv_t, softcap, HAS_SOFTCAP)
+        m_new = tl.maximum(m_l, r)
+        s_l = s_l * tl.exp(m_l - m_new) + tl.exp(z - m_new)  # NaN z: a NaN sum
+        m_l = m_new
+        new = r > best  # a lane's first maximum
+        best_i = tl.where(new, offs, best_i)
+        best = tl.where(new, r, best)
+        low = tl.minimum(low, tl.where(r > float("-inf"), r, float("inf")))
+        finite += (r > float("-inf")).to(tl.int32)
+    m = tl.max(m_l, axis=0)
+    s = tl.sum(s_l * tl.exp(m_l - m), axis=0)
+    top = tl.max(best, axis=0)
+    argmax = tl.min(tl.where(best == top, best_i, V), axis=0)
+    argmax = tl.where(top > float("-inf"), argmax, 0)  # a row of -inf: its first class
+    low = tl.min(low, axis=0)
+    n_in = tl.sum(finite, axis=0)
+
+    # the classes min_p keeps (every finite one without it): [lo, hi], their mass S0
+    lo = low
+    S0 = s
+    G0 = 0.0
+    if HAS_MIN_P:
+        lo = m + log_min_p
+        S0, G0, n_in = _above_sweep(row_ptr, V, lo, 1, lo, 1, m, m, inv_t, softcap,
+                                    HAS_SOFTCAP, BLOCK_V, STAGES)
+    lo_closed = n_in * 0 + 1  # int32 flags: loop-carried values are tensors
+    v = lo  # K without top_p: z >= thr, every class (ties all kept)
+    c = V * 1.0
+    s_k = S0
+    g_k = G0
+    if HAS_TOP_P:
+        target_mass = top_p * S0
+        hi = m
+        f_hi = 0.0 * S0  # f(m): no class above the max
+        g_hi = f_hi
+        # a row without mass (all -inf) or with a NaN: K its first class, sums as they are
+        v = tl.full([], float("-inf"), tl.float32)
+        c = argmax.to(tl.float32)
+        s_k = f_hi
+        g_k = f_hi
+        go = (target_mass > 0.0) & (s == s) & (n_in > 0)
+        ties = n_in < 0
+        step = n_in * 0
+        while go & (n_in > C):
+            mid = lo + (hi - lo) * 0.5
+            if (step >= VALUE_STEPS) | (mid <= lo) | (mid >= hi) | (mid != mid):
+                k_lo = _key(lo + 0.0).to(tl.int64)  # + 0.0: -0.0 as +0.0
+                k_hi = _key(hi + 0.0).to(tl.int64)
+                mid = _unkey(((k_lo + k_hi) >> 1).to(tl.int32))
+            if (mid <= lo) | (mid >= hi):
+                mid = lo  # [lo, hi] of two adjacent floats: split off lo
+            if ((mid == lo) & (lo_closed == 0)) | (lo == hi):
+                ties = n_in >= 0  # (lo, hi] of one value, hi, or [lo, lo]
+                go = n_in < 0
+            else:
+                f_mid, g_mid, n_up = _above_sweep(row_ptr, V, mid, 0, lo, lo_closed, hi,
+                                                  m, inv_t, softcap, HAS_SOFTCAP, BLOCK_V,
+                                                  STAGES)
+                if f_mid < target_mass:  # v <= mid: (lo, mid]
+                    hi = mid
+                    f_hi = f_mid
+                    g_hi = g_mid
+                    n_in = n_in - n_up
+                else:  # v > mid: (mid, hi]
+                    lo = mid
+                    lo_closed = lo_closed * 0
+                    n_in = n_up
+                step += 1
+        if go:
+            # the bracket's classes, each one's sort key to the scratch (lane-major slots)
+            count = tl.zeros([BLOCK_V], tl.int32)
+            for v0 in tl.range(0, V, BLOCK_V, num_stages=STAGES):
+                _, r = _z(row_ptr, v0 + cols, V, inv_t, softcap, HAS_SOFTCAP)
+                count += _inside(r, lo, lo_closed, hi).to(tl.int32)
+            slot = tl.cumsum(count, axis=0) - count
+            for v0 in tl.range(0, V, BLOCK_V, num_stages=STAGES):
+                offs = v0 + cols
+                _, r = _z(row_ptr, offs, V, inv_t, softcap, HAS_SOFTCAP)
+                hit = _inside(r, lo, lo_closed, hi)
+                tl.store(buf + slot, _sort_key(r, offs), mask=hit)
+                slot += hit.to(tl.int32)
+            tl.debug_barrier()  # the scratch's stores before its loads
+            j = tl.arange(0, C)
+            keys = tl.sort(tl.load(buf + j, mask=j < n_in, other=_EMPTY), descending=True)
+            valid = j < n_in
+            vals = _unkey((keys >> 32).to(tl.int32))
+            e = tl.where(valid, tl.exp(vals - m), 0.0)
+            before = f_hi + tl.cumsum(e, axis=0) - e
+            kept = valid & (before < target_mass)
+            last = tl.sum(kept.to(tl.int32), axis=0) - 1
+            v = tl.sum(tl.where(j == last, vals, 0.0), axis=0)
+            c = tl.sum(tl.where(j == last, 0x7FFFFFFF - (keys & 0x7FFFFFFF), 0),
+                       axis=0).to(tl.float32)
+            s_k = f_hi + tl.sum(tl.where(kept, e, 0.0), axis=0)
+            g_k = g_hi + tl.sum(tl.where(kept & (e > 0.0), e * (vals - m), 0.0), axis=0)
+        if ties:
+            # the bracket is ties at hi: the first n of them by class while the mass
+            # before each is < T, the n-th's class found by a sweep
+            e_t = tl.exp(hi - m)
+            n = tl.minimum(tl.maximum(tl.ceil((target_mass - f_hi) / e_t), 1.0),
+                           n_in.to(tl.float32)).to(tl.int32)
+            seen = n * 0
+            last = n * 0
+            for v0 in range(0, V, BLOCK_V):
+                offs = v0 + cols
+                _, r = _z(row_ptr, offs, V, inv_t, softcap, HAS_SOFTCAP)
+                tie = (r == hi).to(tl.int32)
+                rank = seen + tl.cumsum(tie, axis=0)
+                last = tl.maximum(last, tl.max(tl.where((tie > 0) & (rank == n), offs, 0),
+                                               axis=0))
+                seen += tl.sum(tie, axis=0)
+            v = hi
+            c = last.to(tl.float32)
+            s_k = f_hi + n.to(tl.float32) * e_t
+            g_k = g_hi + tl.where(e_t > 0.0, n.to(tl.float32) * e_t * (hi - m), 0.0)
+    s_k = tl.where(s == s, s_k, s)  # a NaN in the row: its sums NaN
+
+    y = tl.load(target_ptr + row).to(tl.int64)
+    read = (y != ignore_index) & (y >= 0) & (y < V)
+    z_y = _load_z(row_ptr + tl.where(read, y, 0), True, softcap, HAS_SOFTCAP) * inv_t
+    tl.store(out, m)
+    tl.store(out + 1, s)
+    tl.store(out + 2, s_k)
+    tl.store(out + 3, g_k)
+    tl.store(out + 4, v)
+    tl.store(out + 5, c)
+    tl.store(out + 6, argmax.to(tl.float32))
+    tl.store(out + 7, tl.where(read, z_y, 0.0))
+
+
+def triton_threshold_stats(logits, target, inv_t, opts, math_dtype):
+    """TruncationRows.thresholds (rowmath/truncation.py) on the Triton kernel, one
+    device: kept_stats' outputs under top_p and min_p without a top-k."""
+    assert math_dtype == torch.float32 and logits.stride(1) == 1
+    n, V = logits.shape
+    out = logits.new_empty((n, _STATS), dtype=torch.float32)
+    if n:
+        top_p = opts.top_p if opts.top_p not in (None, 1.0) else None
+        min_p = opts.min_p if opts.min_p not in (None, 0.0) else None
+        _threshold_kernel[(n,)](
+            logits, target.contiguous(), inv_t.float().contiguous(),
+            logits.new_empty((n, _C), dtype=torch.int64), out, V, opts.ignore_index,
+            float(top_p or 1.0), math.log(min_p or 1.0),
+            float(opts.softcap or 1.0), logits.stride(0),
+            HAS_SOFTCAP=opts.softcap is not None, HAS_TOP_P=top_p is not None,
+            HAS_MIN_P=min_p is not None, BLOCK_V=_block_v(V), C=_C,
+            VALUE_STEPS=_VALUE_STEPS, STAGES=_STAGES, num_warps=8)
+    m, s, s_k, g_k, v, c, argmax, z_y = out.unbind(1)
+    return kept_outputs(m, s_k, g_k, v, c, z_y, (z_y - m) - s.log(), argmax.long(), target,
+                        opts, V)
