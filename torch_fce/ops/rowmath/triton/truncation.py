@@ -5,21 +5,22 @@ One program per token row, z = softcap(l) / T as the log-probs' gradient sweep f
 (so its kept-set test sees these bits), NaN ranked as -inf:
   sweep 1  the max m, its first class, the sum s of exp(z - m), the smallest finite z
            and the count of finite classes; z at the target.
-  min_p    one sweep: the mass S0 of the classes at or above thr = m + log(min_p)
-           (without min_p every finite class: S0 = s), and its sum of
-           exp(z - m) (z - m). Without top_p, K is those classes (ties all kept).
+  min_p    one sweep: the mass S0 of the classes at or above m + log(min_p) (without
+           min_p every finite class: S0 = s), and its sum of exp(z - m) (z - m).
+           Without top_p, K is those classes (ties all kept).
   top_p    K is the shortest prefix (z desc, class asc) of those classes whose mass
            reaches T = top_p S0: a class is kept while the mass before it is < T. With
            f(x) the mass of the classes above x, K's last value v is the smallest value
-           with f(v) < T. A bracket (lo, hi] (closed at lo while lo is thr or the
-           smallest finite z) with f(lo) >= T > f(hi) holds it; each bisection sweep
-           halves it (at the value's midpoint, then, once that stalls, at the midpoint
-           of the values' order-preserving int32 images: at most 56 sweeps) until at
-           most C classes lie in it. Two sweeps write their sort keys (value, then
-           class) to the row's scratch, and a sort of the C slots walks their masses
-           down from f(hi) to K's last class. A bracket of one value (two adjacent
-           floats) holding more than C classes holds ties: the first of them by class
-           are kept while the mass before each is < T, and one sweep finds the last.
+           with f(v) < T. A bracket (lo, hi] with f(lo) >= T > f(hi) holds it. Each
+           sweep evaluates f at three points, keeps the quarter holding v and draws its
+           ends in to the bracket's smallest and largest values (value quarters, then,
+           should those stall, quarters of the values' order-preserving int32 images:
+           at most 24 + 32 sweeps), until at most C
+           classes lie in it. Two sweeps write their sort keys (value, then class) to
+           the row's scratch, and a sort of the C slots walks their masses down from
+           f(hi) to K's last class. A bracket of one value holding more than C classes
+           holds ties: the first of them by class are kept while the mass before each
+           is < T, and one sweep finds the last one's class.
 Per row (m, s, s_K, sum over K of exp(z - m)(z - m), v, c, argmax, z_y): K is the classes
 with z > v, or z == v and class <= c.
 """
@@ -36,6 +37,7 @@ from .topk import _EMPTY, _key, _ranked, _sort_key, _unkey
 
 _C = 256  # the bracket's classes the scratch holds
 _STAGES = 3  # the sweeps' loads in flight
+_BLOCK, _WARPS = 2048, 8  # a sweep's classes a step, the warps: eight lanewise sums
 _VALUE_STEPS = 24  # midpoints of values, then of their int32 images
 _STATS = 8
 
@@ -48,28 +50,22 @@ def _z(row_ptr, offs, V, inv_t, softcap, HAS_SOFTCAP: tl.constexpr):
 
 
 @triton.jit
-def _inside(r, lo, lo_closed, hi):
-    """Whether selection values r lie in the bracket (lo, hi], or [lo, hi]."""
-    return tl.where(lo_closed != 0, r >= lo, r > lo) & (r <= hi)
+def _image(x):
+    """The order-preserving int32 image of float32 x (not NaN), -0.0 and +0.0 as one:
+    adjacent floats have adjacent images."""
+    k = _key(x)
+    return tl.where(k < 0, k + 1, k)
 
 
 @triton.jit
-def _above_sweep(row_ptr, V, x, closed, lo, lo_closed, hi, m, inv_t, softcap,
-                 HAS_SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr, STAGES: tl.constexpr):
-    """Over the classes above x (at or above, closed): the sum of e = exp(z - m) and of
-    e (z - m); and the count of the classes in the bracket (lo, hi] above x."""
-    cols = tl.arange(0, BLOCK_V)
-    f = tl.zeros([BLOCK_V], tl.float32)
-    g = tl.zeros([BLOCK_V], tl.float32)
-    n = tl.zeros([BLOCK_V], tl.int32)
-    for v0 in tl.range(0, V, BLOCK_V, num_stages=STAGES):
-        _, r = _z(row_ptr, v0 + cols, V, inv_t, softcap, HAS_SOFTCAP)
-        above = tl.where(closed != 0, r >= x, r > x)
-        e = tl.where(above, tl.exp(r - m), 0.0)
-        f += e
-        g += tl.where(e > 0.0, e * (r - m), 0.0)
-        n += (above & _inside(r, lo, lo_closed, hi)).to(tl.int32)
-    return tl.sum(f, axis=0), tl.sum(g, axis=0), tl.sum(n, axis=0)
+def _from_image(k):
+    return _unkey(tl.where(k < 0, k - 1, k))
+
+
+@triton.jit
+def _below(x):
+    """The largest float32 below x (not NaN, > -inf): classes > _below(x) are those >= x."""
+    return _from_image(_image(x) - 1)
 
 
 @triton.jit
@@ -117,19 +113,28 @@ def _threshold_kernel(
     top = tl.max(best, axis=0)
     argmax = tl.min(tl.where(best == top, best_i, V), axis=0)
     argmax = tl.where(top > float("-inf"), argmax, 0)  # a row of -inf: its first class
-    low = tl.min(low, axis=0)
     n_in = tl.sum(finite, axis=0)
 
-    # the classes min_p keeps (every finite one without it): [lo, hi], their mass S0
-    lo = low
+    # the classes min_p keeps (every finite one without it): z in (lo, m], their mass S0
+    lo = _below(tl.minimum(tl.min(low, axis=0), m))
+    v = lo
     S0 = s
     G0 = 0.0
     if HAS_MIN_P:
-        lo = m + log_min_p
-        S0, G0, n_in = _above_sweep(row_ptr, V, lo, 1, lo, 1, m, m, inv_t, softcap,
-                                    HAS_SOFTCAP, BLOCK_V, STAGES)
-    lo_closed = n_in * 0 + 1  # int32 flags: loop-carried values are tensors
-    v = lo  # K without top_p: z >= thr, every class (ties all kept)
+        v = m + log_min_p  # K without top_p: z >= v, ties all kept (c = V)
+        lo = _below(v)
+        f = tl.zeros([BLOCK_V], tl.float32)
+        g = tl.zeros([BLOCK_V], tl.float32)
+        n = tl.zeros([BLOCK_V], tl.int32)
+        for v0 in tl.range(0, V, BLOCK_V, num_stages=STAGES):
+            _, r = _z(row_ptr, v0 + cols, V, inv_t, softcap, HAS_SOFTCAP)
+            e = tl.where(r > lo, tl.exp(r - m), 0.0)
+            f += e
+            g += tl.where(e > 0.0, e * (r - m), 0.0)
+            n += (r > lo).to(tl.int32)
+        S0 = tl.sum(f, axis=0)
+        G0 = tl.sum(g, axis=0)
+        n_in = tl.sum(n, axis=0)
     c = V * 1.0
     s_k = S0
     g_k = G0
@@ -137,51 +142,107 @@ def _threshold_kernel(
         target_mass = top_p * S0
         hi = m
         f_hi = 0.0 * S0  # f(m): no class above the max
-        g_hi = f_hi
         # a row without mass (all -inf) or with a NaN: K its first class, sums as they are
         v = tl.full([], float("-inf"), tl.float32)
         c = argmax.to(tl.float32)
         s_k = f_hi
         g_k = f_hi
         go = (target_mass > 0.0) & (s == s) & (n_in > 0)
-        ties = n_in < 0
+        ties = n_in < 0  # int1 tensors: loop-carried values
         step = n_in * 0
-        while go & (n_in > C):
-            mid = lo + (hi - lo) * 0.5
-            if (step >= VALUE_STEPS) | (mid <= lo) | (mid >= hi) | (mid != mid):
-                k_lo = _key(lo + 0.0).to(tl.int64)  # + 0.0: -0.0 as +0.0
-                k_hi = _key(hi + 0.0).to(tl.int64)
-                mid = _unkey(((k_lo + k_hi) >> 1).to(tl.int32))
-            if (mid <= lo) | (mid >= hi):
-                mid = lo  # [lo, hi] of two adjacent floats: split off lo
-            if ((mid == lo) & (lo_closed == 0)) | (lo == hi):
-                ties = n_in >= 0  # (lo, hi] of one value, hi, or [lo, lo]
+        # at most VALUE_STEPS + 32 sweeps (the images' range halves, at least); the
+        # bound guards against a hang should a sweep count otherwise than another
+        while go & (n_in > C) & (step < VALUE_STEPS + 40):
+            k_lo = _image(lo).to(tl.int64)
+            k_hi = _image(hi).to(tl.int64)
+            if k_hi - k_lo <= 1:  # (lo, hi] is one value: ties at hi
+                ties = n_in >= 0
                 go = n_in < 0
             else:
-                f_mid, g_mid, n_up = _above_sweep(row_ptr, V, mid, 0, lo, lo_closed, hi,
-                                                  m, inv_t, softcap, HAS_SOFTCAP, BLOCK_V,
-                                                  STAGES)
-                if f_mid < target_mass:  # v <= mid: (lo, mid]
-                    hi = mid
-                    f_hi = f_mid
-                    g_hi = g_mid
-                    n_in = n_in - n_up
-                else:  # v > mid: (mid, hi]
-                    lo = mid
-                    lo_closed = lo_closed * 0
-                    n_in = n_up
+                # three points cut the bracket in four (value quarters, else the images')
+                w = hi - lo
+                q1 = lo + w * 0.25
+                q2 = lo + w * 0.5
+                q3 = lo + w * 0.75
+                if (step >= VALUE_STEPS) | ((lo < q1) & (q1 < q2) & (q2 < q3) & (q3 < hi)) == 0:
+                    d = k_hi - k_lo  # >= 2: q2 inside, q1 and q3 may meet lo or hi
+                    q1 = _from_image((k_lo + d // 4).to(tl.int32))
+                    q2 = _from_image((k_lo + d // 2).to(tl.int32))
+                    q3 = _from_image((k_lo + d - d // 4).to(tl.int32))
+                # the masses above each point, the bracket's classes above each, and the
+                # bracket's smallest and largest values
+                f1 = tl.zeros([BLOCK_V], tl.float32)
+                f2 = tl.zeros([BLOCK_V], tl.float32)
+                f3 = tl.zeros([BLOCK_V], tl.float32)
+                n1 = tl.zeros([BLOCK_V], tl.int32)
+                n2 = tl.zeros([BLOCK_V], tl.int32)
+                n3 = tl.zeros([BLOCK_V], tl.int32)
+                b_lo = tl.full([BLOCK_V], float("inf"), tl.float32)
+                b_hi = tl.full([BLOCK_V], float("-inf"), tl.float32)
+                for v0 in tl.range(0, V, BLOCK_V, num_stages=STAGES):
+                    _, r = _z(row_ptr, v0 + cols, V, inv_t, softcap, HAS_SOFTCAP)
+                    e = tl.where(r > q1, tl.exp(r - m), 0.0)
+                    f1 += e
+                    f2 += tl.where(r > q2, e, 0.0)
+                    f3 += tl.where(r > q3, e, 0.0)
+                    inside = r <= hi
+                    n1 += ((r > q1) & inside).to(tl.int32)
+                    n2 += ((r > q2) & inside).to(tl.int32)
+                    n3 += ((r > q3) & inside).to(tl.int32)
+                    inside = inside & (r > lo)
+                    b_lo = tl.minimum(b_lo, tl.where(inside, r, float("inf")))
+                    b_hi = tl.maximum(b_hi, tl.where(inside, r, float("-inf")))
+                f1 = tl.sum(f1, axis=0)
+                f2 = tl.sum(f2, axis=0)
+                f3 = tl.sum(f3, axis=0)
+                n1 = tl.sum(n1, axis=0)
+                n2 = tl.sum(n2, axis=0)
+                n3 = tl.sum(n3, axis=0)
+                b_lo = tl.min(b_lo, axis=0)
+                b_hi = tl.max(b_hi, axis=0)
+                if b_lo == b_hi:  # the bracket's classes are ties at one value
+                    hi = b_hi  # f(hi) is the same: no class in between
+                    ties = n_in >= 0
+                    go = n_in < 0
+                else:
+                    # v <= q iff f(q) < T: the first such point bounds the bracket
+                    if f1 < target_mass:
+                        hi = q1
+                        f_hi = f1
+                        n_in = n_in - n1
+                    elif f2 < target_mass:
+                        lo = q1
+                        hi = q2
+                        f_hi = f2
+                        n_in = n1 - n2
+                    elif f3 < target_mass:
+                        lo = q2
+                        hi = q3
+                        f_hi = f3
+                        n_in = n2 - n3
+                    else:
+                        lo = q3
+                        n_in = n3
+                    # the ends drawn in to the bracket's values (no class between: f holds)
+                    lo = tl.maximum(lo, _below(b_lo))
+                    hi = tl.minimum(hi, b_hi)
                 step += 1
+        failed = go & (n_in > C)  # never, by the bound above: a NaN, not a wrong K
         if go:
-            # the bracket's classes, each one's sort key to the scratch (lane-major slots)
+            # the bracket's classes, each one's sort key to the scratch (lane-major
+            # slots), and the entropy's sum over the classes above it
             count = tl.zeros([BLOCK_V], tl.int32)
+            g = tl.zeros([BLOCK_V], tl.float32)
             for v0 in tl.range(0, V, BLOCK_V, num_stages=STAGES):
                 _, r = _z(row_ptr, v0 + cols, V, inv_t, softcap, HAS_SOFTCAP)
-                count += _inside(r, lo, lo_closed, hi).to(tl.int32)
+                count += ((r > lo) & (r <= hi)).to(tl.int32)
+                e = tl.where(r > hi, tl.exp(r - m), 0.0)
+                g += tl.where(e > 0.0, e * (r - m), 0.0)
             slot = tl.cumsum(count, axis=0) - count
             for v0 in tl.range(0, V, BLOCK_V, num_stages=STAGES):
                 offs = v0 + cols
                 _, r = _z(row_ptr, offs, V, inv_t, softcap, HAS_SOFTCAP)
-                hit = _inside(r, lo, lo_closed, hi)
+                hit = (r > lo) & (r <= hi)
                 tl.store(buf + slot, _sort_key(r, offs), mask=hit)
                 slot += hit.to(tl.int32)
             tl.debug_barrier()  # the scratch's stores before its loads
@@ -197,7 +258,8 @@ def _threshold_kernel(
             c = tl.sum(tl.where(j == last, 0x7FFFFFFF - (keys & 0x7FFFFFFF), 0),
                        axis=0).to(tl.float32)
             s_k = f_hi + tl.sum(tl.where(kept, e, 0.0), axis=0)
-            g_k = g_hi + tl.sum(tl.where(kept & (e > 0.0), e * (vals - m), 0.0), axis=0)
+            g_k = tl.sum(g, axis=0) + tl.sum(tl.where(kept & (e > 0.0), e * (vals - m), 0.0),
+                                             axis=0)
         if ties:
             # the bracket is ties at hi: the first n of them by class while the mass
             # before each is < T, the n-th's class found by a sweep
@@ -206,6 +268,7 @@ def _threshold_kernel(
                            n_in.to(tl.float32)).to(tl.int32)
             seen = n * 0
             last = n * 0
+            g = tl.zeros([BLOCK_V], tl.float32)
             for v0 in range(0, V, BLOCK_V):
                 offs = v0 + cols
                 _, r = _z(row_ptr, offs, V, inv_t, softcap, HAS_SOFTCAP)
@@ -214,10 +277,14 @@ def _threshold_kernel(
                 last = tl.maximum(last, tl.max(tl.where((tie > 0) & (rank == n), offs, 0),
                                                axis=0))
                 seen += tl.sum(tie, axis=0)
+                e = tl.where(r > hi, tl.exp(r - m), 0.0)
+                g += tl.where(e > 0.0, e * (r - m), 0.0)
             v = hi
             c = last.to(tl.float32)
             s_k = f_hi + n.to(tl.float32) * e_t
-            g_k = g_hi + tl.where(e_t > 0.0, n.to(tl.float32) * e_t * (hi - m), 0.0)
+            g_k = tl.sum(g, axis=0) + tl.where(e_t > 0.0, n.to(tl.float32) * e_t * (hi - m),
+                                               0.0)
+        s_k = tl.where(failed, float("nan"), s_k)
     s_k = tl.where(s == s, s_k, s)  # a NaN in the row: its sums NaN
 
     y = tl.load(target_ptr + row).to(tl.int64)
@@ -248,8 +315,8 @@ def triton_threshold_stats(logits, target, inv_t, opts, math_dtype):
             float(top_p or 1.0), math.log(min_p or 1.0),
             float(opts.softcap or 1.0), logits.stride(0),
             HAS_SOFTCAP=opts.softcap is not None, HAS_TOP_P=top_p is not None,
-            HAS_MIN_P=min_p is not None, BLOCK_V=_block_v(V), C=_C,
-            VALUE_STEPS=_VALUE_STEPS, STAGES=_STAGES, num_warps=8)
+            HAS_MIN_P=min_p is not None, BLOCK_V=min(_block_v(V), _BLOCK), C=_C,
+            VALUE_STEPS=_VALUE_STEPS, STAGES=_STAGES, num_warps=_WARPS)
     m, s, s_k, g_k, v, c, argmax, z_y = out.unbind(1)
     return kept_outputs(m, s_k, g_k, v, c, z_y, (z_y - m) - s.log(), argmax.long(), target,
                         opts, V)
