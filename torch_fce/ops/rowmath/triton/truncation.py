@@ -164,7 +164,8 @@ def _threshold_kernel(
                 q1 = lo + w * 0.25
                 q2 = lo + w * 0.5
                 q3 = lo + w * 0.75
-                if (step >= VALUE_STEPS) | ((lo < q1) & (q1 < q2) & (q2 < q3) & (q3 < hi)) == 0:
+                apart = (lo < q1) & (q1 < q2) & (q2 < q3) & (q3 < hi)
+                if (step >= VALUE_STEPS) | (apart == 0):
                     d = k_hi - k_lo  # >= 2: q2 inside, q1 and q3 may meet lo or hi
                     q1 = _from_image((k_lo + d // 4).to(tl.int32))
                     q2 = _from_image((k_lo + d // 2).to(tl.int32))
@@ -250,40 +251,41 @@ def _threshold_kernel(
             keys = tl.sort(tl.load(buf + j, mask=j < n_in, other=_EMPTY), descending=True)
             valid = j < n_in
             vals = _unkey((keys >> 32).to(tl.int32))
-            e = tl.where(valid, tl.exp(vals - m), 0.0)
-            before = f_hi + tl.cumsum(e, axis=0) - e
+            mass = tl.where(valid, tl.exp(vals - m), 0.0)
+            before = f_hi + tl.cumsum(mass, axis=0) - mass
             kept = valid & (before < target_mass)
             last = tl.sum(kept.to(tl.int32), axis=0) - 1
             v = tl.sum(tl.where(j == last, vals, 0.0), axis=0)
             c = tl.sum(tl.where(j == last, 0x7FFFFFFF - (keys & 0x7FFFFFFF), 0),
                        axis=0).to(tl.float32)
-            s_k = f_hi + tl.sum(tl.where(kept, e, 0.0), axis=0)
-            g_k = tl.sum(g, axis=0) + tl.sum(tl.where(kept & (e > 0.0), e * (vals - m), 0.0),
+            s_k = f_hi + tl.sum(tl.where(kept, mass, 0.0), axis=0)
+            g_k = tl.sum(g, axis=0) + tl.sum(tl.where(kept & (mass > 0.0),
+                                                      mass * (vals - m), 0.0),
                                              axis=0)
         if ties:
-            # the bracket is ties at hi: the first n of them by class while the mass
-            # before each is < T, the n-th's class found by a sweep
+            # the bracket is ties at hi: the first n_keep of them by class while the mass
+            # before each is < T, the last one's class found by a sweep
             e_t = tl.exp(hi - m)
-            n = tl.minimum(tl.maximum(tl.ceil((target_mass - f_hi) / e_t), 1.0),
-                           n_in.to(tl.float32)).to(tl.int32)
-            seen = n * 0
-            last = n * 0
+            n_keep = tl.minimum(tl.maximum(tl.ceil((target_mass - f_hi) / e_t), 1.0),
+                                n_in.to(tl.float32)).to(tl.int32)
+            seen = n_keep * 0
+            last = n_keep * 0
             g = tl.zeros([BLOCK_V], tl.float32)
             for v0 in range(0, V, BLOCK_V):
                 offs = v0 + cols
                 _, r = _z(row_ptr, offs, V, inv_t, softcap, HAS_SOFTCAP)
                 tie = (r == hi).to(tl.int32)
                 rank = seen + tl.cumsum(tie, axis=0)
-                last = tl.maximum(last, tl.max(tl.where((tie > 0) & (rank == n), offs, 0),
-                                               axis=0))
+                at = (tie > 0) & (rank == n_keep)
+                last = tl.maximum(last, tl.max(tl.where(at, offs, 0), axis=0))
                 seen += tl.sum(tie, axis=0)
                 e = tl.where(r > hi, tl.exp(r - m), 0.0)
                 g += tl.where(e > 0.0, e * (r - m), 0.0)
             v = hi
             c = last.to(tl.float32)
-            s_k = f_hi + n.to(tl.float32) * e_t
-            g_k = tl.sum(g, axis=0) + tl.where(e_t > 0.0, n.to(tl.float32) * e_t * (hi - m),
-                                               0.0)
+            s_k = f_hi + n_keep.to(tl.float32) * e_t
+            g_k = tl.sum(g, axis=0) + tl.where(
+                e_t > 0.0, n_keep.to(tl.float32) * e_t * (hi - m), 0.0)
         s_k = tl.where(failed, float("nan"), s_k)
     s_k = tl.where(s == s, s_k, s)  # a NaN in the row: its sums NaN
 
