@@ -186,7 +186,7 @@ def fwd(hidden, weight, target, bias, temperature, *args, backend):
     them: the outputs are batch-invariant) where the logits GEMMs are row-invariant,
     else cut as the backward (_cuts_vocab); tiles and a shard merge per-row statistics
     across their blocks of classes, then the group, then finish them (a truncation: its
-    candidates)."""
+    rows' kept set, truncation.kept_stats)."""
     opts, rest = take(LogProbOptions, args)
     shard = take(VocabShard, rest)[0]
     truncation.check_shard(opts, shard)
