@@ -2,18 +2,22 @@
 of rowmath/topk.py's topk_rows (its tie rule: value descending, equal values by
 ascending class).
 
-One program per token row, three streaming sweeps over the vocabulary in the common
-case (no reduction or scan inside them: on the H200 a sweep with a block-wide scan per
-block holding candidates cost 2.3-6.6x a read, k 8-128), in a kernel of their own
-(_candidates_kernel):
-  sweep 1  the logsumexp online, and the lanewise maxima of the row's blocks, folded
-           into G groups (group j: the classes = j mod G). The k-th largest group
-           maximum t is a lower bound of the k-th largest value v_k: the k groups of
-           largest maxima hold k distinct classes >= t.
-  sweep 2  per lane (the classes = lane mod BLOCK_V) the count of classes >= t.
-  sweep 3  when they fit in the row scratch's C slots (the common case: about 1.15 k
-           classes are >= t for G = 4k), each one's sort key (value, then class)
-           written to its lane's slots (a scan of the lane counts).
+One program per token row, one streaming sweep over the vocabulary and a few gathers in
+the common case (no reduction across warps or scan inside the sweep: on the H200 a sweep
+with a block-wide scan per block holding candidates cost 2.3-6.6x a read, k 8-128), in a
+kernel of their own (_candidates_kernel):
+  sweep    the logsumexp online per lane, the lanewise maxima of the row's blocks,
+           folded into G groups (group j: the classes = j mod G), and each 32-class
+           segment's maximum, written to the row's segment scratch. The k-th largest
+           group maximum t is a lower bound of the k-th largest value v_k: the k groups
+           of largest maxima hold k distinct classes >= t.
+  listing  the segments whose maximum is >= t (no more than the classes >= t: about
+           1.15 k for G = 4k), their indices to a list (scans of 1024 maxima).
+  gathers  when they fit in the row scratch's C slots (the common case), the listed
+           segments' classes read again, 32 segments a step, and each one >= t written
+           as its sort key (value, then class). A row is read once, and then about
+           1.15 k segments of 32 classes, not twice more (the three-sweep kernel before:
+           docs/distillation.md).
 A second kernel (_topk_rows_kernel) ranks the candidates among each other by key
 (keys are distinct: rank r < k is the r-th of the top-k, in the tie rule). Otherwise
 (many ties at t, such as a padding row's, or structured rows whose largest values
@@ -156,10 +160,10 @@ def _candidates_kernel(
     cols = segs[:, None] * S + tl.arange(0, S)[None, :]  # a block as (segment, class)
     inv_t = tl.load(inv_t_ptr + row)
 
-    # the sweep: the lse of u = softcap(scale z) / T, the lanewise maxima (for the
+    # the sweep: the lse of u = softcap(scale z) / T, online per segment position (no
+    # reduction across warps in the loop) and merged after, the lanewise maxima (for the
     # bound) and the segments' maxima (for the gathers); NaN ranks as -inf, and its exp
     # makes the sum (so the lse) NaN
-    # online per segment position (no reduction across warps in the loop), merged after
     m = tl.full([SEGS], _NEG_BIG, tl.float32)  # finite: m - m_new stays a number
     s = tl.zeros([SEGS], tl.float32)
     lane = tl.full([SEGS, S], float("-inf"), tl.float32)

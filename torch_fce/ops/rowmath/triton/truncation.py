@@ -38,7 +38,7 @@ from .topk import _EMPTY, _key, _ranked, _sort_key, _unkey
 _C = 256  # the bracket's classes the scratch holds
 _STAGES = 3  # the sweeps' loads in flight
 _BLOCK, _WARPS = 2048, 8  # a sweep's classes a step, the warps: eight lanewise sums
-_VALUE_STEPS = 24  # midpoints of values, then of their int32 images
+_VALUE_STEPS = 24  # sweeps at quarters of the values, then of their int32 images
 _STATS = 8
 
 
