@@ -435,13 +435,20 @@ def _check_sparse(rank, world):
         assert rel_err(got[2][1].full_tensor(), want[2][1]) <= tol
 
 
+def _exact(x):
+    """Inputs on a grid of 1/8 (D = 8): every logit exact, so equal head rows give equal
+    logits whatever blocking a GEMM of either shape picks (ties stay ties)."""
+    return {k: v if v is None or not v.is_floating_point() else (v * 8).round() / 8
+            for k, v in x.items()}
+
+
 def _check_topk(rank, world):
     # linear_topk_logprobs over uneven shards (one narrower than k), many chunks, ties
     # straddling shards (repeated head rows), and through a Shard(0) DTensor head,
     # against one process: the same classes in the same order, the same log-probs.
     from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
 
-    x = make_inputs(24, 8, V, bias=True, seed=23, weight_scale=2.0)
+    x = _exact(make_inputs(24, 8, V, bias=True, seed=23, weight_scale=2.0))
     w, b = x["weight"].clone(), x["bias"].clone()
     w[20:30], b[20:30] = w[0:10], b[0:10]  # equal logits in different shards
     start, end = SPLITS[world][rank], SPLITS[world][rank + 1]
@@ -466,63 +473,66 @@ def _check_topk(rank, world):
 
 
 def _check_truncation(rank, world):
-    # the sampler's truncation vocab-parallel (top_k among the shards' candidates, ties
-    # straddling shards, many chunks) and through a Shard(0) DTensor head, against one
-    # process: log-probs (-inf at the same tokens), entropy, gradients; the policy loss;
-    # top_p / min_p without a top_k refused by name on every rank
+    # the sampler's truncation vocab-parallel against one process: top_k among the shards'
+    # candidates, and top_p / min_p without one (and a top_k over 256 classes) by the
+    # search of values; ties straddling shards, many chunks; log-probs (-inf at the same
+    # tokens), entropy, gradients; through a Shard(0) DTensor head; the policy loss
     from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
 
-    x = make_inputs(24, 8, V, bias=True, seed=29, weight_scale=2.0)
-    w, b = x["weight"].clone(), x["bias"].clone()
-    w[20:30], b[20:30] = w[0:10], b[0:10]  # equal logits in different shards
-    start, end = SPLITS[world][rank], SPLITS[world][rank + 1]
-    target = x["target"].clone()
-    target[:8] = (x["hidden"][:8] @ w.T + b).argmax(-1)  # kept
-    opts = dict(top_k=7, top_p=0.8, min_p=0.02, temperature=0.8, entropy=True)
     g = torch.Generator().manual_seed(7)
-    cl, ce = torch.randn(24, generator=g), torch.randn(24, generator=g)
-
-    def run(fn, weight, bias, **extra):
-        leaves = [t.clone().requires_grad_() for t in (x["hidden"], weight, bias)]
-        out = fn(*leaves[:2], target, leaves[2], **opts, **extra)
-        lp = torch.where(out.logprob > -math.inf, out.logprob, 0.0)
-        return out, torch.autograd.grad((lp * cl + out.entropy * ce).sum(), leaves)
-
-    want, want_g = run(torch_fce.linear_logprobs, w, b)
-    assert (want.logprob == -math.inf).any() and (want.logprob > -math.inf).any()
-    with torch_fce.workspace(3 * -(-V // world) * 4 * 12):
-        got, got_g = run(vocab_parallel_linear_logprobs, w[start:end], b[start:end],
-                         vocab_start=start, vocab_size=V)
-    assert torch.equal(got.logprob == -math.inf, want.logprob == -math.inf)
-    for a, r in ((got.logprob, want.logprob), (got.entropy, want.entropy)):
-        assert rel_err(torch.where(r > -math.inf, a, 0.0), torch.where(r > -math.inf, r, 0.0)) \
-            <= LOSS_TOL
-    for a, r in zip(got_g, (want_g[0], want_g[1][start:end], want_g[2][start:end])):
-        assert rel_err(a, r) <= grad_tol(torch.float32, V)
     mesh = init_device_mesh("cpu", (world,))
-    dt = torch_fce.linear_logprobs(x["hidden"], distribute_tensor(w, mesh, [Shard(0)]), target,
-                                   distribute_tensor(b, mesh, [Shard(0)]), **opts)
-    assert torch.equal(dt.logprob == -math.inf, want.logprob == -math.inf)
-    A = torch.randn(24, generator=g)
-    old = torch.where(want.logprob > -math.inf, want.logprob, -5.0).detach() + 0.1
-    policy = dict(opts, entropy_coef=0.01, old_logprobs=old)
-    policy.pop("entropy")
-    losses = []
-    for fn, weight, bias, extra in (
-            (torch_fce.linear_policy_loss, w, b, {}),
-            (vocab_parallel_linear_policy_loss, w[start:end], b[start:end],
-             dict(vocab_start=start, vocab_size=V))):
-        leaves = [t.clone().requires_grad_() for t in (x["hidden"], weight, bias)]
-        loss, _ = fn(leaves[0], leaves[1], target, A, leaves[2], **policy, **extra)
-        losses.append((loss, *torch.autograd.grad(loss, leaves)))
-    (l1, *g1), (l0, *g0) = losses[1], losses[0]
-    assert rel_err(l1, l0) <= LOSS_TOL
-    for a, r in zip(g1, (g0[0], g0[1][start:end], g0[2][start:end])):
-        assert rel_err(a, r) <= grad_tol(torch.float32, V)
-    for bad in (dict(top_p=0.9), dict(min_p=0.1)):
-        with pytest.raises(ValueError, match="vocab-parallel need top_k <= 256"):
-            vocab_parallel_linear_logprobs(x["hidden"], w[start:end], target, b[start:end],
-                                           vocab_start=start, vocab_size=V, **bad)
+    for vocab, opts in ((V, dict(top_k=7, top_p=0.8, min_p=0.02)), (V, dict(top_p=0.8)),
+                        (V, dict(min_p=0.05)), (V, dict(top_p=0.9, min_p=0.02, top_k=V)),
+                        (301, dict(top_k=260, top_p=0.95)), (301, dict(top_k=270))):
+        x = _exact(make_inputs(24, 8, vocab, bias=True, seed=29, weight_scale=2.0))
+        w, b = x["weight"].clone(), x["bias"].clone()
+        w[20:30], b[20:30] = w[0:10], b[0:10]  # equal logits in different shards
+        x["hidden"][3] = 0.0  # a row of equal logits but the bias'
+        splits = SPLITS[world] if vocab == V else [vocab * r // world for r in range(world + 1)]
+        start, end = splits[rank], splits[rank + 1]
+        target = x["target"].clone()
+        target[:8] = (x["hidden"][:8] @ w.T + b).argmax(-1)  # kept
+        opts = dict(opts, temperature=0.8, entropy=True)
+        cl, ce = torch.randn(24, generator=g), torch.randn(24, generator=g)
+
+        def run(fn, weight, bias, **extra):
+            leaves = [t.clone().requires_grad_() for t in (x["hidden"], weight, bias)]
+            out = fn(*leaves[:2], target, leaves[2], **opts, **extra)
+            lp = torch.where(out.logprob > -math.inf, out.logprob, 0.0)
+            return out, torch.autograd.grad((lp * cl + out.entropy * ce).sum(), leaves)
+
+        want, want_g = run(torch_fce.linear_logprobs, w, b)
+        assert (want.logprob == -math.inf).any() and (want.logprob > -math.inf).any()
+        with torch_fce.workspace(3 * -(-vocab // world) * 4 * 12):
+            got, got_g = run(vocab_parallel_linear_logprobs, w[start:end], b[start:end],
+                             vocab_start=start, vocab_size=vocab)
+        assert torch.equal(got.logprob == -math.inf, want.logprob == -math.inf), opts
+        for a, r in ((got.logprob, want.logprob), (got.entropy, want.entropy)):
+            assert rel_err(torch.where(r > -math.inf, a, 0.0),
+                           torch.where(r > -math.inf, r, 0.0)) <= LOSS_TOL, opts
+        for a, r in zip(got_g, (want_g[0], want_g[1][start:end], want_g[2][start:end])):
+            assert rel_err(a, r) <= grad_tol(torch.float32, vocab), opts
+        if vocab != V:
+            continue
+        dt = torch_fce.linear_logprobs(x["hidden"], distribute_tensor(w, mesh, [Shard(0)]),
+                                       target, distribute_tensor(b, mesh, [Shard(0)]), **opts)
+        assert torch.equal(dt.logprob == -math.inf, want.logprob == -math.inf), opts
+        A = torch.randn(24, generator=g)
+        old = torch.where(want.logprob > -math.inf, want.logprob, -5.0).detach() + 0.1
+        policy = dict(opts, entropy_coef=0.01, old_logprobs=old)
+        policy.pop("entropy")
+        losses = []
+        for fn, weight, bias, extra in (
+                (torch_fce.linear_policy_loss, w, b, {}),
+                (vocab_parallel_linear_policy_loss, w[start:end], b[start:end],
+                 dict(vocab_start=start, vocab_size=V))):
+            leaves = [t.clone().requires_grad_() for t in (x["hidden"], weight, bias)]
+            loss, _ = fn(leaves[0], leaves[1], target, A, leaves[2], **policy, **extra)
+            losses.append((loss, *torch.autograd.grad(loss, leaves)))
+        (l1, *g1), (l0, *g0) = losses[1], losses[0]
+        assert rel_err(l1, l0) <= LOSS_TOL, opts
+        for a, r in zip(g1, (g0[0], g0[1][start:end], g0[2][start:end])):
+            assert rel_err(a, r) <= grad_tol(torch.float32, V), opts
 
 
 def _check_verl(rank, world):

@@ -215,6 +215,66 @@ def test_triton_threshold_rows_match_the_sorted_rows(monkeypatch, truncation, sl
                                        torch.float32)[1][torch.arange(13) != 2].cpu())
 
 
+@pytest.mark.parametrize("truncation", [dict(top_p=0.9), dict(top_p=0.5, min_p=0.02),
+                                        dict(top_p=0.999), dict(top_p=0.01), dict(min_p=0.1),
+                                        dict(top_k=300), dict(top_k=1000, top_p=0.7),
+                                        dict(top_k=2999, min_p=0.05, top_p=0.9)])
+def test_value_search_matches_the_sorted_rows(truncation):
+    # a vocabulary shard's search of values (rowmath/truncation.sharded_kept_stats: the
+    # quartered bracket of images, ties counted out by class) on the whole row as one
+    # rank against the sort of the whole row; the multi-rank merge: the gloo tests
+    from torch_fce.ops.loop.chunked import VocabShard
+    from torch_fce.ops.rowmath import truncation as rows
+
+    z, y, inv_t = (t.cpu() for t in _threshold_rows_problem())
+    opts = room.LogProbOptions(entropy=True, **truncation)
+    one_rank = VocabShard(vocab_size=z.shape[1])
+    want = rows.kept_stats(rows.TORCH_TRUNCATION_ROWS, z, y, inv_t, opts, torch.float32)
+    got = rows.sharded_kept_stats(z.clone(), y, inv_t, opts, torch.float32, one_rank)
+    for name, a, r in zip(("logprob", "entropy", "lse"), got, want):
+        assert torch.equal(a.isnan(), r.isnan()) and torch.equal(a == -math.inf,
+                                                                 r == -math.inf), name
+        ok = torch.isfinite(r)
+        assert ((a - r).abs()[ok] <= 1e-5 * (1 + r.abs()[ok])).all(), name
+    assert torch.equal(got[3], want[3])  # argmax
+    # (v, c) the same class where the sort's rows end K (min_p alone: the smallest kept
+    # value's last class here, V - 1 or below there: the same K)
+    cols = [0, 1, 2, 3, 5, 6] + ([4] if "top_p" in truncation or "top_k" in truncation
+                                 else [])
+    stats, ref = got[4][:, cols], want[4][:, cols]
+    assert torch.equal(stats.isfinite(), ref.isfinite())
+    ok = ref.isfinite()
+    assert ((stats - ref).abs()[ok] <= 1e-5 * (1 + ref.abs()[ok])).all()
+    nan_row = z.clone()
+    nan_row[2, 17] = float("nan")
+    got = rows.sharded_kept_stats(nan_row, y, inv_t, opts, torch.float32, one_rank)
+    assert got[1][2].isnan() and got[2][2].isnan()
+
+
+def test_value_search_narrows_the_widest_brackets():
+    # the search's fixed rounds reach the boundary value from brackets spanning every
+    # float32 and float64 (signs, subnormals, -0.0 and +0.0), against a brute force
+    from torch_fce.ops.rowmath.truncation import _smallest_below
+
+    for dtype in (torch.float32, torch.float64):
+        big, tiny = torch.finfo(dtype).max, torch.finfo(dtype).smallest_normal / 4
+        g = torch.Generator().manual_seed(3)
+        values = torch.cat([
+            torch.randn(4, 40, generator=g, dtype=dtype) * 10,
+            torch.empty(4, 40, dtype=dtype).uniform_(-1, 1, generator=g) * big,
+            torch.tensor([[-big, big / 2, 0.0, -0.0, tiny, -tiny, 1.0, big] * 5] * 4,
+                         dtype=dtype)])
+        goal = torch.randint(1, 40, (12,), generator=g).to(dtype)
+
+        def count_above(t):
+            return (values[:, None, :] > t[:, :, None]).sum(-1).to(dtype)
+
+        got = _smallest_below(count_above, values.amin(-1), values.amax(-1), goal)
+        for row, u, k in zip(values, got, goal):
+            present = sorted(set(row.tolist()))
+            assert u.item() == min(x for x in present if (row > x).sum() < k), dtype
+
+
 def test_policy_loss_matches_the_reference():
     g = torch.Generator().manual_seed(4)
     h = torch.randn(2, 5, 6, generator=g, dtype=torch.float64)

@@ -116,7 +116,6 @@ def _linear_logprobs(hidden, weight, target, bias=None, temperature=None, **opti
 def _fwd_fake(hidden, weight, target, bias, temperature, *args):
     opts, rest = take(LogProbOptions, args)
     opts = opts.check()
-    truncation.check_shard(opts, take(VocabShard, rest)[0])
     checks.check_head_inputs(hidden, weight, target, bias, None)
     checks.check_temperature(temperature, target)
     N, mdt = target.shape[0], torch.promote_types(hidden.dtype, torch.float32)
@@ -189,7 +188,6 @@ def fwd(hidden, weight, target, bias, temperature, *args, backend):
     rows' kept set, truncation.kept_stats)."""
     opts, rest = take(LogProbOptions, args)
     shard = take(VocabShard, rest)[0]
-    truncation.check_shard(opts, shard)
     V = shard.vocab(weight)
     truncated = truncation.rows_for(backend, opts, shard, V)
     if backend.check_values:

@@ -244,7 +244,6 @@ def _fwd_fake(hidden, weight, target, advantages, bias, *args):
     opts = opts.check()
     check_policy_inputs(hidden, weight, target, advantages, bias, tensors, opts)
     shard, (needs,) = take(VocabShard, rest)
-    truncation.check_shard(opts, shard)
     return grads.fake_forward_grads_outputs(hidden, weight, bias, needs, opts, shard, 5)
 
 
@@ -272,7 +271,6 @@ def fwd(hidden, weight, target, advantages, bias, old_logprobs, ref_logprobs,
     opts, rest = take(PolicyOptions, args)
     opts = opts.check()
     shard, (needs,) = take(VocabShard, rest)
-    truncation.check_shard(opts, shard)
     truncated = truncation.rows_for(backend, opts, shard, shard.vocab(weight))
     if backend.check_values:
         checks.check_target_range(target, shard.vocab(weight), opts.ignore_index)

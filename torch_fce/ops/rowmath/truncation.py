@@ -16,10 +16,12 @@ tile or shard applies alone. Over K the row's statistics are those of logits set
 gradient), H_K = log s_K - d_K, and the gradient the untruncated one's with q_K for p.
 
 The candidates are the first k classes (the top-k rows, k <= MAX_CANDIDATES) or,
-without top_k or with a larger one, the whole row sorted (one device: a shard would need
-the group's whole row). Without a top-k (top_p and min_p only) the Triton rows find K
-by sweeps of the row instead (rowmath/triton/truncation.py: bisection on top_p's mass,
-no sort). A TruncationRows family gives them and the gradient on one backend: the
+without top_k or with a larger one, the whole row sorted on one device. Without a top-k
+(top_p and min_p only) the Triton rows find K by sweeps of the row instead
+(rowmath/triton/truncation.py: bisection on top_p's mass, no sort). A vocabulary shard
+without top-k candidates finds (v, c) by a search of values (sharded_kept_stats: each
+rank sorts its classes once, the group's counts and masses above a value are
+all-reduced). A TruncationRows family gives them and the gradient on one backend: the
 PyTorch members here (any device, any shard), the Triton ones in
 rowmath/triton/logprob.py (one device, top-k candidates or no top-k: rows_for picks).
 The forward's candidate values and the backward's recomputed z come from the same
@@ -32,7 +34,7 @@ from typing import Callable, NamedTuple, Optional
 import torch
 
 from ..loop.chunked import ONE_DEVICE, logits_bytes
-from .ce import row_sum, softcapped
+from .ce import first_max, row_sum, softcapped
 from .logprob import logits_grad
 from .topk import at_classes, topk_rows
 
@@ -65,17 +67,6 @@ def whole_row_sort(opts, vocab_size):
 def no_top_k(opts, vocab_size):
     """Whether top_k keeps every class (None or >= V): K is a threshold of the row."""
     return opts.top_k is None or opts.top_k >= vocab_size
-
-
-def check_shard(opts, shard):
-    """Raises where a vocabulary shard cannot find the kept set: among each shard's
-    top-k candidates only (the whole row's sort is one device's)."""
-    if shard.group is not None and truncating(opts) and whole_row_sort(opts,
-                                                                       shard.vocab_size):
-        raise ValueError(
-            f"top_p and min_p vocab-parallel need top_k <= {MAX_CANDIDATES} (the kept set "
-            f"is found among the shards' top-k candidates, else in the whole row sorted), "
-            f"got top_k={opts.top_k}, top_p={opts.top_p}, min_p={opts.min_p}")
 
 
 class TruncationRows(NamedTuple):
@@ -186,6 +177,8 @@ def kept_stats(rows, logits, target, inv_t, opts, math_dtype, shard=ONE_DEVICE):
     V = logits.shape[1] if shard.group is None else shard.vocab_size
     if _by_thresholds(rows, opts, V):
         return rows.thresholds(logits, target, inv_t, opts, math_dtype)
+    if shard.group is not None and whole_row_sort(opts, V):
+        return sharded_kept_stats(logits, target, inv_t, opts, math_dtype, shard)
     values, classes, z_y, logprob_all = rows.candidates(logits, target, inv_t, opts,
                                                         math_dtype, shard)
     # the candidates in the order of their values, equal ones by class
@@ -229,9 +222,131 @@ def per_logit(rows, logits_dtype, dz_dtype, opts, vocab_size):
     """The chunk's bytes per logit under the truncation rows `rows` (chunk_rows_for's
     per_logit; None without a truncation, the loop's own): the logits, dz where it has
     a buffer of its own (logits wider than dz), the rows' temporaries, and the whole
-    row's sort (values, classes, the sort's own) where the candidates are that."""
+    row's sort (values, classes, the sort's own; a shard's: its values, classes and
+    masses) where the candidates are that."""
     if rows is None:
         return None
     sort = 24 if whole_row_sort(opts, vocab_size) and not _by_thresholds(
         rows, opts, vocab_size) else 0
     return logits_bytes(logits_dtype, dz_dtype) + rows.per_logit + sort
+
+
+# ---- a vocabulary shard without top-k candidates: K's last class by a search of values
+
+def sharded_kept_stats(logits, target, inv_t, opts, math_dtype, shard):
+    """kept_stats on a vocabulary shard where no top-k rows bound K (top_p or min_p
+    without top_k, or top_k > MAX_CANDIDATES). Each rank sorts its z once; the group's
+    count and mass of the classes above a value t (above(t)) are then a search of each
+    rank's sorted values and one all-reduce. With H(t) either, nonincreasing and
+    constant between the row's values, a prefix of the order ends at the smallest value
+    u with H(u) < its goal (_smallest_below: a fixed number of rounds, no host sync):
+      min_p  the classes at or above m + log(min_p): n1 of them, u0 their smallest value
+      top_k  v2: the goal n2 = min(k, n1) in counts; n2 - count(z > v2) of its ties kept
+      top_p  v: the goal T = top_p S2 in masses, over [v2, m] (S2 the first n2's mass);
+             of v's ties the first by class while the mass before each, H(v) + i
+             exp(v - m), is < T (masses summed in another order than one device's: a
+             boundary met within rounding may fall on the other side)
+    c is the last kept tie's class (_nth_tie). NaN is ranked as -inf; a row holding one
+    gives NaN, as on one device."""
+    z, _ = _processed(logits, opts, inv_t, math_dtype)
+    V, n = shard.vocab_size, z.shape[0]
+    mine, col = first_max(z)  # NaN as -inf
+    # the search's max (NaN-free) and the sums' (NaN where the row holds one)
+    top, m = shard.all_reduce(torch.stack([mine, z.amax(-1)]), "max").clamp_min(
+        torch.finfo(math_dtype).min).unbind(0)
+    argmax = shard.all_reduce(torch.where(mine == top, col + shard.vocab_start, V), "min")
+    # the rank's -z ascending (z > t <=> -z < -t), NaN as -inf, and the masses before each
+    neg = torch.sort(torch.where(z.isnan(), math.inf, -z), dim=-1).values
+    mass = torch.cat([neg.new_zeros(n, 1), torch.exp(-neg - top[:, None]).cumsum_(-1)], 1)
+
+    def above(t):  # values (n, P) -> the group's (count, mass) of z > t, each (n, P)
+        cnt = torch.searchsorted(neg, -t.contiguous(), side="left")
+        return shard.all_reduce(torch.stack([cnt.to(math_dtype), mass.gather(1, cnt)]),
+                                "sum").unbind(0)
+
+    floor = (top + math.log(opts.min_p) if opts.min_p not in (None, 0.0)
+             else torch.full_like(top, -math.inf))
+    kept = (neg <= -floor[:, None]) & (neg < math.inf)  # finite, at or above the floor
+    n1, s_all = shard.all_reduce(torch.stack([kept.sum(-1).to(math_dtype), mass[:, -1]]),
+                                 "sum").unbind(0)
+    v = shard.all_reduce(torch.where(kept, -neg, math.inf).amin(-1), "min")  # u0
+    del kept
+    goal = n1
+    if opts.top_k is not None and opts.top_k < V:
+        goal = n1.clamp_max(opts.top_k)
+        v = _smallest_below(lambda t: above(t)[0], v, top, goal)
+    cnt, ms = (x[:, 0] for x in above(v[:, None]))
+    ties = goal - cnt  # v's ties in the prefix so far
+    if opts.top_p not in (None, 1.0):
+        v2 = v
+        goal = opts.top_p * (ms + ties * (v2 - top).exp())
+        v = _smallest_below(lambda t: above(t)[1], v2, top, goal)
+        cnt, ms = above(torch.stack([v, _below(v)], 1))
+        avail = torch.where(v == v2, ties, cnt[:, 1] - cnt[:, 0])
+        e = (v - top).exp()
+        ties = torch.where(e > 0, ((goal - ms[:, 0]) / e).ceil().clamp_min(1.0), avail)
+        ties = torch.minimum(ties, avail)
+    empty = n1 == 0  # every class -inf: the first class alone, as on one device
+    v = torch.where(empty, -math.inf, v)
+    c = torch.where(empty, 0.0, _nth_tie(z, v, ties, shard).to(math_dtype))
+    # K's sums over this rank's classes in class order, then the group's
+    cols = torch.arange(shard.vocab_start, shard.vocab_start + z.shape[1], device=z.device,
+                        dtype=math_dtype)
+    x = z - m[:, None]
+    e = torch.where((z > v[:, None]) | ((z == v[:, None]) & (cols <= c[:, None])),
+                    x.exp(), 0.0)
+    s, ez = shard.all_reduce(torch.stack([row_sum(e), row_sum(torch.where(
+        e > 0, e * x, 0.0))]), "sum").unbind(0)
+    valid = target != opts.ignore_index
+    read = valid & (target >= 0) & (target < V)
+    z_y = at_classes(z, target[:, None], read[:, None], shard)[:, 0]
+    logprob_all = (z_y - top) - s_all.log() + (m - top)  # + NaN where the row holds one
+    return kept_outputs(m, s, ez, v, c, z_y, logprob_all, argmax, target, opts, V)
+
+
+def _image(x):
+    """The order-preserving int64 image of float32 / float64 x (not NaN), -0.0 and +0.0
+    as one: adjacent floats have adjacent images."""
+    ints = torch.int32 if x.dtype == torch.float32 else torch.int64
+    bits = x.view(ints).long()
+    return torch.where(bits < 0, torch.iinfo(ints).min - bits, bits)
+
+
+def _from_image(k, dtype):
+    ints = torch.int32 if dtype == torch.float32 else torch.int64
+    return torch.where(k < 0, torch.iinfo(ints).min - k, k).to(ints).view(dtype)
+
+
+def _below(x):
+    """The largest float below x (x finite or +inf): classes > _below(x) are those >= x."""
+    return _from_image(_image(x) - 1, x.dtype)
+
+
+def _smallest_below(H, lo, hi, goal):
+    """The smallest value u in [lo, hi] (n,) of a row with H(u) < goal (n,), H(t) (n, P)
+    nonincreasing in t, given H(_below(lo)) >= goal > H(hi): quarters of the bracket of
+    their images, which narrows it to two adjacent images in a fixed number of rounds
+    (17 and 33 from the widest float32 and float64 brackets)."""
+    dtype = lo.dtype
+    lo, hi = _image(lo) - 1, _image(hi)
+    for _ in range(18 if dtype == torch.float32 else 34):
+        half = (hi >> 1) - (lo >> 1)  # about half the bracket, without overflow
+        points = torch.stack([lo + half // 2, lo + half, lo + half + half // 2], 1)
+        under = H(_from_image(points, dtype)) < goal[:, None]
+        hi = torch.where(under, points, hi[:, None]).amin(-1)
+        lo = torch.where(under, lo[:, None], points).amax(-1)
+    return _from_image(hi, dtype)
+
+
+def _nth_tie(z, v, nth, shard):
+    """The class of the group's nth (n,) class with z == v (n,) by class order, from
+    each rank's count of them gathered beside its first class."""
+    tie = z == v[:, None]
+    counts = tie.sum(-1)
+    start = torch.full((1,), shard.vocab_start, dtype=counts.dtype, device=z.device)
+    gathered = shard.all_gather(torch.cat([start, counts])[None])  # (world, n + 1)
+    before = torch.where(gathered[:, :1] < shard.vocab_start, gathered[:, 1:], 0).sum(0)
+    j = nth.long() - before  # this rank's jth tie, if it holds it
+    col = (tie.cumsum(-1) < j[:, None]).sum(-1)
+    return shard.all_reduce(torch.where((j >= 1) & (j <= counts), col + shard.vocab_start,
+                                        -1), "max")
