@@ -107,6 +107,34 @@ def test_triton_rows_match_the_float64_reference(problem, rows, logits_dtype):
             assert err <= 1e-5 * (scale or float(ref.norm())), (err, scale)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_triton_rows_write_a_16_bit_gradient_over_float32_logits(dtype):
+    # 16-bit inputs, float32 logits: the kernel writes dz over the first half of each
+    # logits row (triton/ce.dz_over) across several 4096-class blocks and chunks, the
+    # target classes' values after it; the PyTorch rows, dz a buffer of its own, agree
+    from tests.helpers import TORCH
+
+    g = torch.Generator().manual_seed(8)
+    N, D, V, k = 5, 8, 9001, 6
+    h = torch.randn(N, D, generator=g).to(dtype).to(DEVICE)
+    w = torch.randn(V, D, generator=g).to(dtype).to(DEVICE)
+    idx = torch.randint(0, V, (N, k), generator=g)
+    idx[:, 0], idx[:, 1] = V - 1, 1  # the last block's last class, the first block's
+    idx = idx.to(DEVICE)
+    probs = torch.softmax(torch.randn(N, k, generator=g), -1).to(DEVICE)
+    rec = linear_soft_ce.SoftCEOptions(logits_dtype=torch.float32)
+    out = []
+    for backend in (TRITON, TORCH):
+        with chunks(2, h, w):
+            out.append(linear_soft_ce.fwd(h, w, idx, probs, None, None, None, *rec,
+                                          *ONE_DEVICE, [True, True, False], backend=backend))
+    (loss, gh, gw, _), (loss0, gh0, gw0, _) = out
+    assert gh.dtype == dtype and gw.abs().max() > 0
+    assert rel_err(loss, loss0) <= 1e-5
+    for name, a, r in (("hidden", gh, gh0), ("weight", gw, gw0)):
+        assert rel_err(a.double(), r.double()) <= 2 ** -7, name
+
+
 def test_gradcheck_float64():
     g = torch.Generator().manual_seed(0)
     h, w, b = (torch.randn(*s, generator=g, dtype=torch.float64) for s in

@@ -114,6 +114,38 @@ def test_triton_rows_match_the_float64_composition(p, rows, logits_dtype):
         assert (a.double() - r.detach()).norm() <= 2e-5 * (r.norm() + scale * 1e-2), name
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_triton_rows_write_a_16_bit_gradient_over_float32_logits(dtype):
+    # 16-bit inputs, float32 logits: the kernel writes dz over the first half of each
+    # logits row (triton/ce.dz_over) across several 4096-class blocks and chunks; the
+    # PyTorch rows, dz in a buffer of its own, give the same gradients
+    from tests.helpers import TORCH
+
+    g = torch.Generator().manual_seed(8)
+    N, D, V, K = 5, 8, 9001, 6
+    h = torch.randn(N, D, generator=g).to(dtype).to(DEVICE)
+    w = torch.randn(V, D, generator=g).to(dtype).to(DEVICE)
+    support = torch.randint(0, V, (N, K), generator=g)
+    support[:, 0] = V - 1  # the last block's last class
+    support[:, 1] = 1  # dz over the first block's own logits
+    support = support.to(DEVICE)
+    lp = (torch.randn(N, K, generator=g).log_softmax(-1) - 0.1).to(DEVICE)
+    T = torch.full((N,), 0.8, device=DEVICE)
+    rec = room.SparseDivOptions(beta=0.5, tail=True, logits_dtype=torch.float32)
+    out = []
+    for backend in (TRITON, TORCH):
+        with chunks(2, h, w):
+            out.append(room.fwd(h, w, support, lp, None, None, T, *rec, *ONE_DEVICE,
+                                [True, True, False], backend=backend))
+    (loss, gh, gw, _, *stats), (loss0, gh0, gw0, _, *stats0) = out
+    assert gh.dtype == dtype and gw.abs().max() > 0
+    for name, a, r in zip(("loss", "divergence", "mass", "entropy"), (loss, *stats),
+                          (loss0, *stats0)):
+        assert rel_err(a, r) <= 1e-5, name
+    for name, a, r in (("hidden", gh, gh0), ("weight", gw, gw0)):
+        assert rel_err(a.double(), r.double()) <= 2 ** -7, name
+
+
 @pytest.mark.parametrize("tail, beta", [(False, 0.0), (True, 0.5), (True, 1.0)])
 def test_triton_rows_sum_a_class_over_blocks_of_a_wide_support(tail, beta):
     # K = 40: the row kernel sums g over a class's entries 16 entries at a time, and here

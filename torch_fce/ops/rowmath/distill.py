@@ -26,16 +26,18 @@ from .ce import row_sum
 
 
 class RowMath(NamedTuple):
-    """A row function on one backend and how many float32 (n, V) temporaries it
-    allocates beyond the chunk's logits and dz (the workspace's bytes per logit count
-    them)."""
+    """A row function on one backend, how many float32 (n, V) temporaries it allocates
+    beyond the chunk's logits and dz (the workspace's bytes per logit count them), and
+    whether it writes dz over wider logits too (triton/ce.dz_over)."""
     rows: Callable
     temporaries: int
+    dz_over: bool = False
 
     def per_logit(self, logits_dtype, dtype):
         """A chunk's bytes per logit: the logits, the temporaries and dz (in the inputs'
-        dtype) where it has a buffer of its own (logits wider than the inputs)."""
-        return logits_bytes(logits_dtype, dtype) + \
+        dtype) where it has a buffer of its own (logits wider than the inputs, unless
+        written over them)."""
+        return logits_bytes(logits_dtype, logits_dtype if self.dz_over else dtype) + \
             self.temporaries * math_dtype_for(dtype).itemsize
 
 

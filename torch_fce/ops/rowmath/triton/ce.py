@@ -242,6 +242,18 @@ def dz_buffer(logits, dz_dtype):
     return logits if logits.dtype == dz_dtype else torch.empty_like(logits, dtype=dz_dtype)
 
 
+def dz_over(logits, dz_dtype):
+    """dz written over the logits also where they are wider (float32 logits, a 16-bit
+    dz): the first half of each row's bytes, a (n, V) view of row stride 2V, which
+    cuBLAS reads as it is. For kernels whose dz sweep stores only over classes every
+    warp has read (a barrier between a block's loads and its stores, _softmax_sweep's
+    OVER) and read nothing of the row after it."""
+    if logits.dtype == dz_dtype:
+        return logits
+    assert logits.stride(1) == 1 and logits.dtype.itemsize == 2 * dz_dtype.itemsize
+    return logits.view(dz_dtype)[:, :logits.shape[1]]
+
+
 def _flags(logits, cw, opts):
     """Launch parameters every row kernel shares (logits with unit stride along V)."""
     assert logits.stride(1) == 1

@@ -28,7 +28,7 @@ import triton.language as tl
 
 from ...loop.chunked import ONE_DEVICE
 from ..distill import DistillRows, RowMath, capped
-from .ce import _NEG_BIG, _block_v, _tanh, dz_buffer
+from .ce import _NEG_BIG, _block_v, _tanh, dz_buffer, dz_over
 
 _WARPS = 8  # the launch's warps (torch_fce/bench/probes/distill_profile.py measures others)
 
@@ -244,14 +244,18 @@ def _sparse_stats_kernel(z_ptr, inv_t_ptr, m_ptr, ls_ptr, V, stride_z, scale, ca
 
 @triton.jit
 def _softmax_sweep(z_row, dz_row, V, inv_t, m, ls, c, scale, cap, HAS_CAP: tl.constexpr,
-                   BLOCK_V: tl.constexpr):
+                   OVER: tl.constexpr, BLOCK_V: tl.constexpr):
     """Writes dz = c softmax(u) d a / d z / scale over a logits row, c the row's
-    coefficient (exactly 0 where c is)."""
+    coefficient (exactly 0 where c is). OVER: dz of half the logits' width over their
+    row's first half (ce.dz_over): block b's stores land on classes of blocks <= b, so
+    every warp's loads of the block come before any warp's stores."""
     cols = tl.arange(0, BLOCK_V)
     for v0 in range(0, V, BLOCK_V):
         offs = v0 + cols
         mask = offs < V
         a = _load_a(z_row + offs, mask, scale, cap, HAS_CAP)
+        if OVER:
+            tl.debug_barrier()
         d = tl.exp((a * inv_t - m) - ls) * c
         if HAS_CAP:
             th = a / cap
@@ -262,13 +266,14 @@ def _softmax_sweep(z_row, dz_row, V, inv_t, m, ls, c, scale, cap, HAS_CAP: tl.co
 
 @triton.jit
 def _sparse_grad_kernel(z_ptr, dz_ptr, inv_t_ptr, m_ptr, ls_ptr, coef_ptr, V, stride_z,
-                        stride_d, scale, cap, HAS_CAP: tl.constexpr, BLOCK_V: tl.constexpr):
+                        stride_d, scale, cap, HAS_CAP: tl.constexpr, OVER: tl.constexpr,
+                        BLOCK_V: tl.constexpr):
     """_softmax_sweep over logits rows (n, V), c (n,) the row's coefficient -sum(g)
     scale / T; the support classes' values are written over these afterwards."""
     row = tl.program_id(0).to(tl.int64)
     _softmax_sweep(z_ptr + row * stride_z, dz_ptr + row * stride_d, V,
                    tl.load(inv_t_ptr + row), tl.load(m_ptr + row), tl.load(ls_ptr + row),
-                   tl.load(coef_ptr + row), scale, cap, HAS_CAP, BLOCK_V)
+                   tl.load(coef_ptr + row), scale, cap, HAS_CAP, OVER, BLOCK_V)
 
 
 def _class_sums(idx, g):
@@ -305,9 +310,9 @@ def triton_sparse_rows(z, idx, inv_t, terms, mdt, dz_dtype, want_grad, logit_sca
         return (loss_t, *stats), None
     c = inv_t[:, None] * logit_scale  # d u / d (logit_scale z), times logit_scale
     coef = (-g.sum(-1, keepdim=True) * c).contiguous()
-    dz = dz_buffer(z, dz_dtype)
+    dz = dz_over(z, dz_dtype)
     _sparse_grad_kernel[(n,)](z, dz, inv_t, m, ls, coef, V, z.stride(0), dz.stride(0),
-                              scale, cap, **flags)
+                              scale, cap, OVER=dz.dtype != z.dtype, **flags)
     exact = coef * log_q.exp() + c * _class_sums(idx, g)
     if da_k is not None:  # softcap'(.): da is d a / d z, the scale included
         exact = exact * (da_k / logit_scale)
@@ -398,7 +403,7 @@ def _sparse_divergence_kernel(
     stride_z, stride_d,
     # meta-parameters
     KIND: tl.constexpr, TAIL: tl.constexpr, HAS_GRAD: tl.constexpr, HAS_CAP: tl.constexpr,
-    BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr,
+    OVER: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr,
 ):
     """distill.sparse_divergence_rows of logits rows (n, V), one program a row: the
     logsumexp sweep, the support's log-probs gathered, the divergence and its
@@ -452,7 +457,8 @@ def _sparse_divergence_kernel(
         c = inv_t * scale  # d u / d (scale z), times scale
         coef = -tl.sum(g, axis=0) * c
         dz_row = dz_ptr + row * stride_d
-        _softmax_sweep(z_row, dz_row, V, inv_t, m, ls, coef, scale, cap, HAS_CAP, BLOCK_V)
+        _softmax_sweep(z_row, dz_row, V, inv_t, m, ls, coef, scale, cap, HAS_CAP, OVER,
+                       BLOCK_V)
         g_row = g_ptr + row * BLOCK_K
         tl.store(g_row + ks, g)
         tl.debug_barrier()  # the sweep's and the scratch's stores before the reads below
@@ -482,7 +488,7 @@ def triton_sparse_divergence_rows(z, support, teacher, inv_t, weights, opts, mdt
     K = support.shape[1]
     block_k = triton.next_power_of_2(max(K, 1))
     out = z.new_empty((4, n), dtype=torch.float32)
-    dz = dz_buffer(z, dz_dtype) if want_grad else z
+    dz = dz_over(z, dz_dtype) if want_grad else z
     g = z.new_empty((n, block_k), dtype=torch.float32) if want_grad else out
     beta = float(opts.beta)
     if n:
@@ -492,7 +498,7 @@ def triton_sparse_divergence_rows(z, support, teacher, inv_t, weights, opts, mdt
             1.0 - beta, float(opts.logit_scale), float(opts.softcap or 1.0), z.stride(0),
             dz.stride(0), KIND=0 if beta == 0.0 else 1 if beta == 1.0 else 2,
             TAIL=bool(opts.tail), HAS_GRAD=want_grad, HAS_CAP=opts.softcap is not None,
-            BLOCK_V=_block_v(V), BLOCK_K=block_k, SUB_K=min(block_k, 16), num_warps=_WARPS)
+            OVER=dz.dtype != z.dtype, BLOCK_V=_block_v(V), BLOCK_K=block_k, SUB_K=min(block_k, 16), num_warps=_WARPS)
     return tuple(out), dz if want_grad else None
 
 
@@ -520,5 +526,6 @@ def triton_divergence_rows(z_s, z_t, target, valid, inv_t, weights, opts, mdt, d
 
 
 TRITON_DISTILL_ROWS = DistillRows(RowMath(triton_divergence_rows, temporaries=0),
-                                  RowMath(triton_sparse_rows, temporaries=0),
-                                  RowMath(triton_sparse_divergence_rows, temporaries=0))
+                                  RowMath(triton_sparse_rows, temporaries=0, dz_over=True),
+                                  RowMath(triton_sparse_divergence_rows, temporaries=0,
+                                          dz_over=True))
