@@ -38,6 +38,10 @@ from .machinery import grads
 from .machinery.dispatch import LIB, kernel
 from .rowmath.distill import sparse_entries
 
+# the CUDA default workspace as a multiple of the loop's (loop/workspace.py says why)
+_WORKSPACE_SCALE = 0.75
+
+
 class SparseDivOptions(NamedTuple):
     """linear_sparse_divergence's options (docs/distillation.md), in the schemas' order."""
     beta: float = 0.0
@@ -178,7 +182,8 @@ def fwd(hidden, weight, support, teacher, bias, token_weights_, temperature, *ar
         ldt = logits_dtype_for(hidden, opts)
         gradients = run_chunks(hidden, weight, bias, row_fn, out, needs, opts.accumulator,
                                chunk_rows_for(hidden, weight, shard,
-                                              per_logit=rows.per_logit(ldt, hidden.dtype)),
+                                              per_logit=rows.per_logit(ldt, hidden.dtype),
+                                              scale=_WORKSPACE_SCALE),
                                shard=shard, logits_dtype=ldt)
     return (out.loss.sum(), *grad_outputs(hidden, weight, bias, gradients,
                                           opts.accumulator == "fp32", shard.group is not None),
