@@ -46,6 +46,18 @@ def test_cuda_default_without_a_weight_gradient_is_the_floor(h200, D, rows):
                                 per_logit=4) == 4096
 
 
+def test_topk_default_holds_its_chunk_in_a_tenth(h200):
+    # the teacher's top-k, float32 logits (V = 151936, 16384 tokens): the op's default
+    # (1.25 times the floor, whatever the head) cuts 8 chunks, each within 1/10 of the
+    # compiled unfused composition's 14240 MiB (docs/distillation.md)
+    from torch_fce.ops import linear_topk_logprobs as room
+
+    for D in (1536, 4096):
+        rows = workspace.chunk_rows(16384, 151936, D, torch.bfloat16, "cuda", per_logit=4,
+                                    scale=room._WORKSPACE_SCALE, weight_grad=False)
+        assert rows == 2048 and rows * 151936 * 4 / 2**20 <= 14240 / 10
+
+
 def test_sparse_divergence_default_holds_its_chunk_and_sum_in_a_tenth(h200):
     # bf16 inputs, float32 logits (V = 151936, D = 1024, 16384 tokens): the Triton rows
     # write dz over the logits (4 bytes a logit; the PyTorch rows' dz has its own 2), and

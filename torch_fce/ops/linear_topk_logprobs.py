@@ -24,6 +24,8 @@ from .machinery.dispatch import LIB, kernel
 from .rowmath.topk import topk_rows
 
 MAX_K = 256  # the row math keeps k candidates per row; larger k is a full sort's job
+# the CUDA default workspace as a multiple of the loop's (loop/workspace.py says why)
+_WORKSPACE_SCALE = 1.25
 
 
 class TopKOptions(NamedTuple):
@@ -137,6 +139,6 @@ def fwd(hidden, weight, bias, target, temperature, *args, backend):
         per_logit = ldt.itemsize + (4 + 2 + 4 + 4 if rows is topk_rows else 0)
         run_chunks(hidden, weight, bias, row_fn, out, (False,) * 3, "fp32",
                    chunk_rows_for(hidden, weight, shard, per_logit=per_logit,
-                                  weight_grad=False),
+                                  scale=_WORKSPACE_SCALE, weight_grad=False),
                    shard=shard, logits_dtype=ldt)
     return out
