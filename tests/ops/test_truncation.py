@@ -174,6 +174,17 @@ def _threshold_rows_problem():
     return z.to(DEVICE), y.to(DEVICE), inv_t.to(DEVICE)
 
 
+def _assert_outputs_match(got, want):
+    """kept_stats' log-probs, entropies and lse alike (NaN and -inf at the same rows,
+    finite ones within float32 rounding), the argmax equal."""
+    for name, a, r in zip(("logprob", "entropy", "lse"), got, want):
+        assert torch.equal(a.isnan(), r.isnan()) and torch.equal(a == -math.inf,
+                                                                 r == -math.inf), name
+        ok = torch.isfinite(r)
+        assert ((a - r).abs()[ok] <= 1e-5 * (1 + r.abs()[ok])).all(), name
+    assert torch.equal(got[3], want[3])  # argmax
+
+
 @pytest.mark.parametrize("slots", [None, 8])
 @pytest.mark.parametrize("truncation", [dict(top_p=0.9), dict(top_p=0.5), dict(top_p=0.5, min_p=0.02),
                                         dict(top_p=0.999), dict(top_p=0.01),
@@ -192,12 +203,7 @@ def test_triton_threshold_rows_match_the_sorted_rows(monkeypatch, truncation, sl
     opts = room.LogProbOptions(entropy=True, **truncation)
     want = rows.kept_stats(rows.TORCH_TRUNCATION_ROWS, z, y, inv_t, opts, torch.float32)
     got = rows.kept_stats(TRITON_TRUNCATION_ROWS, z, y, inv_t, opts, torch.float32)
-    for name, a, r in zip(("logprob", "entropy", "lse"), got, want):
-        assert torch.equal(a.isnan(), r.isnan()) and torch.equal(a == -math.inf,
-                                                                 r == -math.inf), name
-        ok = torch.isfinite(r)
-        assert ((a - r).abs()[ok] <= 1e-5 * (1 + r.abs()[ok])).all(), name
-    assert torch.equal(got[3], want[3])  # argmax
+    _assert_outputs_match(got, want)
     stats, ref = got[4], want[4]
     cols = [0, 1, 2, 5, 6] if "top_p" not in truncation else list(range(7))
     ok = torch.isfinite(ref[:, cols])
@@ -231,12 +237,7 @@ def test_value_search_matches_the_sorted_rows(truncation):
     one_rank = VocabShard(vocab_size=z.shape[1])
     want = rows.kept_stats(rows.TORCH_TRUNCATION_ROWS, z, y, inv_t, opts, torch.float32)
     got = rows.sharded_kept_stats(z.clone(), y, inv_t, opts, torch.float32, one_rank)
-    for name, a, r in zip(("logprob", "entropy", "lse"), got, want):
-        assert torch.equal(a.isnan(), r.isnan()) and torch.equal(a == -math.inf,
-                                                                 r == -math.inf), name
-        ok = torch.isfinite(r)
-        assert ((a - r).abs()[ok] <= 1e-5 * (1 + r.abs()[ok])).all(), name
-    assert torch.equal(got[3], want[3])  # argmax
+    _assert_outputs_match(got, want)
     # (v, c) the same class where the sort's rows end K (min_p alone: the smallest kept
     # value's last class here, V - 1 or below there: the same K)
     cols = [0, 1, 2, 3, 5, 6] + ([4] if "top_p" in truncation or "top_k" in truncation

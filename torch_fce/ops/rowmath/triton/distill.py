@@ -498,7 +498,8 @@ def triton_sparse_divergence_rows(z, support, teacher, inv_t, weights, opts, mdt
             1.0 - beta, float(opts.logit_scale), float(opts.softcap or 1.0), z.stride(0),
             dz.stride(0), KIND=0 if beta == 0.0 else 1 if beta == 1.0 else 2,
             TAIL=bool(opts.tail), HAS_GRAD=want_grad, HAS_CAP=opts.softcap is not None,
-            OVER=dz.dtype != z.dtype, BLOCK_V=_block_v(V), BLOCK_K=block_k, SUB_K=min(block_k, 16), num_warps=_WARPS)
+            OVER=dz.dtype != z.dtype, BLOCK_V=_block_v(V), BLOCK_K=block_k,
+            SUB_K=min(block_k, 16), num_warps=_WARPS)
     return tuple(out), dz if want_grad else None
 
 
