@@ -10,8 +10,9 @@ counts the tokens whose target is kept by one and not the other (the masses are 
 in another order, so a boundary within rounding may fall either side) and the largest
 log-prob difference where both keep it.
 
-    python -m torch_fce.bench.probes.vocab_parallel_truncation [N:D:V]   # two CUDA GPUs
-    (--device cpu: gloo on the CPU, a smoke run)
+    python -m torch_fce.bench.probes.vocab_parallel_truncation [N:D:V] [--world W]
+    (two CUDA GPUs by default; --world 1: a group of one, the shard path's own cost on
+    one GPU without another rank's latency; --device cpu: gloo on the CPU, a smoke run)
 """
 
 import os
@@ -68,15 +69,17 @@ def _worker(rank, world, path, N, D, V, device):
 
 
 def main():
-    device = "cpu" if "--device" in sys.argv and "cpu" in sys.argv else "cuda"
-    shape = [a for a in sys.argv[1:] if ":" in a]
+    args = sys.argv[1:]
+    device = "cpu" if "--device" in args and "cpu" in args else "cuda"
+    world = int(args[args.index("--world") + 1]) if "--world" in args else 2
+    shape = [a for a in args if ":" in a]
     N, D, V = (int(x) for x in (shape[0] if shape else "16384:1536:151936").split(":"))
     if device == "cuda":
-        print(f"{torch.cuda.get_device_name()} x 2, torch {torch.__version__}; "
+        print(f"{torch.cuda.get_device_name()} x {world}, torch {torch.__version__}; "
               f"N={N} D={D} V={V}, bf16, temperature 0.7", flush=True)
     with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_worker, args=(2, os.path.join(d, "store"), N, D, V, device), nprocs=2,
-                 join=True)
+        mp.spawn(_worker, args=(world, os.path.join(d, "store"), N, D, V, device),
+                 nprocs=world, join=True)
 
 
 if __name__ == "__main__":
