@@ -51,7 +51,8 @@ def sampler_kept(z, top_k=None, top_p=None, min_p=None):
     """The classes vLLM's sampler keeps (a bool mask of z's shape), row by row in Python
     from its rules: on processed logits z, min_p on the probabilities (p_j >= min_p
     p_max), then the top_k first of the order (z descending, class ascending), then
-    top_p over those renormalised: a class kept while the mass before it is < top_p."""
+    top_p over those renormalised: a class kept while the mass before it is < top_p
+    (top_p = 1: every class, as vLLM's mask of the mass from the bottom <= 1 - top_p)."""
     flat = z.detach().double().reshape(-1, z.shape[-1]).cpu()
     keep = torch.zeros(flat.shape, dtype=torch.bool)
     for i, row in enumerate(flat):
@@ -61,7 +62,8 @@ def sampler_kept(z, top_k=None, top_p=None, min_p=None):
             order = [j for j in order if p[j] >= min_p * p.max()]
         if top_k is not None:
             order = order[:top_k]
-        if top_p is not None:
+        if top_p is not None and top_p < 1.0:  # 1 keeps all (a float sum of the
+            # probabilities before the last classes can round to 1 and drop them)
             q, before, kept = row[order].softmax(-1).tolist(), 0.0, []
             for j, qj in zip(order, q):
                 if before < top_p:

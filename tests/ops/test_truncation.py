@@ -252,6 +252,30 @@ def test_value_search_matches_the_sorted_rows(truncation):
     assert got[1][2].isnan() and got[2][2].isnan()
 
 
+@given(problems())
+def test_value_search_matches_the_float64_reference_of_vllms_rules(p):
+    # the shard path's search of values (one rank, float64: the 34-round search) on the
+    # hypothesis problems (ties, top_p reached exactly, min_p with several maxima, top_k
+    # 1 to V + 5, softcap, temperatures, NaN-free) against the float64 reference
+    import torch.nn.functional as F
+
+    from torch_fce.ops.loop.chunked import VocabShard
+    from torch_fce.ops.rowmath import truncation as rows
+
+    logits = F.linear(p["h"], p["w"], p["b"])
+    N, V = logits.shape
+    T = torch.as_tensor(p["T"], dtype=torch.float64).expand(N)
+    opts = room.LogProbOptions(entropy=True, softcap=p["softcap"], **p["truncation"])
+    got = rows.sharded_kept_stats(logits.clone(), p["target"], 1.0 / T, opts,
+                                  torch.float64, VocabShard(vocab_size=V))
+    want = logprobs_reference(p["h"], p["w"], p["target"], p["b"], temperature=p["T"],
+                              softcap=p["softcap"], **p["truncation"])
+    for name, a, r in zip(("logprob", "entropy", "lse"), got, want[:3]):
+        assert torch.equal(a == -math.inf, r == -math.inf), name  # the same kept targets
+        a, r = (torch.where(r == -math.inf, 0.0, x) for x in (a, r))
+        assert (a - r).abs().max() <= 1e-10 * (1 + r.abs().max()), name
+
+
 def test_value_search_narrows_the_widest_brackets():
     # the search's fixed rounds reach the boundary value from brackets spanning every
     # float32 and float64 (signs, subnormals, -0.0 and +0.0), against a brute force
