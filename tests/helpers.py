@@ -7,12 +7,14 @@ word_tokenizer) are in torch_fce/testing.py."""
 
 import contextlib
 import math
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
 from hypothesis import strategies as st
 
 import torch_fce
+from torch_fce.ops.loop import sparse
 from torch_fce.ops.loop.chunked import ONE_DEVICE  # noqa: F401  (the tests take it from here)
 from torch_fce.ops.machinery.dispatch import Backend
 from torch_fce.ops.rowmath.ce import TORCH_CE_ROWS
@@ -235,6 +237,14 @@ TORCH = Backend(TORCH_CE_ROWS, TORCH_LOGPROB_ROWS, TORCH_DISTILL_ROWS, topk_rows
 TRITON = Backend(TRITON_CE_ROWS, TRITON_LOGPROB_ROWS, TRITON_DISTILL_ROWS, triton_topk_rows,
                  TRITON_TRUNCATION_ROWS, check_values=False)
 BACKENDS = {"torch_rows": TORCH, "triton_rows": TRITON}
+
+
+@contextlib.contextmanager
+def triton_sparse_products():
+    """The loop's sparse-gradient products (loop/sparse.py) on their Triton kernels, on
+    CPU tensors too (the interpreter), as they run on CUDA."""
+    with mock.patch.object(sparse, "_TRITON_ON_CPU", True):
+        yield
 
 
 @contextlib.contextmanager

@@ -5,6 +5,7 @@ weights, temperatures, softcap and logit scale, bias, odd V, several chunks; con
 rows at large magnitude in float32; gradcheck; compile; opcheck; float16 with a loss
 scale; bad input named; inputs unchanged."""
 
+import contextlib
 import math
 
 import pytest
@@ -17,7 +18,7 @@ from torch_fce.ops.loop.chunked import ONE_DEVICE
 from torch_fce.testing import rel_err
 
 from tests import helpers
-from tests.helpers import DEVICE, TRITON, chunks, confident_inputs
+from tests.helpers import DEVICE, TRITON, chunks, confident_inputs, triton_sparse_products
 from tests.references import sparse_divergence_reference as reference
 
 
@@ -100,7 +101,7 @@ def test_triton_rows_match_the_float64_composition(p, rows, logits_dtype):
     T = torch.as_tensor(p["T"], dtype=torch.float32).expand(N).contiguous().to(DEVICE)
     tw = None if p["weights"] is None else p["weights"].float().to(DEVICE)
     rec = room.SparseDivOptions(**p["options"], logits_dtype=logits_dtype)
-    with chunks(rows, h, w):
+    with chunks(rows, h, w), triton_sparse_products():
         loss, gh, gw, gb, *stats = room.fwd(
             h, w, support, lp, b, tw, T, *rec, *ONE_DEVICE, [True, True, b is not None],
             backend=TRITON)
@@ -158,8 +159,9 @@ def test_triton_rows_sum_a_class_over_blocks_of_a_wide_support(tail, beta):
     lp[:, 5] = float("-inf")  # an invalid entry among them
     T = torch.full((6,), 0.8, device=DEVICE)
     rec = room.SparseDivOptions(beta=beta, tail=tail, softcap=4.0)
-    loss, gh, gw, _, *stats = room.fwd(h, w, support, lp, None, None, T, *rec, *ONE_DEVICE,
-                                       [True, True, False], backend=TRITON)
+    with triton_sparse_products():
+        loss, gh, gw, _, *stats = room.fwd(h, w, support, lp, None, None, T, *rec,
+                                           *ONE_DEVICE, [True, True, False], backend=TRITON)
     leaves = [h.double().requires_grad_(), w.double().requires_grad_()]
     want = reference(*leaves, support, lp.double(), temperature=0.8, tail=tail, beta=beta,
                      softcap=4.0)
@@ -167,6 +169,11 @@ def test_triton_rows_sum_a_class_over_blocks_of_a_wide_support(tail, beta):
     for name, a, r in zip(("loss", "divergence", "mass", "entropy", "hidden", "weight"),
                           (loss, *stats, gh, gw), (*want, *grads)):
         assert (a.double() - r.detach()).norm() <= 1e-5 * (r.norm() + 1e-3), name
+
+
+def _products(rows):
+    """The loop's sparse-gradient products of the rows' device: Triton with Triton rows."""
+    return triton_sparse_products() if rows == "triton_rows" else contextlib.nullcontext()
 
 
 @pytest.mark.parametrize("rows", ["torch_rows", "triton_rows"])
@@ -184,9 +191,10 @@ def test_an_entry_outside_the_vocabulary_makes_its_tokens_loss_nan(rows, tail, b
     backend = helpers.BACKENDS[rows]._replace(check_values=False)
 
     def run(support):
-        return room.fwd(h, w, support, lp, None, torch.ones(4, device=DEVICE) / 4,
-                        torch.ones(4, device=DEVICE), *rec, *ONE_DEVICE,
-                        [True, True, False], backend=backend)
+        with _products(rows):
+            return room.fwd(h, w, support, lp, None, torch.ones(4, device=DEVICE) / 4,
+                            torch.ones(4, device=DEVICE), *rec, *ONE_DEVICE,
+                            [True, True, False], backend=backend)
 
     clean = run(support)
     bad = support.clone()
@@ -199,22 +207,24 @@ def test_an_entry_outside_the_vocabulary_makes_its_tokens_loss_nan(rows, tail, b
 
 
 @pytest.mark.parametrize("rows", ["torch_rows", "triton_rows"])
-@pytest.mark.parametrize("softcap", [None, 3.0])
-def test_a_token_not_counted_with_non_finite_logits_gives_zero_gradient(rows, softcap):
-    # its dz is exactly 0 from the sparse rows themselves (no pass of the callers'):
-    # the other tokens' loss and every gradient stay finite and equal to the run without it
+@pytest.mark.parametrize("softcap, tail", [(None, True), (3.0, True), (3.0, False)])
+def test_a_token_not_counted_with_non_finite_logits_gives_zero_gradient(rows, softcap, tail):
+    # its dz is exactly 0 from the sparse rows themselves (no pass of the callers'; no
+    # entry of a SparseGrad without the tail): the other tokens' loss and every gradient
+    # stay finite and equal to the run without it
     g = torch.Generator().manual_seed(6)
     h = torch.randn(5, 8, generator=g).to(DEVICE)
     w = torch.randn(19, 8, generator=g).to(DEVICE)
     support = torch.randint(0, 19, (5, 3), generator=g).to(DEVICE)
     lp = torch.randn(5, 3, generator=g).log_softmax(-1).to(DEVICE)
     support[2] = -100
-    rec = room.SparseDivOptions(beta=0.5, tail=True, softcap=softcap)
+    rec = room.SparseDivOptions(beta=0.5, tail=tail, softcap=softcap)
     T = torch.ones(5, device=DEVICE)
 
     def run(h):
-        return room.fwd(h, w, support, lp, None, None, T, *rec, *ONE_DEVICE,
-                        [True, True, False], backend=helpers.BACKENDS[rows])
+        with _products(rows):
+            return room.fwd(h, w, support, lp, None, None, T, *rec, *ONE_DEVICE,
+                            [True, True, False], backend=helpers.BACKENDS[rows])
 
     clean = run(h)
     bad = h.clone()
@@ -285,7 +295,8 @@ def test_float16_takes_the_loss_scale_before_rounding():
         assert rel_err(a.double(), r) <= 4 * 2.0 ** -10
 
 
-def test_compiled_fullgraph_dynamic_equals_eager():
+@pytest.mark.parametrize("tail", [True, False])
+def test_compiled_fullgraph_dynamic_equals_eager(tail):
     g = torch.Generator().manual_seed(4)
     h = torch.randn(9, 8, generator=g).to(DEVICE)
     w = torch.randn(29, 8, generator=g).to(DEVICE)
@@ -293,7 +304,7 @@ def test_compiled_fullgraph_dynamic_equals_eager():
     lp = torch.randn(9, 3, generator=g).log_softmax(-1).to(DEVICE)
 
     def fn(h, w):
-        return torch_fce.linear_sparse_divergence(h, w, support, lp, beta=0.3, tail=True)[0],
+        return torch_fce.linear_sparse_divergence(h, w, support, lp, beta=0.3, tail=tail)[0],
 
     eager = _run(fn, [h, w])
     compiled = _run(torch.compile(fn, fullgraph=True, dynamic=True), [h, w])
@@ -301,15 +312,16 @@ def test_compiled_fullgraph_dynamic_equals_eager():
         assert torch.equal(a, c)
 
 
-@pytest.mark.parametrize("accumulator", ["fp32", "kahan"])
-def test_opcheck(accumulator):
+@pytest.mark.parametrize("accumulator, tail", [("fp32", True), ("kahan", True),
+                                               ("fp32", False), ("input", False)])
+def test_opcheck(accumulator, tail):
     g = torch.Generator().manual_seed(5)
     args = (torch.randn(6, 4, generator=g, requires_grad=True),
             torch.randn(13, 4, generator=g, requires_grad=True),
             torch.randint(0, 13, (6, 3), generator=g),
             torch.randn(6, 3, generator=g).log_softmax(-1))
     torch.library.opcheck(torch.ops.fce.linear_sparse_divergence.default, args,
-                          dict(beta=0.5, tail=True, accumulator=accumulator))
+                          dict(beta=0.5, tail=tail, accumulator=accumulator))
 
 
 def _small():
@@ -340,7 +352,8 @@ def test_bad_input_is_named(change, error, named):
 
 
 @pytest.mark.cuda
-def test_on_cuda_has_no_host_sync():
+@pytest.mark.parametrize("tail", [True, False])
+def test_on_cuda_has_no_host_sync(tail):
     from tests.helpers import no_host_sync
 
     g = torch.Generator().manual_seed(7)
@@ -350,8 +363,8 @@ def test_on_cuda_has_no_host_sync():
     leaves = [h.requires_grad_(), w.requires_grad_()]
     with no_host_sync():
         loss, stats = torch_fce.linear_sparse_divergence(*leaves, top.indices, top.logprobs,
-                                                         beta=0.5, tail=True, temperature=0.9)
+                                                         beta=0.5, tail=tail, temperature=0.9)
         loss.backward()
-    want = reference(h.double(), w.double(), top.indices, top.logprobs, beta=0.5, tail=True,
+    want = reference(h.double(), w.double(), top.indices, top.logprobs, beta=0.5, tail=tail,
                      temperature=0.9)
     assert abs(loss.item() - want[0].item()) <= 1e-4 * abs(want[0].item())

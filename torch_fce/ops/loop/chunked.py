@@ -10,7 +10,10 @@ Memory beyond inputs and outputs is the (n, V) chunk plus the gradient accumulat
 from the workspace (workspace.py).
 
 Row functions (the `RowFn` protocol below) are each op's math; the backends differ
-only in which row functions they bring (machinery/dispatch.py). Two layouts ride the same loop:
+only in which row functions they bring (machinery/dispatch.py). A row function whose
+logits gradient has a few entries a row gives it as a sparse.SparseGrad (sparse=True):
+the loop then runs no gradient GEMM and forms the gradients from the entries at the end
+(sparse.py). Two layouts ride the same loop:
 - vocabulary tiles (`by_vocab`): the log-probs with fewer tokens than classes cut the
   same workspace along the vocabulary; row functions then see every token's logits of
   classes [v0, v1) and merge per-row statistics across tiles; the hidden gradient is a
@@ -30,6 +33,7 @@ import torch.nn.functional as F
 
 from ..contract.entry import autocast_enabled
 from .accumulate import GradAccumulator, _mm_f32
+from .sparse import SparseGrad, products as sparse_products
 from .workspace import chunk_rows as _workspace_rows
 
 
@@ -40,7 +44,8 @@ class RowFn(Protocol):
     token chunks, [s, e) are the chunk's tokens and terms the per-token results, each
     written into the loop's (N,) `outputs`; with vocabulary tiles, [s, e) are the
     tile's classes, every token's logits are given and terms is () (the row function
-    keeps its own per-row statistics). dz is None when no gradient is wanted."""
+    keeps its own per-row statistics). dz is None when no gradient is wanted, and a
+    sparse.SparseGrad in a loop run with sparse=True."""
 
     def __call__(self, logits: torch.Tensor, s: int, e: int) -> tuple: ...
 
@@ -128,21 +133,22 @@ def logits_bytes(logits_dtype, dz_dtype):
 
 
 def run_chunks(hidden, weight, bias, row_fn, outputs, needs_grad, accumulator, chunk_rows,
-               by_vocab=False, shard=ONE_DEVICE, logits_dtype=None):
+               by_vocab=False, shard=ONE_DEVICE, logits_dtype=None, sparse=False):
     """The loop: row_fn (a RowFn) per chunk of chunk_rows tokens (by_vocab: per tile
     of as many logits, along the vocabulary), the logits in logits_dtype (None:
-    hidden's; see logits_dtype_for). Returns (grad_hidden, grad_weight,
-    grad_bias), each None unless flagged in needs_grad; grad_weight a GradAccumulator
-    (token chunks) or a tensor in its output dtype (tiles); grad_hidden in hidden's
-    dtype on one device with token chunks, else a float32 sum (the tiles' or the
-    shards'), all-reduced across a shard group."""
+    hidden's; see logits_dtype_for); sparse: row_fn gives SparseGrads (token chunks).
+    Returns (grad_hidden, grad_weight, grad_bias), each None unless flagged in
+    needs_grad; grad_weight a GradAccumulator (token chunks) or a tensor in its output
+    dtype (tiles, sparse); grad_hidden in hidden's dtype on one device with token
+    chunks, else a float32 sum (the tiles' or the shards'), all-reduced across a shard
+    group."""
     gemm = LogitsGemm(hidden, weight, bias, logits_dtype or hidden.dtype)
     if by_vocab:
         gh, gw, gb = _run_vocab_tiles(hidden, weight, bias, row_fn, needs_grad, chunk_rows,
                                       gemm)
     else:
         gh, gw, gb = _run_token_chunks(hidden, weight, row_fn, outputs, needs_grad,
-                                       accumulator, chunk_rows, shard, gemm)
+                                       accumulator, chunk_rows, shard, gemm, sparse)
     if gh is not None and shard.group is not None:
         gh = shard.all_reduce(gh.result(math_dtype_for(hidden.dtype))
                               if isinstance(gh, GradAccumulator) else gh, "sum")
@@ -216,7 +222,7 @@ class LogitsGemm:
 
 
 def _run_token_chunks(hidden, weight, row_fn, outputs, needs_grad, accumulator,
-                      chunk_rows, shard, gemm):
+                      chunk_rows, shard, gemm, sparse):
     N, D = hidden.shape
     dtype = hidden.dtype
     mdt = math_dtype_for(dtype)
@@ -225,16 +231,20 @@ def _run_token_chunks(hidden, weight, row_fn, outputs, needs_grad, accumulator,
     partial = shard.group is not None and dtype != mdt
     gh = hidden.new_empty(hidden.shape, dtype=mdt if partial else dtype) \
         if needs_grad[0] else None
+    entries = []  # sparse: the chunks' SparseGrads
     gw = GradAccumulator(accumulator, weight.shape, dtype, weight.dtype, hidden.device) \
-        if needs_grad[1] else None
-    gb = hidden.new_zeros(weight.shape[0], dtype=mdt) if needs_grad[2] else None
+        if needs_grad[1] and not sparse else None
+    gb = hidden.new_zeros(weight.shape[0], dtype=mdt) \
+        if needs_grad[2] and not sparse else None
     for s in range(0, N, chunk_rows):
         e = min(N, s + chunk_rows)
         h = hidden[s:e]
         terms, dz = row_fn(gemm(h), s, e)
         for out, term in zip(outputs, terms):
             out[s:e] = term
-        if gh is not None:
+        if sparse:
+            entries.append(dz)
+        elif gh is not None:
             if partial:
                 _mm_f32(dz, w, out=gh[s:e])
             else:
@@ -244,6 +254,11 @@ def _run_token_chunks(hidden, weight, row_fn, outputs, needs_grad, accumulator,
         if gb is not None:
             gb += dz.sum(0, dtype=mdt)
         del terms, dz  # freed before the next chunk is allocated: one chunk at a time
+    if sparse and any(needs_grad):
+        grad = SparseGrad(*map(torch.cat, zip(*entries))) if entries else SparseGrad(
+            hidden.new_zeros(0, 1, dtype=torch.long), hidden.new_zeros(0, 1, dtype=mdt))
+        return sparse_products(grad, hidden, w, needs_grad, gh,
+                               grad_dtype(weight.dtype, accumulator == "fp32"))
     return gh, gw, gb
 
 

@@ -22,6 +22,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from ..loop.chunked import ONE_DEVICE, logits_bytes, math_dtype_for
+from ..loop.sparse import SparseGrad
 from .ce import row_sum
 
 
@@ -157,14 +158,15 @@ def sparse_targets(idx, probs, V, ignore_index, mdt):
 
 
 def sparse_rows(z, idx, inv_t, terms, mdt, dz_dtype, want_grad, logit_scale=1.0,
-                softcap=None, entropy=False, shard=ONE_DEVICE):
+                softcap=None, entropy=False, shard=ONE_DEVICE, dense=True):
     """(out, dz) of a loss over a few classes of each row, the support idx (n, k) of
     whole-vocabulary classes (made safe to read): with a = softcap(logit_scale * z),
     u = a / T and log q = log_softmax(u), terms(log_q[idx]) gives (loss_t, g, *stats)
     with g = d loss_t / d log_q[idx] (n, k); out is (loss_t, *stats), and with entropy
     the rows' entropy -sum q log q after them; and
         d loss_t / d u = scatter(g) - (sum_k g_k) q,
-    times d u / d z = softcap'(.) logit_scale / T (dz None without want_grad). log q is
+    times d u / d z = softcap'(.) logit_scale / T (dz None without want_grad; dense
+    False: a loss whose g sums to 0, its dz the SparseGrad of scatter(g) alone). log q is
     formed relative to the row max, so a confident row keeps float32 precision (not
     lse's). A vocabulary shard's z holds its classes: the max, the sum of exps and each
     support class's u (from the shard holding it) are all-reduced before terms, which
@@ -189,6 +191,11 @@ def sparse_rows(z, idx, inv_t, terms, mdt, dz_dtype, want_grad, logit_scale=1.0,
     if not want_grad:
         return (loss_t, *stats), None
     c = inv_t[:, None] * logit_scale  # d u / d (logit_scale z), times logit_scale
+    if not dense:
+        vals = g * c
+        if da is not None:
+            vals = vals * da.gather(1, col) / logit_scale
+        return (loss_t, *stats), SparseGrad(col, torch.where(here & (g != 0), vals, 0.0))
     dz = e.mul_(-g.sum(-1, keepdim=True) * c / total)
     dz.scatter_add_(1, col, torch.where(here, g * c, 0.0))
     if da is not None:  # softcap'(.): da is d a / d z, the scale included
@@ -302,7 +309,9 @@ def sparse_divergence_rows(z, support, teacher, inv_t, weights, opts, mdt, dz_dt
     (n, K) the teacher's classes and log-probs, inv_t, weights (n,) 1 / T and w_t; opts
     a SparseDivOptions. The results are 0 at a token without valid entries, and dz
     exactly 0 there; a valid entry outside [0, V) makes its token's results NaN
-    (nothing is read out of bounds). Overwrites z where it can."""
+    (nothing is read out of bounds). Without the tail dz is a SparseGrad: both
+    distributions renormalised over the support, the loss reads only the support's
+    logits (its g sums to 0, no softmax part). Overwrites z where it can."""
     V = z.shape[1] if shard.group is None else shard.vocab_size
     entries = sparse_entries(support, teacher, opts.ignore_index)
     bad = entries & ((support < 0) | (support >= V))
@@ -314,7 +323,7 @@ def sparse_divergence_rows(z, support, teacher, inv_t, weights, opts, mdt, dz_dt
 
     (loss_t, div, mass, ent), dz = sparse_rows(
         z, safe, inv_t, terms, mdt, dz_dtype, want_grad, opts.logit_scale, opts.softcap,
-        entropy=True, shard=shard)
+        entropy=True, shard=shard, dense=opts.tail)
     # the divergence's nan_to_num would hide the NaN of an out-of-range entry: set it
     nan = bad.any(-1)
     return (torch.where(nan, math.nan, loss_t), torch.where(nan, math.nan, div), mass,

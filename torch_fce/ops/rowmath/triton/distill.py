@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from ...loop.chunked import ONE_DEVICE
+from ...loop.sparse import SparseGrad
 from ..distill import DistillRows, RowMath, capped
 from .ce import _NEG_BIG, _block_v, _tanh, dz_buffer, dz_over
 
@@ -396,7 +397,7 @@ def _support_block(support_ptr, teacher_ptr, row, K, ks, V, ignore_index):
 @triton.jit
 def _sparse_divergence_kernel(
     # pointers
-    z_ptr, dz_ptr, support_ptr, teacher_ptr, inv_t_ptr, w_ptr, out_ptr, g_ptr,
+    z_ptr, dz_ptr, support_ptr, teacher_ptr, inv_t_ptr, w_ptr, out_ptr, g_ptr, cols_ptr,
     # sizes and options
     n, V, K, ignore_index, beta, one_m_beta, scale, cap,
     # strides
@@ -409,8 +410,9 @@ def _sparse_divergence_kernel(
     logsumexp sweep, the support's log-probs gathered, the divergence and its
     derivative g on them (as autograd forms _divergence's), then the softmax sweep of
     dz and the support classes' exact values over theirs (g summed over duplicate
-    classes through the row's g scratch). out (4, n): loss_t, divergence, mass,
-    entropy."""
+    classes through the row's g scratch); without the tail the gradient's entries
+    instead (loop/sparse.py's SparseGrad: values into g, columns into cols, both (n,
+    BLOCK_K)). out (4, n): loss_t, divergence, mass, entropy."""
     row = tl.program_id(0).to(tl.int64)  # int64: row * stride passes 2^31
     z_row = z_ptr + row * stride_z
     inv_t = tl.load(inv_t_ptr + row)
@@ -453,8 +455,15 @@ def _sparse_divergence_kernel(
     tl.store(out_ptr + 2 * n + row, tl.where(counted, mass, 0.0))
     tl.store(out_ptr + 3 * n + row, tl.where(counted, ent, 0.0))
 
-    if HAS_GRAD:
-        c = inv_t * scale  # d u / d (scale z), times scale
+    c = inv_t * scale  # d u / d (scale z), times scale
+    if HAS_GRAD and not TAIL:  # renormalised: g sums to 0, no softmax part
+        v = g * c
+        if HAS_CAP:
+            th = a_k / cap
+            v *= 1.0 - th * th
+        tl.store(g_ptr + row * BLOCK_K + ks, tl.where(g != 0.0, v, 0.0))
+        tl.store(cols_ptr + row * BLOCK_K + ks, safe)
+    if HAS_GRAD and TAIL:
         coef = -tl.sum(g, axis=0) * c
         dz_row = dz_ptr + row * stride_d
         _softmax_sweep(z_row, dz_row, V, inv_t, m, ls, coef, scale, cap, HAS_CAP, OVER,
@@ -488,19 +497,23 @@ def triton_sparse_divergence_rows(z, support, teacher, inv_t, weights, opts, mdt
     K = support.shape[1]
     block_k = triton.next_power_of_2(max(K, 1))
     out = z.new_empty((4, n), dtype=torch.float32)
-    dz = dz_over(z, dz_dtype) if want_grad else z
+    dense = want_grad and opts.tail  # without the tail: a SparseGrad (g, cols)
+    dz = dz_over(z, dz_dtype) if dense else z
     g = z.new_empty((n, block_k), dtype=torch.float32) if want_grad else out
+    cols = z.new_empty((n, block_k), dtype=torch.int64) if want_grad and not dense else g
     beta = float(opts.beta)
     if n:
         _sparse_divergence_kernel[(n,)](
             z, dz, support.contiguous(), teacher.contiguous(), inv_t.float().contiguous(),
-            weights.float().contiguous(), out, g, n, V, K, opts.ignore_index, beta,
+            weights.float().contiguous(), out, g, cols, n, V, K, opts.ignore_index, beta,
             1.0 - beta, float(opts.logit_scale), float(opts.softcap or 1.0), z.stride(0),
             dz.stride(0), KIND=0 if beta == 0.0 else 1 if beta == 1.0 else 2,
             TAIL=bool(opts.tail), HAS_GRAD=want_grad, HAS_CAP=opts.softcap is not None,
             OVER=dz.dtype != z.dtype, BLOCK_V=_block_v(V), BLOCK_K=block_k,
             SUB_K=min(block_k, 16), num_warps=_WARPS)
-    return tuple(out), dz if want_grad else None
+    if not want_grad:
+        return tuple(out), None
+    return tuple(out), dz if dense else SparseGrad(cols, g)
 
 
 def triton_divergence_rows(z_s, z_t, target, valid, inv_t, weights, opts, mdt, dz_dtype,
