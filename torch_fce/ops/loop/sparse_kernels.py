@@ -1,10 +1,12 @@
 """Triton kernels of loop/sparse.py's products (CUDA; the interpreter in tests).
 
-gather: one program a token and block of D, K rows of W read and summed in order.
-scatter: the entries stably sorted by class (torch.sort) and each class's first entry
-found by searchsorted, so each class's row of the weight gradient is one program's
-sum over its entries in token order, written once (a class without entries: zeros);
-no atomics.
+gather: one program a token and block of D, K rows of W read and summed in order (an
+entry of value 0 reads nothing).
+scatter: the entries of nonzero value stably sorted by class (torch.sort) and each
+class's first entry found by searchsorted, so each class's row of the weight gradient
+is one program's sum over its entries in token order, written once (a class without
+entries: zeros); no atomics. A class named by every token is one program's loop over
+the batch (N / 32 steps): the longest program.
 """
 
 import os
@@ -31,7 +33,7 @@ def _gather_kernel(cols_ptr, vals_ptr, w_ptr, out_ptr, K, D, stride_w, stride_o,
         c = tl.load(cols_ptr + row * K + ks, mask=kmask, other=0).to(tl.int64)
         v = tl.load(vals_ptr + row * K + ks, mask=kmask, other=0.0)
         x = tl.load(w_ptr + c[:, None] * stride_w + d[None, :],
-                    mask=kmask[:, None] & dmask[None, :], other=0.0)
+                    mask=(kmask & (v != 0.0))[:, None] & dmask[None, :], other=0.0)
         acc += tl.sum(v[:, None] * x.to(v.dtype), axis=0)
     tl.store(out_ptr + row * stride_o + d, acc.to(out_ptr.dtype.element_ty), mask=dmask)
 
@@ -81,7 +83,10 @@ def scatter(cols, vals, hidden, gw, gb):
     N, K = cols.shape
     V = (gw if gw is not None else gb).shape[0]
     D = hidden.shape[1]
-    keys, order = torch.sort(cols.flatten(), stable=True)
+    # entries without gradient (a token not counted, padding) sort past the last class:
+    # no program sums them (at class 0 they would make one program's work the batch's)
+    keys = torch.where(vals.flatten() != 0, cols.flatten(), V)
+    keys, order = torch.sort(keys, stable=True)
     starts = torch.searchsorted(keys, torch.arange(V + 1, device=keys.device))
     assert hidden.stride(1) == 1 and (gw is None or gw.stride(1) == 1)
     blocks = triton.cdiv(D, _BLOCK_D) if gw is not None else 1
