@@ -455,37 +455,38 @@ def _sparse_divergence_kernel(
     tl.store(out_ptr + 2 * n + row, tl.where(counted, mass, 0.0))
     tl.store(out_ptr + 3 * n + row, tl.where(counted, ent, 0.0))
 
-    c = inv_t * scale  # d u / d (scale z), times scale
-    if HAS_GRAD and not TAIL:  # renormalised: g sums to 0, no softmax part
-        v = g * c
-        if HAS_CAP:
-            th = a_k / cap
-            v *= 1.0 - th * th
-        tl.store(g_ptr + row * BLOCK_K + ks, tl.where(g != 0.0, v, 0.0))
-        tl.store(cols_ptr + row * BLOCK_K + ks, safe)
-    if HAS_GRAD and TAIL:
-        coef = -tl.sum(g, axis=0) * c
-        dz_row = dz_ptr + row * stride_d
-        _softmax_sweep(z_row, dz_row, V, inv_t, m, ls, coef, scale, cap, HAS_CAP, OVER,
-                       BLOCK_V)
-        g_row = g_ptr + row * BLOCK_K
-        tl.store(g_row + ks, g)
-        tl.debug_barrier()  # the sweep's and the scratch's stores before the reads below
-        sums = tl.zeros([BLOCK_K], tl.float32)  # g summed over the entries of each class
-        for j0 in range(0, BLOCK_K, SUB_K):
-            jj = j0 + tl.arange(0, SUB_K)
-            _, _, safe_j, _ = _support_block(support_ptr, teacher_ptr, row, K, jj, V,
-                                             ignore_index)
-            g_j = tl.load(g_row + jj)
-            sums += tl.sum(tl.where(safe[:, None] == safe_j[None, :], g_j[None, :], 0.0),
-                           axis=1)
-        exact = coef * tl.exp(log_q) + c * sums
-        if HAS_CAP:
-            th = a_k / cap
-            exact *= 1.0 - th * th
-        # a row whose g is all 0 (a token not counted): exactly 0, as its sweep wrote
-        exact = tl.where(tl.sum((g != 0.0).to(tl.int32), axis=0) == 0, 0.0, exact)
-        tl.store(dz_row + safe, exact.to(dz_row.dtype.element_ty), mask=ks < K)
+    if HAS_GRAD:
+        c = inv_t * scale  # d u / d (scale z), times scale
+        if TAIL:
+            coef = -tl.sum(g, axis=0) * c
+            dz_row = dz_ptr + row * stride_d
+            _softmax_sweep(z_row, dz_row, V, inv_t, m, ls, coef, scale, cap, HAS_CAP, OVER,
+                           BLOCK_V)
+            g_row = g_ptr + row * BLOCK_K
+            tl.store(g_row + ks, g)
+            tl.debug_barrier()  # the sweep's and the scratch's stores before the reads below
+            sums = tl.zeros([BLOCK_K], tl.float32)  # g summed over the entries of each class
+            for j0 in range(0, BLOCK_K, SUB_K):
+                jj = j0 + tl.arange(0, SUB_K)
+                _, _, safe_j, _ = _support_block(support_ptr, teacher_ptr, row, K, jj, V,
+                                                 ignore_index)
+                g_j = tl.load(g_row + jj)
+                sums += tl.sum(tl.where(safe[:, None] == safe_j[None, :], g_j[None, :], 0.0),
+                               axis=1)
+            exact = coef * tl.exp(log_q) + c * sums
+            if HAS_CAP:
+                th = a_k / cap
+                exact *= 1.0 - th * th
+            # a row whose g is all 0 (a token not counted): exactly 0, as its sweep wrote
+            exact = tl.where(tl.sum((g != 0.0).to(tl.int32), axis=0) == 0, 0.0, exact)
+            tl.store(dz_row + safe, exact.to(dz_row.dtype.element_ty), mask=ks < K)
+        else:  # renormalised: g sums to 0, no softmax part
+            v = g * c
+            if HAS_CAP:
+                th = a_k / cap
+                v *= 1.0 - th * th
+            tl.store(g_ptr + row * BLOCK_K + ks, tl.where(g != 0.0, v, 0.0))
+            tl.store(cols_ptr + row * BLOCK_K + ks, safe)
 
 
 def triton_sparse_divergence_rows(z, support, teacher, inv_t, weights, opts, mdt, dz_dtype,
