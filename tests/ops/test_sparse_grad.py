@@ -112,3 +112,25 @@ def test_the_divergence_without_the_tail_runs_no_gradient_gemm(tail):
     with_grad, without = _gemms(run(True)), _gemms(run(False))
     assert without > 0
     assert (with_grad == without) == (not tail)
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_an_entry_of_value_zero_adds_nothing_whatever_its_rows_hold(impl):
+    # a token without gradient whose hidden row is not finite, and a weight row that only
+    # zero-valued entries name: the gradients as with those rows 0
+    N, K, V, D = 6, 3, 5, 4
+    g = torch.Generator().manual_seed(7)
+    cols = torch.randint(0, V - 1, (N, K), generator=g)
+    vals = torch.randn(N, K, generator=g)
+    vals[2] = 0.0
+    cols[2, 0] = V - 1  # the weight row only a zero-valued entry names
+    h, w = torch.randn(N, D, generator=g), torch.randn(V, D, generator=g)
+    bad_h, bad_w = h.clone(), w.clone()
+    bad_h[2], bad_w[V - 1] = float("inf"), float("nan")
+    grad = SparseGrad(cols.to(DEVICE), vals.to(DEVICE))
+    with _impl(impl):
+        clean, bad = (products(grad, a.to(DEVICE), b.to(DEVICE), [True, True, True],
+                               torch.empty(N, D, device=DEVICE), torch.float32)
+                      for a, b in ((h, w), (bad_h, bad_w)))
+    for a, b in zip(clean, bad):
+        assert torch.equal(a, b)

@@ -52,11 +52,17 @@ def products(grad, hidden, w, needs, gh=None, gw_dtype=None):
     return gh, gw, gb
 
 
+def _terms(vals, rows):
+    """vals (n, 1) times rows (n, D) in vals' dtype; 0 where the value is 0, whatever the
+    row holds (an entry without gradient adds nothing, as in the kernels)."""
+    return torch.where(vals != 0, vals * rows.to(vals.dtype), 0.0)
+
+
 def _gather_rows(cols, vals, w, out):
     """out[t] = sum_k vals[t, k] w[cols[t, k]], summed in vals' dtype (k in order)."""
     acc = torch.zeros(out.shape, dtype=vals.dtype, device=out.device)
     for k in range(cols.shape[1]):
-        acc += vals[:, k, None] * w[cols[:, k]].to(vals.dtype)
+        acc += _terms(vals[:, k, None], w[cols[:, k]])
     out.copy_(acc)
 
 
@@ -65,9 +71,8 @@ def _scatter_rows(cols, vals, hidden, gw, gb):
     naming class c (index_add_: in order off CUDA)."""
     if gw is not None:
         acc = torch.zeros(gw.shape, dtype=vals.dtype, device=gw.device)
-        x = hidden.to(vals.dtype)
         for k in range(cols.shape[1]):
-            acc.index_add_(0, cols[:, k], vals[:, k, None] * x)
+            acc.index_add_(0, cols[:, k], _terms(vals[:, k, None], hidden))
         gw.copy_(acc)
     if gb is not None:
         gb.zero_().index_add_(0, cols.flatten(), vals.flatten())
