@@ -251,14 +251,22 @@ def test_gradcheck_float64():
 
 def test_float32_confident_rows_at_large_magnitude():
     # logits about 50 +- 20, the teacher's top-4 carrying nearly all the mass: float32
-    # logits (the default) within float32's rounding of the float64 composition
+    # logits (the default) within float32's rounding of the float64 composition; and,
+    # from another token's hotter top-4 (a gradient far from 0), the gradients too
     h, w, y = (x.to(DEVICE) for x in confident_inputs(48, 24, 257, offset=50.0))
     top = torch_fce.linear_topk_logprobs(h.double(), w.double(), 4)
+    other = torch_fce.linear_topk_logprobs(h.double().flip(0), w.double(), 4, temperature=3.0)
     for tail in (False, True):
         loss, _ = torch_fce.linear_sparse_divergence(h, w, top.indices, top.logprobs.float(),
                                                      tail=tail)
         want = reference(h.double(), w.double(), top.indices, top.logprobs, tail=tail)[0]
         assert abs(loss.double() - want) <= 1e-5 * max(1.0, abs(want.item())), tail
+        got = _run(lambda h, w: (torch_fce.linear_sparse_divergence(
+            h, w, other.indices, other.logprobs.float(), tail=tail)[0],), [h, w])
+        want = _run(lambda h, w: (reference(h, w, other.indices, other.logprobs,
+                                            tail=tail)[0],), [h.double(), w.double()])
+        for a, r in zip(got[-2:], want[-2:]):
+            assert rel_err(a.double(), r) <= 1e-4, tail
 
 
 def test_shift_equals_the_shifted_support_and_inputs_unchanged():
