@@ -157,8 +157,21 @@ def sparse_targets(idx, probs, V, ignore_index, mdt):
     return skip, ~skip.all(-1), torch.where(skip | bad, 0, idx).long(), p
 
 
+def class_sums(idx, g):
+    """(n, k): each entry's sum of g over the entries of its row naming the same class
+    (duplicates), from a sort of the k indices (no (n, k, k) temporary)."""
+    k = idx.shape[1]
+    sorted_idx, order = torch.sort(idx, dim=-1, stable=True)
+    pos = torch.arange(k, device=idx.device).expand_as(idx)
+    new = torch.ones_like(sorted_idx, dtype=torch.bool)
+    new[:, 1:] = sorted_idx[:, 1:] != sorted_idx[:, :-1]
+    first = torch.where(new, pos, 0).cummax(-1).values  # each run's first position
+    sums = torch.zeros_like(g).scatter_add_(1, first, g.gather(1, order))
+    return torch.empty_like(g).scatter_(1, order, sums.gather(1, first))
+
+
 def sparse_rows(z, idx, inv_t, terms, mdt, dz_dtype, want_grad, logit_scale=1.0,
-                softcap=None, entropy=False, shard=ONE_DEVICE, dense=True):
+                softcap=None, entropy=False, shard=ONE_DEVICE, dense=True, rest_of=None):
     """(out, dz) of a loss over a few classes of each row, the support idx (n, k) of
     whole-vocabulary classes (made safe to read): with a = softcap(logit_scale * z),
     u = a / T and log q = log_softmax(u), terms(log_q[idx]) gives (loss_t, g, *stats)
@@ -168,7 +181,12 @@ def sparse_rows(z, idx, inv_t, terms, mdt, dz_dtype, want_grad, logit_scale=1.0,
     times d u / d z = softcap'(.) logit_scale / T (dz None without want_grad; dense
     False: a loss whose g sums to 0, its dz the SparseGrad of scatter(g) alone). log q is
     formed relative to the row max, so a confident row keeps float32 precision (not
-    lse's). A vocabulary shard's z holds its classes: the max, the sum of exps and each
+    lse's). rest_of (n, k) bool, the entries a rest leaves out: terms(log_q, log_mass)
+    then gets the log of their mass (each entry counted, as TRL's tail bucket counts
+    them) with the rest 1 - mass formed as the sum of q over the other classes less the
+    duplicates' excess, precise where the entries hold nearly all the mass (1 - sum
+    would cancel), and gives g as (g_e, g_l) (_sparse_terms). A vocabulary shard's z
+    holds its classes: the max, the sum of exps and each
     support class's u (from the shard holding it) are all-reduced before terms, which
     every rank forms alike; its dz is its own classes'. A row whose g is all 0 (a token
     not counted) gets dz exactly 0, also where its logits are not finite (the callers
@@ -184,7 +202,23 @@ def sparse_rows(z, idx, inv_t, terms, mdt, dz_dtype, want_grad, logit_scale=1.0,
         if shard.group is not None else u.gather(1, col)
     e = u.sub_(m).exp_()  # u is consumed from here on
     total = shard.all_reduce(row_sum(e, True), "sum")
-    loss_t, g, *stats = terms((u_k - m) - total.log())
+    log_q = (u_k - m) - total.log()
+    if rest_of is None:
+        loss_t, g, *stats = terms(log_q)
+        g_l = torch.zeros_like(g[:, :1])
+    else:
+        mult = class_sums(idx, rest_of.to(mdt))  # the valid entries naming each one's class
+        out = rest_of & here
+        member = torch.zeros_like(e, dtype=torch.uint8).scatter_reduce_(
+            1, col, out.to(torch.uint8), "amax").bool()
+        excess = torch.where(out, e.gather(1, col) * (1.0 - 1.0 / mult), 0.0)
+        rest = shard.all_reduce(row_sum(torch.where(member, 0.0, e), True) -
+                                row_sum(excess, True), "sum") / total
+        # the entries' log-mass log(1 - rest): from the rest where it is small, from the
+        # entries' log-probs elsewhere (each precise there)
+        log_mass = torch.where(rest < 0.5, torch.log1p(-rest), torch.logsumexp(
+            torch.where(rest_of, log_q, -math.inf), -1, keepdim=True))
+        loss_t, (g, g_l), *stats = terms(log_q, log_mass[:, 0])
     if entropy:  # log S - sum e log e / S, e = exp(u - m), S = sum e (0 log 0 = 0)
         xlx = shard.all_reduce(row_sum(torch.special.xlogy(e, e), True), "sum")
         stats.append((total.log() - xlx / total)[:, 0])
@@ -196,11 +230,33 @@ def sparse_rows(z, idx, inv_t, terms, mdt, dz_dtype, want_grad, logit_scale=1.0,
         if da is not None:
             vals = vals * da.gather(1, col) / logit_scale
         return (loss_t, *stats), SparseGrad(col, torch.where(here & (g != 0), vals, 0.0))
-    dz = e.mul_(-g.sum(-1, keepdim=True) * c / total)
-    dz.scatter_add_(1, col, torch.where(here, g * c, 0.0))
+    coef = -(g.sum(-1, keepdim=True) + g_l) * c
+    dz = e.mul_(coef / total)
+    if rest_of is None:
+        dz.scatter_add_(1, col, torch.where(here, g * c, 0.0))
+    else:
+        # the support classes' values written whole: through the rest, g_l's part of the
+        # softmax term and of the entries' cancel to -g_l q (one entry a class), which
+        # their sum would leave at float32's rounding of g_l q / rest
+        q_k = log_q.exp()
+        sig = (log_q - log_mass).exp()  # q / (1 - rest): d log(1 - rest) / d u
+        exact = c * (class_sums(idx, g) - q_k * g.sum(-1, keepdim=True) +
+                     torch.where(mult > 0, g_l * (mult - 1.0 + rest) * sig, 0.0))
+        _scatter_whole(dz, col, here, torch.where(mult > 0, exact, coef * q_k))
     if da is not None:  # softcap'(.): da is d a / d z, the scale included
         dz = dz.mul_(da / logit_scale)
-    return (loss_t, *stats), dz.masked_fill_((g == 0).all(-1, keepdim=True), 0.0).to(dz_dtype)
+    zero = (g == 0).all(-1, keepdim=True) & (g_l == 0)
+    return (loss_t, *stats), dz.masked_fill_(zero, 0.0).to(dz_dtype)
+
+
+def _scatter_whole(dz, col, here, values):
+    """dz[col] = values at the entries here (entries naming one class carry one value);
+    an entry not here writes the value of its row's first entry here, or with none, the
+    value already at its column (every write to a column one value: no race)."""
+    first = here.int().argmax(-1, keepdim=True)
+    col = torch.where(here, col, col.gather(1, first))
+    other = torch.where(here.any(-1, keepdim=True), values.gather(1, first), dz.gather(1, col))
+    dz.scatter_(1, col, torch.where(here, values, other))
 
 
 def soft_ce_rows(z, idx, probs, inv_t, weights, opts, mdt, dz_dtype, want_grad,
@@ -237,10 +293,13 @@ def sparse_entries(support, teacher, ignore_index):
     return (support != ignore_index) & (teacher > -math.inf)
 
 
-def _with_tail(lp, entries):
+def _with_tail(lp, entries, log_sum=None):
     """TRL's _add_tail_bucket: (K+1) log-probs, the last log(1 - sum exp(lp)), the sum's
-    log clamped below -1e-7 (so the bucket stays finite), and its support mask."""
-    log_sum = torch.logsumexp(lp, dim=-1, keepdim=True).clamp(max=-1e-7)
+    log clamped below -1e-7 (so the bucket stays finite), and its support mask. log_sum
+    (n, 1): the sum's log formed elsewhere (default logsumexp(lp))."""
+    if log_sum is None:
+        log_sum = torch.logsumexp(lp, dim=-1, keepdim=True)
+    log_sum = log_sum.clamp(max=-1e-7)
     tail = torch.log(-torch.expm1(log_sum))
     return (torch.cat([lp, tail], dim=-1),
             torch.cat([entries, torch.ones_like(entries[..., :1])], dim=-1))
@@ -262,13 +321,16 @@ def _jsd(s, t, beta, support):
         (1 - beta) * torch.nan_to_num(q * (s0 - m), nan=0.0)
 
 
-def _divergence(s, t, entries, opts):
+def _divergence(s, t, entries, opts, log_sum=None):
     """Each token's divergence (n,) from the student's and the teacher's log-probs at
-    the support (n, K), only valid entries read (every token has one)."""
+    the support (n, K), only valid entries read (every token has one); log_sum: the
+    student's support log-mass with the tail (_with_tail). The teacher's tail is formed
+    in float64 (a mass near 1 would cancel in float32)."""
     neg_inf = torch.full((), -math.inf, dtype=s.dtype, device=s.device)
     s, t = torch.where(entries, s, neg_inf), torch.where(entries, t, neg_inf)
     if opts.tail:
-        (s, support), (t, _) = _with_tail(s, entries), _with_tail(t, entries)
+        (s, support), (t, _) = _with_tail(s, entries, log_sum), _with_tail(t.double(), entries)
+        t = t.to(s.dtype)
     else:
         s = s - torch.logsumexp(s, dim=-1, keepdim=True)
         t = t - torch.logsumexp(t, dim=-1, keepdim=True)
@@ -276,13 +338,17 @@ def _divergence(s, t, entries, opts):
     return _jsd(s, t, opts.beta, support).sum(-1)
 
 
-def _sparse_terms(log_q, teacher, entries, weights, opts):
+def _sparse_terms(log_q, teacher, entries, weights, opts, log_mass=None):
     """(loss_t, g, divergence, mass) of a chunk, each (n,) but g (n, K): the weighted
     loss term, its derivative w.r.t. the student's support log-probs, the divergence and
-    the student's mass on the support, 0 at tokens not counted. Autograd differentiates
-    `_divergence` on these (n, K) tensors below the op's own autograd
-    (inference_mode(False) lifts the dispatcher's exclusion of the autograd keys; the
-    tensors entering the small graph are cloned)."""
+    the student's mass on the support, 0 at tokens not counted. With log_mass (n,), the
+    log of the student's mass on the entries formed precisely (sparse_rows' rest_of),
+    the tail's log-mass is a variable of its own and g is (g_e, g_l): the derivatives
+    w.r.t. the log-probs with it fixed, and w.r.t. it (n, 1) (the rows form its chain
+    to the logits without cancellation). Autograd differentiates `_divergence` on these
+    (n, K) tensors below the op's own autograd (inference_mode(False) lifts the
+    dispatcher's exclusion of the autograd keys; the tensors entering the small graph
+    are cloned)."""
     counted = entries.any(-1)
     # a token without valid entries reads one dummy entry (its results are zeroed)
     first = torch.zeros_like(entries)
@@ -292,14 +358,22 @@ def _sparse_terms(log_q, teacher, entries, weights, opts):
     with torch.inference_mode(False), torch.enable_grad():
         s = log_q.clone().requires_grad_()
         t = torch.where(safe & ~entries, 0.0, teacher.to(mdt)).clone()
-        div = _divergence(s, t, safe, opts)
+        leaves = [s]
+        if log_mass is not None:  # NaN where an entry's log-prob is (out of range)
+            nan = torch.where(safe, log_q, 0.0).isnan().any(-1)
+            leaves.append(torch.where(nan, math.nan, log_mass.to(mdt))[:, None]
+                          .clone().requires_grad_())
+        div = _divergence(s, t, safe, opts, *leaves[1:])
         w = torch.where(counted, weights.to(mdt), 0.0).clone()
         loss_t = w * torch.where(counted, div, 0.0)
-        g, = torch.autograd.grad(loss_t.sum(), s)
+        g, *g_l = torch.autograd.grad(loss_t.sum(), leaves)
     zero = torch.zeros_like(w)
     mass = torch.where(entries, log_q.exp(), 0.0).sum(-1)
-    return (loss_t.detach(), torch.where(entries, g, 0.0),
-            torch.where(counted, div.detach(), zero), torch.where(counted, mass, zero))
+    g = torch.where(entries, g, 0.0)
+    if g_l:
+        g = (g, torch.where(counted[:, None], g_l[0], 0.0))
+    return (loss_t.detach(), g, torch.where(counted, div.detach(), zero),
+            torch.where(counted, mass, zero))
 
 
 def sparse_divergence_rows(z, support, teacher, inv_t, weights, opts, mdt, dz_dtype,
@@ -317,13 +391,14 @@ def sparse_divergence_rows(z, support, teacher, inv_t, weights, opts, mdt, dz_dt
     bad = entries & ((support < 0) | (support >= V))
     safe = torch.where(entries & ~bad, support, 0).long()
 
-    def terms(log_q):
+    def terms(log_q, log_mass=None):
         return _sparse_terms(torch.where(bad, math.nan, log_q), teacher, entries, weights,
-                             opts)
+                             opts, log_mass)
 
     (loss_t, div, mass, ent), dz = sparse_rows(
         z, safe, inv_t, terms, mdt, dz_dtype, want_grad, opts.logit_scale, opts.softcap,
-        entropy=True, shard=shard, dense=opts.tail)
+        entropy=True, shard=shard, dense=opts.tail,
+        rest_of=entries & ~bad if opts.tail else None)
     # the divergence's nan_to_num would hide the NaN of an out-of-range entry: set it
     nan = bad.any(-1)
     return (torch.where(nan, math.nan, loss_t), torch.where(nan, math.nan, div), mass,

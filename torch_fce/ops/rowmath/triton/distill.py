@@ -28,7 +28,7 @@ import triton.language as tl
 
 from ...loop.chunked import ONE_DEVICE
 from ...loop.sparse import SparseGrad
-from ..distill import DistillRows, RowMath, capped
+from ..distill import DistillRows, RowMath, capped, class_sums
 from .ce import _NEG_BIG, _block_v, _tanh, dz_buffer, dz_over
 
 _WARPS = 8  # the launch's warps (torch_fce/bench/probes/distill_profile.py measures others)
@@ -277,19 +277,6 @@ def _sparse_grad_kernel(z_ptr, dz_ptr, inv_t_ptr, m_ptr, ls_ptr, coef_ptr, V, st
                    tl.load(coef_ptr + row), scale, cap, HAS_CAP, OVER, BLOCK_V)
 
 
-def _class_sums(idx, g):
-    """(n, k): each entry's sum of g over the entries of its row naming the same class
-    (duplicates), from a sort of the k indices (no (n, k, k) temporary)."""
-    k = idx.shape[1]
-    sorted_idx, order = torch.sort(idx, dim=-1, stable=True)
-    pos = torch.arange(k, device=idx.device).expand_as(idx)
-    new = torch.ones_like(sorted_idx, dtype=torch.bool)
-    new[:, 1:] = sorted_idx[:, 1:] != sorted_idx[:, :-1]
-    first = torch.where(new, pos, 0).cummax(-1).values  # each run's first position
-    sums = torch.zeros_like(g).scatter_add_(1, first, g.gather(1, order))
-    return torch.empty_like(g).scatter_(1, order, sums.gather(1, first))
-
-
 def triton_sparse_rows(z, idx, inv_t, terms, mdt, dz_dtype, want_grad, logit_scale=1.0,
                        softcap=None, shard=ONE_DEVICE):
     """distill.sparse_rows on the Triton kernels (one device): a sweep for each row's
@@ -314,7 +301,7 @@ def triton_sparse_rows(z, idx, inv_t, terms, mdt, dz_dtype, want_grad, logit_sca
     dz = dz_over(z, dz_dtype)
     _sparse_grad_kernel[(n,)](z, dz, inv_t, m, ls, coef, V, z.stride(0), dz.stride(0),
                               scale, cap, OVER=dz.dtype != z.dtype, **flags)
-    exact = coef * log_q.exp() + c * _class_sums(idx, g)
+    exact = coef * log_q.exp() + c * class_sums(idx, g)
     if da_k is not None:  # softcap'(.): da is d a / d z, the scale included
         exact = exact * (da_k / logit_scale)
     # a row whose g is all 0: exactly 0 (the kernel wrote its other classes so)
