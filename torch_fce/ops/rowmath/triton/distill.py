@@ -343,6 +343,57 @@ def _nan_to_num(x):
 
 
 @triton.jit
+def _log1p(x):
+    """log(1 + x) to float32 rounding (log(u) x / (u - 1), u = 1 + x: the rounding of u
+    cancels)."""
+    u = 1.0 + x
+    return tl.where(u == 1.0, x, tl.log(u) * x / (u - 1.0))
+
+
+@triton.jit
+def _multiplicity(support_ptr, teacher_ptr, row, K, V, ignore_index, safe,
+                  BLOCK_K: tl.constexpr, SUB_K: tl.constexpr):
+    """(BLOCK_K,) float32: how many valid entries of the row name each entry's class."""
+    mult = tl.zeros([BLOCK_K], tl.float32)
+    for j0 in range(0, BLOCK_K, SUB_K):
+        jj = j0 + tl.arange(0, SUB_K)
+        entries_j, bad_j, safe_j, _ = _support_block(support_ptr, teacher_ptr, row, K, jj,
+                                                     V, ignore_index)
+        same = (safe[:, None] == safe_j[None, :]) & (entries_j & ~bad_j)[None, :]
+        mult += tl.sum(same.to(tl.float32), axis=1)
+    return mult
+
+
+@triton.jit
+def _rest_sums(z_row, V, inv_t, scale, cap, HAS_CAP: tl.constexpr, BLOCK_V: tl.constexpr):
+    """(m, s, t, count) of a row's classes whose logit is not -inf: u = softcap(scale z)
+    / T, s = sum exp(u - m), t = sum exp(u - m) (u - m) (_row_lse's), and how many
+    logits are -inf."""
+    cols = tl.arange(0, BLOCK_V)
+    m, s = _start(BLOCK_V)
+    t = s
+    count = s
+    for v0 in range(0, V, BLOCK_V):
+        offs = v0 + cols
+        mask = offs < V
+        raw = tl.load(z_row + offs, mask=mask, other=0.0).to(tl.float32)
+        out = mask & (raw == float("-inf"))
+        a = raw * scale
+        if HAS_CAP:
+            a = cap * _tanh(a / cap)
+        u = tl.where(mask & ~out, a, float("-inf")) * inv_t
+        m_new = tl.maximum(m, tl.max(u, axis=0))
+        r = tl.exp(m - m_new)
+        x = u - m_new
+        e = tl.exp(x)
+        t = r * (t + (m - m_new) * s) + tl.sum(tl.where(e > 0.0, e * x, 0.0), axis=0)
+        s = s * r + tl.sum(e, axis=0)
+        m = m_new
+        count += tl.sum(out.to(tl.float32), axis=0)
+    return m, s, t, count
+
+
+@triton.jit
 def _jsd_entry(sh, th, beta, one_m_beta, KIND: tl.constexpr):
     """(term, d term / d sh) of distill._jsd at entries (or the tail bucket) of the
     student's and teacher's log-probs sh, th, with the derivative autograd forms
@@ -403,37 +454,73 @@ def _sparse_divergence_kernel(
     row = tl.program_id(0).to(tl.int64)  # int64: row * stride passes 2^31
     z_row = z_ptr + row * stride_z
     inv_t = tl.load(inv_t_ptr + row)
-    m, ls, ent = _row_lse(z_row, V, inv_t, scale, cap, HAS_CAP, True, BLOCK_V)
-
     ks = tl.arange(0, BLOCK_K)
     entries, bad, safe, tch = _support_block(support_ptr, teacher_ptr, row, K, ks, V,
                                              ignore_index)
-    a_k = _load_a(z_row + safe, ks < K, scale, cap, HAS_CAP)
+    a_k = _load_a(z_row + safe, ks < K, scale, cap, HAS_CAP)  # before the row is marked
+    if TAIL:
+        # the student's mass off the support summed directly (1 - its sum on the support
+        # cancels when the support holds nearly all of it): the support's logits set to
+        # -inf for the sweep, which leaves -inf logits out and counts them; the support's
+        # distinct classes (and other -inf logits) are added back after it
+        valid = entries & ~bad
+        mult = _multiplicity(support_ptr, teacher_ptr, row, K, V, ignore_index, safe,
+                             BLOCK_K, SUB_K)
+        tl.store(z_row + safe, tl.full([BLOCK_K], float("-inf"), tl.float32)
+                 .to(z_row.dtype.element_ty), mask=valid)
+        tl.debug_barrier()  # the marks before any warp's loads
+        m_n, s_n, t_n, n_inf = _rest_sums(z_row, V, inv_t, scale, cap, HAS_CAP, BLOCK_V)
+        u_k = tl.where(valid, a_k * inv_t, float("-inf"))
+        once = tl.where(valid, 1.0 / mult, 0.0)  # each distinct class once
+        # -inf logits off the support: softcap(-inf) / T each (-inf without softcap)
+        n_gen = tl.floor(n_inf - tl.sum(once, axis=0) + 0.5)
+        u_inf = tl.full([], float("-inf"), tl.float32)
+        if HAS_CAP:
+            u_inf = tl.where(n_gen > 0.5, -cap * inv_t, u_inf)
+        m = tl.maximum(tl.maximum(m_n, tl.max(u_k, axis=0)), u_inf)
+        r = tl.exp(m_n - m)
+        e_k = tl.where(valid, tl.exp(u_k - m), 0.0)
+        e_inf = tl.where(n_gen > 0.5, n_gen * tl.exp(u_inf - m), 0.0)
+        S = s_n * r + e_inf + tl.sum(e_k * once, axis=0)
+        T = r * (t_n + (m_n - m) * s_n) + tl.where(e_inf > 0.0, e_inf * (u_inf - m), 0.0) \
+            + tl.sum(tl.where(valid, e_k * once * (u_k - m), 0.0), axis=0)
+        ls = tl.log(S)
+        ent = ls - T / S
+        # TRL's 1 - sum over the entries (duplicates each counted): the mass off the
+        # support less the duplicates' excess
+        rest = (s_n * r + e_inf - tl.sum(e_k * (1.0 - once), axis=0)) / S
+    else:
+        m, ls, ent = _row_lse(z_row, V, inv_t, scale, cap, HAS_CAP, True, BLOCK_V)
     log_q = (a_k * inv_t - m) - ls  # relative to the max
     counted = tl.sum(entries.to(tl.int32), axis=0) > 0
     w = tl.where(counted, tl.load(w_ptr + row), 0.0)
     s = tl.where(entries, tl.where(bad, float("nan"), log_q), float("-inf"))
     t = tl.where(entries, tch, float("-inf"))
     lse_s = _masked_lse(s, entries)
-    sig = tl.where(entries, tl.exp(s - lse_s), 0.0)  # d lse_s / d s
     if TAIL:
+        # the entries' log-mass from the rest where it is small (precise there), NaN kept;
         # the (K+1)-th bucket log(1 - sum exp), its log-sum clamped below -1e-7 (the
         # clamp as torch's: NaN stays NaN; its derivative 0 above)
+        near = (rest < 0.5) & (lse_s == lse_s)
+        lse_s = tl.where(near, _log1p(-rest), lse_s)
         l_s = tl.where(lse_s > _TAIL_MAX, _TAIL_MAX, lse_s)
-        lse_t = _masked_lse(t, entries)
+        em_s = tl.where(near & (lse_s <= _TAIL_MAX), -rest, _expm1(l_s))
+        # the teacher's in float64 (its mass near 1 would cancel in float32)
+        lse_t = _masked_lse(t.to(tl.float64), entries)
         l_t = tl.where(lse_t > _TAIL_MAX, _TAIL_MAX, lse_t)
-        em_s = _expm1(l_s)
+        tail_t = tl.log(-_expm1(l_t)).to(tl.float32)
         term, d = _jsd_entry(s, t, beta, one_m_beta, KIND)
-        term_b, d_b = _jsd_entry(tl.log(-em_s), tl.log(-_expm1(l_t)), beta, one_m_beta,
-                                 KIND)
+        term_b, d_b = _jsd_entry(tl.log(-em_s), tail_t, beta, one_m_beta, KIND)
         div = tl.sum(tl.where(entries, term, 0.0), axis=0) + term_b
-        d_l = tl.where(lse_s <= _TAIL_MAX, d_b * (em_s + 1.0) / em_s, 0.0)
-        g = d + d_l * sig
+        # d loss / d the entries' log-mass (through the bucket), kept apart from d
+        d_l = tl.where(counted & (lse_s <= _TAIL_MAX), w * d_b * (em_s + 1.0) / em_s, 0.0)
+        g = tl.where(entries & counted, w * d, 0.0)
     else:  # each renormalised over the support
+        sig = tl.where(entries, tl.exp(s - lse_s), 0.0)  # d lse_s / d s
         term, d = _jsd_entry(s - lse_s, t - _masked_lse(t, entries), beta, one_m_beta, KIND)
         div = tl.sum(tl.where(entries, term, 0.0), axis=0)
         g = d - sig * tl.sum(tl.where(entries, d, 0.0), axis=0)
-    g = tl.where(entries & counted, w * g, 0.0)
+        g = tl.where(entries & counted, w * g, 0.0)
     mass = tl.sum(tl.where(entries, tl.exp(tl.where(bad, float("nan"), log_q)), 0.0), axis=0)
     # the divergence's nan_to_num would hide the NaN of an out-of-range entry: set it
     div = tl.where(tl.sum(bad.to(tl.int32), axis=0) > 0, float("nan"), div)
@@ -445,7 +532,8 @@ def _sparse_divergence_kernel(
     if HAS_GRAD:
         c = inv_t * scale  # d u / d (scale z), times scale
         if TAIL:
-            coef = -tl.sum(g, axis=0) * c
+            G = tl.sum(g, axis=0)
+            coef = -(G + d_l) * c  # the softmax part: d l / d u sums to 1 over the row
             dz_row = dz_ptr + row * stride_d
             _softmax_sweep(z_row, dz_row, V, inv_t, m, ls, coef, scale, cap, HAS_CAP, OVER,
                            BLOCK_V)
@@ -460,12 +548,20 @@ def _sparse_divergence_kernel(
                 g_j = tl.load(g_row + jj)
                 sums += tl.sum(tl.where(safe[:, None] == safe_j[None, :], g_j[None, :], 0.0),
                                axis=1)
-            exact = coef * tl.exp(log_q) + c * sums
+            # a support class's value written whole: d_l's parts of the softmax term and
+            # of the entries' cancel to -d_l q (one entry a class), which their sum would
+            # leave at float32's rounding of d_l q / rest; another class's: the sweep's
+            q_k = tl.exp(log_q)
+            sig = tl.exp(log_q - lse_s)  # q / (1 - rest): d lse_s / d u at the class
+            exact = c * (sums - q_k * G + tl.where(mult > 0.0,
+                                                   d_l * (mult - 1.0 + rest) * sig, 0.0))
+            exact = tl.where(mult > 0.0, exact, coef * q_k)
             if HAS_CAP:
                 th = a_k / cap
                 exact *= 1.0 - th * th
-            # a row whose g is all 0 (a token not counted): exactly 0, as its sweep wrote
-            exact = tl.where(tl.sum((g != 0.0).to(tl.int32), axis=0) == 0, 0.0, exact)
+            # a row without gradient (a token not counted): exactly 0, as its sweep wrote
+            zero = (tl.sum((g != 0.0).to(tl.int32), axis=0) == 0) & (d_l == 0.0)
+            exact = tl.where(zero, 0.0, exact)
             tl.store(dz_row + safe, exact.to(dz_row.dtype.element_ty), mask=ks < K)
         else:  # renormalised: g sums to 0, no softmax part
             v = g * c
