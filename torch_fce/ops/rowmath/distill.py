@@ -407,4 +407,4 @@ def sparse_divergence_rows(z, support, teacher, inv_t, weights, opts, mdt, dz_dt
 
 TORCH_DISTILL_ROWS = DistillRows(RowMath(divergence_rows, temporaries=6),
                                  RowMath(sparse_rows, temporaries=2),
-                                 RowMath(sparse_divergence_rows, temporaries=2))
+                                 RowMath(sparse_divergence_rows, temporaries=3))
