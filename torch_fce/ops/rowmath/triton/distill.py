@@ -207,11 +207,23 @@ def _distill_rows_kernel(
 
 
 @triton.jit
+def _online_xlx(m, s, t, u):
+    """_online's (m, s) and t = sum exp(u - m) (u - m) after block u (t rescaled as the
+    max moves: t' = r (t + (m - m') s), r = exp(m - m'))."""
+    m_new = tl.maximum(m, tl.max(u, axis=0))
+    r = tl.exp(m - m_new)
+    x = u - m_new
+    e = tl.exp(x)
+    t = r * (t + (m - m_new) * s) + tl.sum(tl.where(e > 0.0, e * x, 0.0), axis=0)
+    return m_new, s * r + tl.sum(e, axis=0), t
+
+
+@triton.jit
 def _row_lse(z_row, V, inv_t, scale, cap, HAS_CAP: tl.constexpr, ENTROPY: tl.constexpr,
              BLOCK_V: tl.constexpr):
     """(m, log s, entropy) of a logits row: u = softcap(scale z) / T, lse = m + log s,
     and with ENTROPY -sum q log q = log s - t / s, t = sum e (u - m) and e = exp(u - m)
-    (both rescaled as the max moves: t' = r (t + (m - m') s), r = exp(m - m')); else 0."""
+    (_online_xlx); else 0."""
     cols = tl.arange(0, BLOCK_V)
     m, s = _start(BLOCK_V)
     t = s
@@ -219,13 +231,7 @@ def _row_lse(z_row, V, inv_t, scale, cap, HAS_CAP: tl.constexpr, ENTROPY: tl.con
         offs = v0 + cols
         u = _load_a(z_row + offs, offs < V, scale, cap, HAS_CAP) * inv_t
         if ENTROPY:
-            m_new = tl.maximum(m, tl.max(u, axis=0))
-            r = tl.exp(m - m_new)
-            x = u - m_new
-            e = tl.exp(x)
-            t = r * (t + (m - m_new) * s) + tl.sum(tl.where(e > 0.0, e * x, 0.0), axis=0)
-            s = s * r + tl.sum(e, axis=0)
-            m = m_new
+            m, s, t = _online_xlx(m, s, t, u)
         else:
             m, s = _online(m, s, u)
     ls = tl.log(s)
@@ -381,14 +387,7 @@ def _rest_sums(z_row, V, inv_t, scale, cap, HAS_CAP: tl.constexpr, BLOCK_V: tl.c
         a = raw * scale
         if HAS_CAP:
             a = cap * _tanh(a / cap)
-        u = tl.where(mask & ~out, a, float("-inf")) * inv_t
-        m_new = tl.maximum(m, tl.max(u, axis=0))
-        r = tl.exp(m - m_new)
-        x = u - m_new
-        e = tl.exp(x)
-        t = r * (t + (m - m_new) * s) + tl.sum(tl.where(e > 0.0, e * x, 0.0), axis=0)
-        s = s * r + tl.sum(e, axis=0)
-        m = m_new
+        m, s, t = _online_xlx(m, s, t, tl.where(mask & ~out, a, float("-inf")) * inv_t)
         count += tl.sum(out.to(tl.float32), axis=0)
     return m, s, t, count
 
