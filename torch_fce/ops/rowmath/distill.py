@@ -305,6 +305,13 @@ def _with_tail(lp, entries, log_sum=None):
             torch.cat([entries, torch.ones_like(entries[..., :1])], dim=-1))
 
 
+def teacher_tail(lp, entries):
+    """The teacher's tail bucket (n,): the last of _with_tail's log-probs for log-probs
+    lp (n, K) at the valid entries, formed in float64 (a mass near 1 would cancel in
+    float32)."""
+    return _with_tail(torch.where(entries, lp.double(), -math.inf), entries)[0][:, -1]
+
+
 def _jsd(s, t, beta, support):
     """TRL's _jsd_divergence with a support mask, per entry: beta 0 p (log p - log q), 1
     q (log q - log p), between beta KL(p || m) + (1 - beta) KL(q || m), m = beta p +
@@ -324,13 +331,12 @@ def _jsd(s, t, beta, support):
 def _divergence(s, t, entries, opts, log_sum=None):
     """Each token's divergence (n,) from the student's and the teacher's log-probs at
     the support (n, K), only valid entries read (every token has one); log_sum: the
-    student's support log-mass with the tail (_with_tail). The teacher's tail is formed
-    in float64 (a mass near 1 would cancel in float32)."""
+    student's support log-mass with the tail (_with_tail)."""
     neg_inf = torch.full((), -math.inf, dtype=s.dtype, device=s.device)
     s, t = torch.where(entries, s, neg_inf), torch.where(entries, t, neg_inf)
     if opts.tail:
-        (s, support), (t, _) = _with_tail(s, entries, log_sum), _with_tail(t.double(), entries)
-        t = t.to(s.dtype)
+        s, support = _with_tail(s, entries, log_sum)
+        t = torch.cat([t, teacher_tail(t, entries)[:, None].to(t.dtype)], dim=-1)
     else:
         s = s - torch.logsumexp(s, dim=-1, keepdim=True)
         t = t - torch.logsumexp(t, dim=-1, keepdim=True)

@@ -28,7 +28,8 @@ import triton.language as tl
 
 from ...loop.chunked import ONE_DEVICE
 from ...loop.sparse import SparseGrad
-from ..distill import DistillRows, RowMath, capped, class_sums
+from ..distill import (DistillRows, RowMath, capped, class_sums, sparse_entries,
+                       teacher_tail)
 from .ce import _NEG_BIG, _block_v, _tanh, dz_buffer, dz_over
 
 _WARPS = 8  # the launch's warps (torch_fce/bench/probes/distill_profile.py measures others)
@@ -378,17 +379,17 @@ def _rest_sums(z_row, V, inv_t, scale, cap, HAS_CAP: tl.constexpr, BLOCK_V: tl.c
     cols = tl.arange(0, BLOCK_V)
     m, s = _start(BLOCK_V)
     t = s
-    count = s
+    count = tl.sum(tl.zeros([BLOCK_V], tl.int32), axis=0)
     for v0 in range(0, V, BLOCK_V):
         offs = v0 + cols
         mask = offs < V
         raw = tl.load(z_row + offs, mask=mask, other=0.0).to(tl.float32)
-        out = mask & (raw == float("-inf"))
+        keep = mask & (raw != float("-inf"))
+        count += BLOCK_V - tl.sum(keep.to(tl.int32), axis=0) - tl.maximum(v0 + BLOCK_V - V, 0)
         a = raw * scale
         if HAS_CAP:
             a = cap * _tanh(a / cap)
-        m, s, t = _online_xlx(m, s, t, tl.where(mask & ~out, a, float("-inf")) * inv_t)
-        count += tl.sum(out.to(tl.float32), axis=0)
+        m, s, t = _online_xlx(m, s, t, tl.where(keep, a, float("-inf")) * inv_t)
     return m, s, t, count
 
 
@@ -434,7 +435,8 @@ def _support_block(support_ptr, teacher_ptr, row, K, ks, V, ignore_index):
 @triton.jit
 def _sparse_divergence_kernel(
     # pointers
-    z_ptr, dz_ptr, support_ptr, teacher_ptr, inv_t_ptr, w_ptr, out_ptr, g_ptr, cols_ptr,
+    z_ptr, dz_ptr, support_ptr, teacher_ptr, tail_ptr, inv_t_ptr, w_ptr, out_ptr, g_ptr,
+    cols_ptr,
     # sizes and options
     n, V, K, ignore_index, beta, one_m_beta, scale, cap,
     # strides
@@ -454,21 +456,28 @@ def _sparse_divergence_kernel(
     z_row = z_ptr + row * stride_z
     inv_t = tl.load(inv_t_ptr + row)
     ks = tl.arange(0, BLOCK_K)
-    entries, bad, safe, tch = _support_block(support_ptr, teacher_ptr, row, K, ks, V,
-                                             ignore_index)
-    a_k = _load_a(z_row + safe, ks < K, scale, cap, HAS_CAP)  # before the row is marked
+    g_row = g_ptr + row * BLOCK_K  # the row's scratch (and, without the tail, its values)
     if TAIL:
         # the student's mass off the support summed directly (1 - its sum on the support
         # cancels when the support holds nearly all of it): the support's logits set to
         # -inf for the sweep, which leaves -inf logits out and counts them; the support's
-        # distinct classes (and other -inf logits) are added back after it
-        valid = entries & ~bad
-        mult = _multiplicity(support_ptr, teacher_ptr, row, K, V, ignore_index, safe,
-                             BLOCK_K, SUB_K)
+        # distinct classes (and other -inf logits) are added back after it. Its logits
+        # wait in the scratch, the support is read again after the sweep (no vector
+        # held across it)
+        entries, bad, safe, tch = _support_block(support_ptr, teacher_ptr, row, K, ks, V,
+                                                 ignore_index)
+        tl.store(g_row + ks, _load_a(z_row + safe, ks < K, scale, cap, HAS_CAP))
+        tl.debug_barrier()  # every warp's gathers before any mark (duplicate classes)
         tl.store(z_row + safe, tl.full([BLOCK_K], float("-inf"), tl.float32)
-                 .to(z_row.dtype.element_ty), mask=valid)
+                 .to(z_row.dtype.element_ty), mask=entries & ~bad)
         tl.debug_barrier()  # the marks before any warp's loads
         m_n, s_n, t_n, n_inf = _rest_sums(z_row, V, inv_t, scale, cap, HAS_CAP, BLOCK_V)
+        entries, bad, safe, tch = _support_block(support_ptr, teacher_ptr, row, K, ks, V,
+                                                 ignore_index)
+        valid = entries & ~bad
+        a_k = tl.load(g_row + ks)
+        mult = _multiplicity(support_ptr, teacher_ptr, row, K, V, ignore_index, safe,
+                             BLOCK_K, SUB_K)
         u_k = tl.where(valid, a_k * inv_t, float("-inf"))
         once = tl.where(valid, 1.0 / mult, 0.0)  # each distinct class once
         # -inf logits off the support: softcap(-inf) / T each (-inf without softcap)
@@ -490,6 +499,9 @@ def _sparse_divergence_kernel(
         rest = (s_n * r + e_inf - tl.sum(e_k * (1.0 - once), axis=0)) / S
     else:
         m, ls, ent = _row_lse(z_row, V, inv_t, scale, cap, HAS_CAP, True, BLOCK_V)
+        entries, bad, safe, tch = _support_block(support_ptr, teacher_ptr, row, K, ks, V,
+                                                 ignore_index)
+        a_k = _load_a(z_row + safe, ks < K, scale, cap, HAS_CAP)
     log_q = (a_k * inv_t - m) - ls  # relative to the max
     counted = tl.sum(entries.to(tl.int32), axis=0) > 0
     w = tl.where(counted, tl.load(w_ptr + row), 0.0)
@@ -504,10 +516,7 @@ def _sparse_divergence_kernel(
         lse_s = tl.where(near, _log1p(-rest), lse_s)
         l_s = tl.where(lse_s > _TAIL_MAX, _TAIL_MAX, lse_s)
         em_s = tl.where(near & (lse_s <= _TAIL_MAX), -rest, _expm1(l_s))
-        # the teacher's in float64 (its mass near 1 would cancel in float32)
-        lse_t = _masked_lse(t.to(tl.float64), entries)
-        l_t = tl.where(lse_t > _TAIL_MAX, _TAIL_MAX, lse_t)
-        tail_t = tl.log(-_expm1(l_t)).to(tl.float32)
+        tail_t = tl.load(tail_ptr + row)  # the teacher's (distill.teacher_tail)
         term, d = _jsd_entry(s, t, beta, one_m_beta, KIND)
         term_b, d_b = _jsd_entry(tl.log(-em_s), tail_t, beta, one_m_beta, KIND)
         div = tl.sum(tl.where(entries, term, 0.0), axis=0) + term_b
@@ -533,12 +542,8 @@ def _sparse_divergence_kernel(
         if TAIL:
             G = tl.sum(g, axis=0)
             coef = -(G + d_l) * c  # the softmax part: d l / d u sums to 1 over the row
-            dz_row = dz_ptr + row * stride_d
-            _softmax_sweep(z_row, dz_row, V, inv_t, m, ls, coef, scale, cap, HAS_CAP, OVER,
-                           BLOCK_V)
-            g_row = g_ptr + row * BLOCK_K
             tl.store(g_row + ks, g)
-            tl.debug_barrier()  # the sweep's and the scratch's stores before the reads below
+            tl.debug_barrier()  # the scratch's stores before the reads below
             sums = tl.zeros([BLOCK_K], tl.float32)  # g summed over the entries of each class
             for j0 in range(0, BLOCK_K, SUB_K):
                 jj = j0 + tl.arange(0, SUB_K)
@@ -561,13 +566,22 @@ def _sparse_divergence_kernel(
             # a row without gradient (a token not counted): exactly 0, as its sweep wrote
             zero = (tl.sum((g != 0.0).to(tl.int32), axis=0) == 0) & (d_l == 0.0)
             exact = tl.where(zero, 0.0, exact)
-            tl.store(dz_row + safe, exact.to(dz_row.dtype.element_ty), mask=ks < K)
+            tl.debug_barrier()  # the reads of g before it is overwritten
+            tl.store(g_row + ks, exact)  # held in the scratch across the sweep
+            dz_row = dz_ptr + row * stride_d
+            _softmax_sweep(z_row, dz_row, V, inv_t, m, ls, coef, scale, cap, HAS_CAP, OVER,
+                           BLOCK_V)
+            tl.debug_barrier()  # the sweep's and the scratch's stores before the ones below
+            entries, bad, safe, tch = _support_block(support_ptr, teacher_ptr, row, K, ks,
+                                                     V, ignore_index)
+            tl.store(dz_row + safe, tl.load(g_row + ks).to(dz_row.dtype.element_ty),
+                     mask=ks < K)
         else:  # renormalised: g sums to 0, no softmax part
             v = g * c
             if HAS_CAP:
                 th = a_k / cap
                 v *= 1.0 - th * th
-            tl.store(g_ptr + row * BLOCK_K + ks, tl.where(g != 0.0, v, 0.0))
+            tl.store(g_row + ks, tl.where(g != 0.0, v, 0.0))
             tl.store(cols_ptr + row * BLOCK_K + ks, safe)
 
 
@@ -582,12 +596,16 @@ def triton_sparse_divergence_rows(z, support, teacher, inv_t, weights, opts, mdt
     out = z.new_empty((4, n), dtype=torch.float32)
     dense = want_grad and opts.tail  # without the tail: a SparseGrad (g, cols)
     dz = dz_over(z, dz_dtype) if dense else z
-    g = z.new_empty((n, block_k), dtype=torch.float32) if want_grad else out
+    # the values without the tail, the scratch with it
+    g = z.new_empty((n, block_k), dtype=torch.float32) if want_grad or opts.tail else out
     cols = z.new_empty((n, block_k), dtype=torch.int64) if want_grad and not dense else g
+    # the teacher's tail in float64, here (in the kernel its float64 math took registers)
+    tail = teacher_tail(teacher, sparse_entries(support, teacher, opts.ignore_index)).float() \
+        if opts.tail else out
     beta = float(opts.beta)
     if n:
         _sparse_divergence_kernel[(n,)](
-            z, dz, support.contiguous(), teacher.contiguous(), inv_t.float().contiguous(),
+            z, dz, support.contiguous(), teacher.contiguous(), tail, inv_t.float().contiguous(),
             weights.float().contiguous(), out, g, cols, n, V, K, opts.ignore_index, beta,
             1.0 - beta, float(opts.logit_scale), float(opts.softcap or 1.0), z.stride(0),
             dz.stride(0), KIND=0 if beta == 0.0 else 1 if beta == 1.0 else 2,
