@@ -186,9 +186,9 @@ def sparse_rows(z, idx, inv_t, terms, mdt, dz_dtype, want_grad, logit_scale=1.0,
     them) with the rest 1 - mass formed as the sum of q over the other classes less the
     duplicates' excess, precise where the entries hold nearly all the mass (1 - sum
     would cancel), and gives g as (g_e, g_l) (_sparse_terms). A vocabulary shard's z
-    holds its classes: the max, the sum of exps and each
-    support class's u (from the shard holding it) are all-reduced before terms, which
-    every rank forms alike; its dz is its own classes'. A row whose g is all 0 (a token
+    holds its classes: the max, the sum of exps and each support class's u (from the
+    shard holding it) are all-reduced before terms, which every rank forms alike; its
+    dz is its own classes'. A row whose g is all 0 (a token
     not counted) gets dz exactly 0, also where its logits are not finite (the callers
     need no pass of their own). Overwrites z where it can."""
     a, da = capped(z, logit_scale, softcap, mdt) if logit_scale != 1.0 or softcap \

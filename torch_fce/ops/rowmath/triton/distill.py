@@ -542,6 +542,7 @@ def _sparse_divergence_kernel(
         if TAIL:
             G = tl.sum(g, axis=0)
             coef = -(G + d_l) * c  # the softmax part: d l / d u sums to 1 over the row
+            tl.debug_barrier()  # every warp's read of the support's logits first
             tl.store(g_row + ks, g)
             tl.debug_barrier()  # the scratch's stores before the reads below
             sums = tl.zeros([BLOCK_K], tl.float32)  # g summed over the entries of each class
