@@ -98,13 +98,15 @@ def test_triton_rows_match_the_float64_reference(problem, rows, logits_dtype):
                      temperature=1.0 if T is None else T.double(), token_weights=tw)
     assert abs(loss.item() - want.item()) <= 1e-5 * max(1.0, abs(want.item()))
     # V = 1: the gradient is 0, P q - p cancelling terms of the size of |h| |w|, whose
-    # float32 rounding remains (1e-6 absolute measured on the H200): compared absolutely
-    scale = float((x["h"].norm() + 1) * (x["w"].norm() + 1)) if x["w"].shape[0] == 1 \
-        else None
+    # float32 rounding remains (1e-6 absolute measured on the H200): compared absolutely;
+    # else relatively, above that rounding's floor (a gradient near 0 where the targets
+    # nearly match q: 3e-7 against a norm of 2.5e-4 in a 200-example run)
+    scale = float((x["h"].norm() + 1) * (x["w"].norm() + 1))
     for got, ref in zip((gh, gw, gb), _grads(want, leaves)):
         if ref is not None:
             err = float((got.double() - ref.detach()).norm())
-            assert err <= 1e-5 * (scale or float(ref.norm())), (err, scale)
+            bound = scale if x["w"].shape[0] == 1 else float(ref.norm()) + 1e-2 * scale
+            assert err <= 1e-5 * bound, (err, scale)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
