@@ -239,11 +239,27 @@ TRITON = Backend(TRITON_CE_ROWS, TRITON_LOGPROB_ROWS, TRITON_DISTILL_ROWS, trito
 BACKENDS = {"torch_rows": TORCH, "triton_rows": TRITON}
 
 
+def dz_over_inputs(dtype, k):
+    """(h, w, idx, g) for the sparse-target ops' 16-bit dz written over float32 logits
+    (triton/ce.dz_over): 16-bit h (5, 8) and w (9001, 8), so a row spans three
+    4096-class blocks, and k classes a token (int64), the first the last block's last
+    class, the second class 1 (its dz lands over its own block's logits); g, the
+    generator, draws the op's other inputs."""
+    g = torch.Generator().manual_seed(8)
+    N, D, V = 5, 8, 9001
+    h = torch.randn(N, D, generator=g).to(dtype).to(DEVICE)
+    w = torch.randn(V, D, generator=g).to(dtype).to(DEVICE)
+    idx = torch.randint(0, V, (N, k), generator=g)
+    idx[:, 0], idx[:, 1] = V - 1, 1
+    return h, w, idx.to(DEVICE), g
+
+
 @contextlib.contextmanager
-def triton_sparse_products():
+def triton_sparse_products(on=True):
     """The loop's sparse-gradient products (loop/sparse.py) on their Triton kernels, on
-    CPU tensors too (the interpreter), as they run on CUDA."""
-    with mock.patch.object(sparse, "_TRITON_ON_CPU", True):
+    CPU tensors too (the interpreter), as they run on CUDA; on=False: as the device
+    picks them (PyTorch off CUDA)."""
+    with mock.patch.object(sparse, "_TRITON_ON_CPU", on):
         yield
 
 

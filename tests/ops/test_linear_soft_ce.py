@@ -114,16 +114,10 @@ def test_triton_rows_write_a_16_bit_gradient_over_float32_logits(dtype):
     # 16-bit inputs, float32 logits: the kernel writes dz over the first half of each
     # logits row (triton/ce.dz_over) across several 4096-class blocks and chunks, the
     # target classes' values after it; the PyTorch rows, dz a buffer of its own, agree
-    from tests.helpers import TORCH
+    from tests.helpers import TORCH, dz_over_inputs
 
-    g = torch.Generator().manual_seed(8)
-    N, D, V, k = 5, 8, 9001, 6
-    h = torch.randn(N, D, generator=g).to(dtype).to(DEVICE)
-    w = torch.randn(V, D, generator=g).to(dtype).to(DEVICE)
-    idx = torch.randint(0, V, (N, k), generator=g)
-    idx[:, 0], idx[:, 1] = V - 1, 1  # the last block's last class, the first block's
-    idx = idx.to(DEVICE)
-    probs = torch.softmax(torch.randn(N, k, generator=g), -1).to(DEVICE)
+    h, w, idx, g = dz_over_inputs(dtype, 6)
+    probs = torch.softmax(torch.randn(idx.shape, generator=g), -1).to(DEVICE)
     rec = linear_soft_ce.SoftCEOptions(logits_dtype=torch.float32)
     out = []
     for backend in (TRITON, TORCH):

@@ -5,7 +5,6 @@ weights, temperatures, softcap and logit scale, bias, odd V, several chunks; con
 rows at large magnitude in float32; gradcheck; compile; opcheck; float16 with a loss
 scale; bad input named; inputs unchanged."""
 
-import contextlib
 import math
 
 import pytest
@@ -120,18 +119,11 @@ def test_triton_rows_write_a_16_bit_gradient_over_float32_logits(dtype):
     # 16-bit inputs, float32 logits: the kernel writes dz over the first half of each
     # logits row (triton/ce.dz_over) across several 4096-class blocks and chunks; the
     # PyTorch rows, dz in a buffer of its own, give the same gradients
-    from tests.helpers import TORCH
+    from tests.helpers import TORCH, dz_over_inputs
 
-    g = torch.Generator().manual_seed(8)
-    N, D, V, K = 5, 8, 9001, 6
-    h = torch.randn(N, D, generator=g).to(dtype).to(DEVICE)
-    w = torch.randn(V, D, generator=g).to(dtype).to(DEVICE)
-    support = torch.randint(0, V, (N, K), generator=g)
-    support[:, 0] = V - 1  # the last block's last class
-    support[:, 1] = 1  # dz over the first block's own logits
-    support = support.to(DEVICE)
-    lp = (torch.randn(N, K, generator=g).log_softmax(-1) - 0.1).to(DEVICE)
-    T = torch.full((N,), 0.8, device=DEVICE)
+    h, w, support, g = dz_over_inputs(dtype, 6)
+    lp = (torch.randn(support.shape, generator=g).log_softmax(-1) - 0.1).to(DEVICE)
+    T = torch.full((h.shape[0],), 0.8, device=DEVICE)
     rec = room.SparseDivOptions(beta=0.5, tail=True, logits_dtype=torch.float32)
     out = []
     for backend in (TRITON, TORCH):
@@ -171,11 +163,6 @@ def test_triton_rows_sum_a_class_over_blocks_of_a_wide_support(tail, beta):
         assert (a.double() - r.detach()).norm() <= 1e-5 * (r.norm() + 1e-3), name
 
 
-def _products(rows):
-    """The loop's sparse-gradient products of the rows' device: Triton with Triton rows."""
-    return triton_sparse_products() if rows == "triton_rows" else contextlib.nullcontext()
-
-
 @pytest.mark.parametrize("rows", ["torch_rows", "triton_rows"])
 @pytest.mark.parametrize("tail, beta", [(False, 0.0), (True, 0.5), (False, 1.0)])
 def test_an_entry_outside_the_vocabulary_makes_its_tokens_loss_nan(rows, tail, beta):
@@ -191,7 +178,7 @@ def test_an_entry_outside_the_vocabulary_makes_its_tokens_loss_nan(rows, tail, b
     backend = helpers.BACKENDS[rows]._replace(check_values=False)
 
     def run(support):
-        with _products(rows):
+        with triton_sparse_products(rows == "triton_rows"):
             return room.fwd(h, w, support, lp, None, torch.ones(4, device=DEVICE) / 4,
                             torch.ones(4, device=DEVICE), *rec, *ONE_DEVICE,
                             [True, True, False], backend=backend)
@@ -222,7 +209,7 @@ def test_a_token_not_counted_with_non_finite_logits_gives_zero_gradient(rows, so
     T = torch.ones(5, device=DEVICE)
 
     def run(h):
-        with _products(rows):
+        with triton_sparse_products(rows == "triton_rows"):
             return room.fwd(h, w, support, lp, None, None, T, *rec, *ONE_DEVICE,
                             [True, True, False], backend=helpers.BACKENDS[rows])
 
@@ -273,7 +260,7 @@ def test_the_tail_of_a_support_holding_nearly_all_the_mass(rows, beta, softcap):
     opts = dict(beta=beta, tail=True, softcap=softcap)
     h, w, b, top, lp = (x.to(DEVICE) for x in (h, w, b, top, lp.float()))
     rec = room.SparseDivOptions(**opts)
-    with _products(rows):
+    with triton_sparse_products(rows == "triton_rows"):
         loss, gh, gw, gb, *stats = room.fwd(
             h, w, top, lp, b, None, torch.ones(N, device=DEVICE), *rec, *ONE_DEVICE,
             [True, True, True], backend=helpers.BACKENDS[rows])

@@ -5,8 +5,6 @@ the GPU): duplicate entries, zero entries, a class named by more entries than a 
 step takes, classes named by none, D over several blocks, no tokens; and the sparse
 divergence without the tail runs no gradient GEMM."""
 
-import contextlib
-
 import pytest
 import torch
 
@@ -15,10 +13,6 @@ from torch_fce.ops.loop.sparse import SparseGrad, products
 from torch_fce.testing import rel_err
 
 from tests.helpers import DEVICE, EPS, triton_sparse_products
-
-
-def _impl(name):
-    return triton_sparse_products() if name == "triton" else contextlib.nullcontext()
 
 
 def _entries(N, K, V, seed, dtype):
@@ -44,7 +38,7 @@ def test_products_equal_the_dense_gradients(impl, dtype):
                                                                             vals.double())
     want = (dz @ w.double(), dz.T @ h.double(), dz.sum(0))
     wide = torch.promote_types(dtype, torch.float32)
-    with _impl(impl):
+    with triton_sparse_products(impl == "triton"):
         got = products(SparseGrad(cols, vals), h, w, [True, True, True],
                        torch.empty(N, D, dtype=dtype, device=DEVICE), wide)
     assert [t.dtype for t in got] == [dtype, wide, vals.dtype]
@@ -63,7 +57,7 @@ def test_products_of_some_gradients_and_of_no_tokens(impl):
     cols, vals = _entries(N, K, V, 3, torch.float32)
     h, w = torch.randn(N, D).to(DEVICE), torch.randn(V, D).to(DEVICE)
     dz = torch.zeros(N, V, device=DEVICE).scatter_add_(1, cols, vals)
-    with _impl(impl):
+    with triton_sparse_products(impl == "triton"):
         gh, gw, gb = products(SparseGrad(cols, vals), h, w, [False, False, True], None,
                               torch.float32)
         assert gh is None and gw is None and rel_err(gb, dz.sum(0)) <= 1e-6
@@ -82,7 +76,7 @@ def test_identical_calls_give_identical_bits(impl):
     N, K, V, D = 64, 8, 7, 24  # every class named by many entries, in token order
     cols, vals = _entries(N, K, V, 4, torch.float32)
     h, w = torch.randn(N, D).to(DEVICE), torch.randn(V, D).to(DEVICE)
-    with _impl(impl):
+    with triton_sparse_products(impl == "triton"):
         runs = [products(SparseGrad(cols, vals), h, w, [True, True, True],
                          torch.empty(N, D, device=DEVICE), torch.float32) for _ in range(2)]
     for a, b in zip(*runs):
@@ -128,7 +122,7 @@ def test_an_entry_of_value_zero_adds_nothing_whatever_its_rows_hold(impl):
     bad_h, bad_w = h.clone(), w.clone()
     bad_h[2], bad_w[V - 1] = float("inf"), float("nan")
     grad = SparseGrad(cols.to(DEVICE), vals.to(DEVICE))
-    with _impl(impl):
+    with triton_sparse_products(impl == "triton"):
         clean, bad = (products(grad, a.to(DEVICE), b.to(DEVICE), [True, True, True],
                                torch.empty(N, D, device=DEVICE), torch.float32)
                       for a, b in ((h, w), (bad_h, bad_w)))
