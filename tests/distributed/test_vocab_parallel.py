@@ -1,9 +1,11 @@
 """Vocab-parallel loss on 2 and 4 gloo ranks equals the single-process op."""
 
+import contextlib
 import math
 import os
 import sys
 import tempfile
+from unittest import mock
 
 import pytest
 import torch
@@ -18,9 +20,10 @@ from torch_fce.distributed import (vocab_parallel_linear_cross_entropy,
                                    vocab_parallel_linear_soft_cross_entropy,
                                    vocab_parallel_linear_sparse_divergence,
                                    vocab_parallel_linear_topk_logprobs)
+from torch_fce.ops.machinery import dispatch
 from torch_fce.testing import make_inputs, rel_err
 from tests.helpers import (
-    LOSS_TOL, confident_grads, confident_inputs, grad_tol, logprob_composition)
+    LOSS_TOL, TRITON, confident_grads, confident_inputs, grad_tol, logprob_composition)
 
 V = 37
 FAMILIES = [
@@ -442,10 +445,22 @@ def _exact(x):
             for k, v in x.items()}
 
 
+@contextlib.contextmanager
+def _triton_rows(on):
+    """Every op on the Triton row kernels (the interpreter on the CPU), as on CUDA, one
+    device and shards alike; on=False: as the device picks them."""
+    if not on:
+        yield
+        return
+    with mock.patch.object(dispatch, "backend_for", lambda hidden: TRITON):
+        yield
+
+
 def _check_topk(rank, world):
     # linear_topk_logprobs over uneven shards (one narrower than k), many chunks, ties
     # straddling shards (repeated head rows), and through a Shard(0) DTensor head,
-    # against one process: the same classes in the same order, the same log-probs.
+    # against one process: the same classes in the same order, the same log-probs; on
+    # the PyTorch rows and on the Triton kernels (each against its own one device).
     from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
 
     x = _exact(make_inputs(24, 8, V, bias=True, seed=23, weight_scale=2.0))
@@ -453,16 +468,20 @@ def _check_topk(rank, world):
     w[20:30], b[20:30] = w[0:10], b[0:10]  # equal logits in different shards
     start, end = SPLITS[world][rank], SPLITS[world][rank + 1]
     target = x["target"]
-    for opts in (dict(temperature=0.8), dict(softcap=4.0, logit_scale=0.7, target=target)):
-        want = torch_fce.linear_topk_logprobs(x["hidden"], w, 6, b, **opts)
-        with torch_fce.workspace(3 * -(-V // world) * 4 * 12):
-            got = vocab_parallel_linear_topk_logprobs(x["hidden"], w[start:end], 6,
-                                                      b[start:end], vocab_start=start,
-                                                      vocab_size=V, **opts)
-        assert torch.equal(got.indices, want.indices), opts
-        assert rel_err(got.logprobs, want.logprobs) <= LOSS_TOL, opts
-        if "target" in opts:
-            assert rel_err(got.target_logprob, want.target_logprob) <= LOSS_TOL
+    target[3] = 20  # a class tied with another shard's
+    for triton_rows in (False, True):
+        for opts in (dict(temperature=0.8), dict(softcap=4.0, logit_scale=0.7, target=target)):
+            with _triton_rows(triton_rows):
+                want = torch_fce.linear_topk_logprobs(x["hidden"], w, 6, b, **opts)
+                with torch_fce.workspace(3 * -(-V // world) * 4 * 12):
+                    got = vocab_parallel_linear_topk_logprobs(
+                        x["hidden"], w[start:end], 6, b[start:end], vocab_start=start,
+                        vocab_size=V, **opts)
+            name = f"{opts}, Triton rows {triton_rows}"
+            assert torch.equal(got.indices, want.indices), name
+            assert rel_err(got.logprobs, want.logprobs) <= LOSS_TOL, name
+            if "target" in opts:
+                assert rel_err(got.target_logprob, want.target_logprob) <= LOSS_TOL, name
     mesh = init_device_mesh("cpu", (world,))
     got = torch_fce.linear_topk_logprobs(x["hidden"], distribute_tensor(w, mesh, [Shard(0)]),
                                          6, distribute_tensor(b, mesh, [Shard(0)]),

@@ -113,8 +113,8 @@ def _fwd_fake(hidden, weight, *args):
 
 @kernel("linear_topk_logprobs_fwd")
 def fwd(hidden, weight, bias, target, temperature, *args, backend):
-    """Per chunk the logits, then the backend's top-k rows (a VocabShard: the PyTorch
-    rows, its candidates and row sums merged across the group)."""
+    """Per chunk the logits, then the backend's top-k rows (a VocabShard: each rank's
+    candidates and row sums merged across the group)."""
     opts, rest = take(TopKOptions, args)
     opts = opts.check()
     shard = take(VocabShard, rest)[0]
@@ -126,7 +126,7 @@ def fwd(hidden, weight, bias, target, temperature, *args, backend):
     out = (hidden.new_empty(N, opts.k, dtype=torch.int64),
            hidden.new_empty(N, opts.k, dtype=mdt), hidden.new_empty(N, dtype=mdt))
     inv_t = inverse_temperature(temperature, N, hidden.device, mdt)
-    rows = backend.topk if shard.group is None else topk_rows
+    rows = backend.topk
 
     def row_fn(logits, s, e):
         return rows(logits, None if target is None else target[s:e], inv_t[s:e], opts, mdt,

@@ -39,7 +39,7 @@ def topk_rows(logits, target, inv_t, opts, math_dtype, shard=ONE_DEVICE):
     indices, values = _topk_ascending_ties(torch.where(z.isnan(), -math.inf, z),
                                            min(opts.k, z.shape[1]))
     if shard.group is not None:
-        indices, values = _merged(indices + shard.vocab_start, values, opts.k, shard)
+        indices, values = merged(indices + shard.vocab_start, values, opts.k, shard)
     logprobs = values - lse[:, None]
     if target is None:
         return indices, logprobs, torch.zeros_like(lse)
@@ -62,7 +62,7 @@ def at_classes(z, classes, read=True, shard=ONE_DEVICE):
     return shard.all_reduce(z_c, "sum") if shard.group is not None else z_c
 
 
-def _merged(indices, values, k, shard):
+def merged(indices, values, k, shard):
     """The k of every rank's candidates (n, k_r) as one device picks them: the largest
     values, equal ones by ascending class (candidates a shard could not fill are padded
     with -inf at classes past the vocabulary, so they sort last)."""

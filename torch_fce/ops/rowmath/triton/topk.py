@@ -31,13 +31,21 @@ sweeps (the interval of images halves), whatever its values.
 Selection ranks NaN as -inf (NaN never compares, and the bisection needs a total
 order); the row's lse, and so every log-prob of a row holding a NaN, is NaN. An
 out-of-range target (not ignore_index) gives a NaN target log-prob.
+
+A vocabulary shard runs the same two kernels on its classes, the ranking writing the
+values of its k candidates (its (m, log s) zeroed in between); the shards' (m, log s)
+and the target's value (from the shard holding it) are all-reduced and the candidates
+merged as topk.py's rows merge theirs, so every rank returns what one device does.
 """
+
+import math
 
 import torch
 import triton
 import triton.language as tl
 
 from ...loop.chunked import ONE_DEVICE
+from ..topk import merged
 from .ce import _NEG_BIG, _block_v
 from .distill import _load_a
 
@@ -309,26 +317,27 @@ def _launch_sizes(V, k, warps=_WARPS[1]):
 
 def triton_topk_rows(logits, target, inv_t, opts, math_dtype, shard=ONE_DEVICE,
                      groups=None, slots=None, warps=_WARPS, block=None, stages=_STAGES):
-    """topk_rows (rowmath/topk.py) on the Triton kernels, one device: logits (n, V) with
-    unit stride along V, opts a TopKOptions; float32 math. groups, slots: G and C
-    (powers of two; tests force the bisection with small ones); warps: the two
+    """topk_rows (rowmath/topk.py) on the Triton kernels: logits (n, V) with unit stride
+    along V (a shard's classes), opts a TopKOptions; float32 math. groups, slots: G and
+    C (powers of two; tests force the bisection with small ones); warps: the two
     kernels'; block, stages: the sweep's classes a step and software pipeline (a probe
     varies them: bench/probes/topk_kernel.py)."""
     n, V = logits.shape
-    k = opts.k
-    assert math_dtype == torch.float32 and logits.stride(1) == 1 and shard.group is None
+    sharded = shard.group is not None
+    k = min(opts.k, V) if sharded else opts.k  # a shard narrower than k: all its classes
+    assert math_dtype == torch.float32 and logits.stride(1) == 1
     assert 1 <= k <= V < 2 ** 31
     block_v, sub, G, C = _launch_sizes(V, k, warps[1])
     G, C = groups or G, slots or C
     sweep_v = block or min(block_v, _BLOCK)
     K = max(triton.next_power_of_2(k), 2)  # triton 3.6's tl.topk fails for K = 1
     assert K <= G <= min(block_v, sweep_v) and C >= 2 * k - 1
-    buf = logits.new_empty((n, C), dtype=torch.int64)
     indices = logits.new_empty((n, k), dtype=torch.int64)
     logprobs = logits.new_empty((n, k), dtype=torch.float32)
     target_lp = logits.new_empty(n, dtype=torch.float32)
-    if n == 0:
-        return indices, logprobs, target_lp
+    if n == 0:  # every rank alike (they cut the same chunks): no collective
+        return indices.new_empty(0, opts.k), logprobs.new_empty(0, opts.k), target_lp
+    buf = logits.new_empty((n, C), dtype=torch.int64)
     inv_t = inv_t.float().contiguous()
     stats = logits.new_empty((n, 4), dtype=torch.float32)
     count = logits.new_empty(n, dtype=torch.int32)
@@ -339,9 +348,34 @@ def triton_topk_rows(logits, target, inv_t, opts, math_dtype, shard=ONE_DEVICE,
         logits, inv_t, buf, seg, hit, stats, count, V, k, *options, logits.stride(0),
         HAS_CAP=opts.softcap is not None, BLOCK_V=sweep_v, K=K, G=G, C=C, S=_SEGMENT,
         STEP=_STEP, STAGES=stages, num_warps=warps[0])
+    ignore_index = opts.ignore_index
+    if sharded:
+        # the ranking then writes values, not log-probs ((u - 0) - 0 = u), and the
+        # target's value where this shard holds it (a local column, -1 elsewhere)
+        m, ls = stats[:, 0].clone(), stats[:, 1].clone()
+        stats[:, :2] = 0.0
+        y = target
+        if y is not None:
+            col = y - shard.vocab_start
+            target = torch.where((y != opts.ignore_index) & (col >= 0) & (col < V), col, -1)
+            ignore_index = -1
     _topk_rows_kernel[(n,)](
         logits, target_lp if target is None else target.contiguous(), inv_t, buf, stats,
-        count, indices, logprobs, target_lp, V, k, opts.ignore_index, *options,
+        count, indices, logprobs, target_lp, V, k, ignore_index, *options,
         logits.stride(0), HAS_TARGET=target is not None, HAS_CAP=opts.softcap is not None,
         BLOCK_V=block_v, SUB=sub, C=C, RANKED=max(_RANKED // C, 1), num_warps=warps[1])
-    return indices, logprobs, target_lp
+    if not sharded:
+        return indices, logprobs, target_lp
+    # the shards' (m, log s) merged into the row's; log-probs formed as one device's
+    m_row = shard.all_reduce(m, "max")
+    ls = shard.all_reduce((ls + (m - m_row)).exp(), "sum").log()
+    indices, values = merged(indices + shard.vocab_start, logprobs, opts.k, shard)
+    logprobs = (values - m_row[:, None]) - ls[:, None]
+    if y is None:
+        return indices, logprobs, torch.zeros_like(target_lp)
+    # the target's value from the rank holding it, 0 from the others
+    lp_y = (shard.all_reduce(target_lp, "sum") - m_row) - ls
+    # as one device: 0 where ignored, NaN outside [0, V) (nothing read out of bounds)
+    in_range = (y >= 0) & (y < shard.vocab_size)
+    return indices, logprobs, torch.where(y != opts.ignore_index,
+                                          torch.where(in_range, lp_y, math.nan), 0.0)
