@@ -36,7 +36,7 @@ from .loop.chunked import (ONE_DEVICE, VocabShard, after_first_gemm, chunk_rows_
 from .loop.tokens import token_weights
 from .machinery import grads
 from .machinery.dispatch import LIB, kernel
-from .rowmath.distill import sparse_entries
+from .rowmath.distill import sparse_entries, teacher_tail
 
 # the CUDA default workspace as a multiple of the loop's (loop/workspace.py says why)
 _WORKSPACE_SCALE = 0.75
@@ -167,14 +167,16 @@ def fwd(hidden, weight, support, teacher, bias, token_weights_, temperature, *ar
     out = _Outputs(*(hidden.new_empty(N, dtype=mdt) for _ in _Outputs._fields))
 
     @after_first_gemm
-    def per_token():  # 1 / T, w_t (1 / the tokens counted by default)
-        counted = sparse_entries(support, teacher, opts.ignore_index).any(-1)
+    def per_token():  # 1 / T, w_t (1 / the tokens counted by default), the teacher's tail
+        entries = sparse_entries(support, teacher, opts.ignore_index)
         return (inverse_temperature(temperature, N, hidden.device, mdt),
-                token_weights(token_weights_, counted, mdt))
+                token_weights(token_weights_, entries.any(-1), mdt),
+                teacher_tail(teacher, entries).to(mdt) if opts.tail else None)
 
     def row_fn(logits, s, e):
-        inv_t, weights = per_token()
-        stats, dz = rows.rows(logits, support[s:e], teacher[s:e], inv_t[s:e], weights[s:e],
+        inv_t, weights, tail = per_token()
+        stats, dz = rows.rows(logits, support[s:e], teacher[s:e],
+                              None if tail is None else tail[s:e], inv_t[s:e], weights[s:e],
                               opts, mdt, hidden.dtype, any(needs), shard=shard)
         return _Outputs(*stats), dz
 

@@ -48,8 +48,9 @@ class DistillRows(NamedTuple):
                  want_grad) -> (loss_t, divergence, entropy, dz): divergence_rows'
       sparse(z, idx, inv_t, terms, math_dtype, dz_dtype, want_grad, logit_scale,
              softcap) -> (out, dz): sparse_rows'
-      sparse_divergence(z, support, teacher, inv_t, weights, opts, math_dtype,
-                        dz_dtype, want_grad) -> (out, dz): sparse_divergence_rows'
+      sparse_divergence(z, support, teacher, teacher_tail, inv_t, weights, opts,
+                        math_dtype, dz_dtype, want_grad) -> (out, dz):
+                        sparse_divergence_rows'
     each a RowMath; the sparse members on one device (`on`)."""
     divergence: RowMath
     sparse: RowMath
@@ -328,15 +329,16 @@ def _jsd(s, t, beta, support):
         (1 - beta) * torch.nan_to_num(q * (s0 - m), nan=0.0)
 
 
-def _divergence(s, t, entries, opts, log_sum=None):
+def _divergence(s, t, entries, opts, tail_t=None, log_sum=None):
     """Each token's divergence (n,) from the student's and the teacher's log-probs at
-    the support (n, K), only valid entries read (every token has one); log_sum: the
-    student's support log-mass with the tail (_with_tail)."""
+    the support (n, K), only valid entries read (every token has one); with the tail,
+    tail_t (n,) the teacher's bucket (teacher_tail) and log_sum the student's support
+    log-mass (_with_tail)."""
     neg_inf = torch.full((), -math.inf, dtype=s.dtype, device=s.device)
     s, t = torch.where(entries, s, neg_inf), torch.where(entries, t, neg_inf)
     if opts.tail:
         s, support = _with_tail(s, entries, log_sum)
-        t = torch.cat([t, teacher_tail(t, entries)[:, None].to(t.dtype)], dim=-1)
+        t = torch.cat([t, tail_t[:, None].to(t.dtype)], dim=-1)
     else:
         s = s - torch.logsumexp(s, dim=-1, keepdim=True)
         t = t - torch.logsumexp(t, dim=-1, keepdim=True)
@@ -344,10 +346,11 @@ def _divergence(s, t, entries, opts, log_sum=None):
     return _jsd(s, t, opts.beta, support).sum(-1)
 
 
-def _sparse_terms(log_q, teacher, entries, weights, opts, log_mass=None):
+def _sparse_terms(log_q, teacher, tail_t, entries, weights, opts, log_mass=None):
     """(loss_t, g, divergence, mass) of a chunk, each (n,) but g (n, K): the weighted
     loss term, its derivative w.r.t. the student's support log-probs, the divergence and
-    the student's mass on the support, 0 at tokens not counted. With log_mass (n,), the
+    the student's mass on the support, 0 at tokens not counted; tail_t the teacher's
+    tail bucket (n,) with the tail (else None). With log_mass (n,), the
     log of the student's mass on the entries formed precisely (sparse_rows' rest_of),
     the tail's log-mass is a variable of its own and g is (g_e, g_l): the derivatives
     w.r.t. the log-probs with it fixed, and w.r.t. it (n, 1) (the rows form its chain
@@ -369,7 +372,7 @@ def _sparse_terms(log_q, teacher, entries, weights, opts, log_mass=None):
             nan = torch.where(safe, log_q, 0.0).isnan().any(-1)
             leaves.append(torch.where(nan, math.nan, log_mass.to(mdt))[:, None]
                           .clone().requires_grad_())
-        div = _divergence(s, t, safe, opts, *leaves[1:])
+        div = _divergence(s, t, safe, opts, tail_t, *leaves[1:])
         w = torch.where(counted, weights.to(mdt), 0.0).clone()
         loss_t = w * torch.where(counted, div, 0.0)
         g, *g_l = torch.autograd.grad(loss_t.sum(), leaves)
@@ -382,11 +385,13 @@ def _sparse_terms(log_q, teacher, entries, weights, opts, log_mass=None):
             torch.where(counted, mass, zero))
 
 
-def sparse_divergence_rows(z, support, teacher, inv_t, weights, opts, mdt, dz_dtype,
-                           want_grad, shard=ONE_DEVICE):
+def sparse_divergence_rows(z, support, teacher, tail_t, inv_t, weights, opts, mdt,
+                           dz_dtype, want_grad, shard=ONE_DEVICE):
     """((loss_t, divergence, student_mass, entropy), dz) of a chunk's sparse divergence:
     z (n, V) the logits (a vocabulary shard's: as sparse_rows'), support and teacher
-    (n, K) the teacher's classes and log-probs, inv_t, weights (n,) 1 / T and w_t; opts
+    (n, K) the teacher's classes and log-probs, tail_t (n,) in mdt the teacher's tail
+    bucket with the tail (teacher_tail, formed once a call; else None), inv_t, weights
+    (n,) 1 / T and w_t; opts
     a SparseDivOptions. The results are 0 at a token without valid entries, and dz
     exactly 0 there; a valid entry outside [0, V) makes its token's results NaN
     (nothing is read out of bounds). Without the tail dz is a SparseGrad: both
@@ -398,8 +403,8 @@ def sparse_divergence_rows(z, support, teacher, inv_t, weights, opts, mdt, dz_dt
     safe = torch.where(entries & ~bad, support, 0).long()
 
     def terms(log_q, log_mass=None):
-        return _sparse_terms(torch.where(bad, math.nan, log_q), teacher, entries, weights,
-                             opts, log_mass)
+        return _sparse_terms(torch.where(bad, math.nan, log_q), teacher, tail_t, entries,
+                             weights, opts, log_mass)
 
     (loss_t, div, mass, ent), dz = sparse_rows(
         z, safe, inv_t, terms, mdt, dz_dtype, want_grad, opts.logit_scale, opts.softcap,

@@ -28,8 +28,7 @@ import triton.language as tl
 
 from ...loop.chunked import ONE_DEVICE
 from ...loop.sparse import SparseGrad
-from ..distill import (DistillRows, RowMath, capped, class_sums, sparse_entries,
-                       teacher_tail)
+from ..distill import DistillRows, RowMath, capped, class_sums
 from .ce import _NEG_BIG, _block_v, _tanh, dz_buffer, dz_over
 
 _WARPS = 8  # the launch's warps (torch_fce/bench/probes/distill_profile.py measures others)
@@ -586,8 +585,8 @@ def _sparse_divergence_kernel(
             tl.store(cols_ptr + row * BLOCK_K + ks, safe)
 
 
-def triton_sparse_divergence_rows(z, support, teacher, inv_t, weights, opts, mdt, dz_dtype,
-                                  want_grad, shard=ONE_DEVICE):
+def triton_sparse_divergence_rows(z, support, teacher, tail_t, inv_t, weights, opts, mdt,
+                                  dz_dtype, want_grad, shard=ONE_DEVICE):
     """distill.sparse_divergence_rows in one Triton kernel (one device; the formula and
     its derivative written by hand, as distill._divergence and autograd form them)."""
     n, V = z.shape
@@ -600,9 +599,9 @@ def triton_sparse_divergence_rows(z, support, teacher, inv_t, weights, opts, mdt
     # the values without the tail, the scratch with it
     g = z.new_empty((n, block_k), dtype=torch.float32) if want_grad or opts.tail else out
     cols = z.new_empty((n, block_k), dtype=torch.int64) if want_grad and not dense else g
-    # the teacher's tail in float64, here (in the kernel its float64 math took registers)
-    tail = teacher_tail(teacher, sparse_entries(support, teacher, opts.ignore_index)).float() \
-        if opts.tail else out
+    # the teacher's tail, formed in float64 by the op (in the kernel its float64 math
+    # took registers)
+    tail = tail_t.contiguous() if opts.tail else out
     beta = float(opts.beta)
     if n:
         _sparse_divergence_kernel[(n,)](
