@@ -1,6 +1,7 @@
 """Vocab-parallel loss on 2 and 4 gloo ranks equals the single-process op."""
 
 import contextlib
+import itertools
 import math
 import os
 import sys
@@ -382,11 +383,23 @@ def _check_distillation(rank, world):
         run(torch_fce.linear_distillation_loss, w, b, t["weight"], None, cases[2])
 
 
+@contextlib.contextmanager
+def _triton_rows(on):
+    """Every op on the Triton row kernels (the interpreter on the CPU), as on CUDA, one
+    device and shards alike; on=False: as the device picks them."""
+    if not on:
+        yield
+        return
+    with mock.patch.object(dispatch, "backend_for", lambda hidden: TRITON):
+        yield
+
+
 def _check_sparse(rank, world):
     # linear_sparse_divergence (every beta, tail on and off, invalid entries, options)
     # and linear_soft_cross_entropy over uneven shards and many chunks, and through a
     # Shard(0) DTensor weight, against one process: the loss, the statistics, the
-    # gradients (the weight's and bias's: this rank's rows).
+    # gradients (the weight's and bias's: this rank's rows); on the PyTorch rows and on
+    # the Triton kernels (each against its own one device).
     from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
 
     x = make_inputs(24, 8, V, bias=True, seed=21, weight_scale=2.0)
@@ -413,13 +426,14 @@ def _check_sparse(rank, world):
         return loss, stats, torch.autograd.grad(loss * 0.5, [h, weight, bias])
 
     tol = grad_tol(torch.float32, V)
-    for one, parallel, values, opts in cases:
+    for (one, parallel, values, opts), triton_rows in itertools.product(cases, (False, True)):
         full = [x[k].clone().requires_grad_() for k in ("weight", "bias")]
-        want = run(one, *full, values, opts)
         mine = [x[k][start:end].clone().requires_grad_() for k in ("weight", "bias")]
-        with torch_fce.workspace(3 * -(-V // world) * 4 * 10):
-            got = run(parallel, *mine, values, opts, vocab_start=start, vocab_size=V)
-        name = f"{one.__name__} {sorted(opts)}"
+        with _triton_rows(triton_rows):
+            want = run(one, *full, values, opts)
+            with torch_fce.workspace(3 * -(-V // world) * 4 * 10):
+                got = run(parallel, *mine, values, opts, vocab_start=start, vocab_size=V)
+        name = f"{one.__name__} {sorted(opts)}, Triton rows {triton_rows}"
         assert rel_err(got[0], want[0]) <= LOSS_TOL, name
         for a, b in zip(got[1], want[1]):
             assert rel_err(a, b) <= LOSS_TOL, name
@@ -443,17 +457,6 @@ def _exact(x):
     logits whatever blocking a GEMM of either shape picks (ties stay ties)."""
     return {k: v if v is None or not v.is_floating_point() else (v * 8).round() / 8
             for k, v in x.items()}
-
-
-@contextlib.contextmanager
-def _triton_rows(on):
-    """Every op on the Triton row kernels (the interpreter on the CPU), as on CUDA, one
-    device and shards alike; on=False: as the device picks them."""
-    if not on:
-        yield
-        return
-    with mock.patch.object(dispatch, "backend_for", lambda hidden: TRITON):
-        yield
 
 
 def _check_topk(rank, world):

@@ -124,7 +124,7 @@ grads.register_forward_grads_autograd("linear_soft_cross_entropy_fwd", (0, 1, 4)
 def fwd(hidden, weight, idx, probs, bias, token_weights_, temperature, *args, backend):
     """(loss, grad_hidden, grad_weight, grad_bias): per chunk the logits, then
     soft_ce_rows (rowmath/distill.py) on the backend's sparse rows; with a VocabShard
-    the PyTorch rows, their row sums all-reduced."""
+    their row sums all-reduced."""
     opts, rest = take(SoftCEOptions, args)
     opts = opts.check()
     shard, (needs,) = take(VocabShard, rest)

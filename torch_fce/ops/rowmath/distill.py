@@ -28,11 +28,13 @@ from .ce import row_sum
 
 class RowMath(NamedTuple):
     """A row function on one backend, how many float32 (n, V) temporaries it allocates
-    beyond the chunk's logits and dz (the workspace's bytes per logit count them), and
-    whether it writes dz over wider logits too (triton/ce.dz_over)."""
+    beyond the chunk's logits and dz (the workspace's bytes per logit count them),
+    whether it writes dz over wider logits too (triton/ce.dz_over) and whether it runs
+    on a vocabulary shard (its `shard` argument)."""
     rows: Callable
     temporaries: int
     dz_over: bool = False
+    shards: bool = True
 
     def per_logit(self, logits_dtype, dtype):
         """A chunk's bytes per logit: the logits, the temporaries and dz (in the inputs'
@@ -57,9 +59,12 @@ class DistillRows(NamedTuple):
     sparse_divergence: RowMath
 
     def on(self, shard):
-        """The family for a vocabulary layout: the backend's on one device, the PyTorch
-        rows across a shard group (the kernels sweep whole rows)."""
-        return self if shard.group is None else TORCH_DISTILL_ROWS
+        """The family for a vocabulary layout: the backend's on one device; across a
+        shard group its members that run on a shard, the PyTorch rows for the others."""
+        if shard.group is None:
+            return self
+        return DistillRows(*(mine if mine.shards else torch_rows
+                             for mine, torch_rows in zip(self, TORCH_DISTILL_ROWS)))
 
 
 def capped(z, scale, cap, mdt):
@@ -243,14 +248,14 @@ def sparse_rows(z, idx, inv_t, terms, mdt, dz_dtype, want_grad, logit_scale=1.0,
         sig = (log_q - log_mass).exp()  # q / (1 - rest): d log(1 - rest) / d u
         exact = c * (class_sums(idx, g) - q_k * g.sum(-1, keepdim=True) +
                      torch.where(mult > 0, g_l * (mult - 1.0 + rest) * sig, 0.0))
-        _scatter_whole(dz, col, here, torch.where(mult > 0, exact, coef * q_k))
+        scatter_whole(dz, col, here, torch.where(mult > 0, exact, coef * q_k))
     if da is not None:  # softcap'(.): da is d a / d z, the scale included
         dz = dz.mul_(da / logit_scale)
     zero = (g == 0).all(-1, keepdim=True) & (g_l == 0)
     return (loss_t, *stats), dz.masked_fill_(zero, 0.0).to(dz_dtype)
 
 
-def _scatter_whole(dz, col, here, values):
+def scatter_whole(dz, col, here, values):
     """dz[col] = values at the entries here (entries naming one class carry one value);
     an entry not here writes the value of its row's first entry here, or with none, the
     value already at its column (every write to a column one value: no race)."""

@@ -107,21 +107,27 @@ def _tile_stats(z, target, inv_t, entropy, col0):
     return TileStats(m.squeeze(1), s, ez, best, argmax + col0, z_y)
 
 
+def all_reduce_sums(m, s, ez, shard, *more):
+    """(M, s, ez, *more) of rows (n,) across the shard group (the collective hook): the
+    max, the sum of exps and ez (TileStats') rebased to it, and more tensors of the rows
+    summed (one max, one stacked sum)."""
+    M = shard.all_reduce(m, "max")
+    scale = torch.exp(m - M)
+    return (M, *shard.all_reduce(torch.stack([s * scale, rebased_ez(ez, s, m, M) * scale,
+                                              *more]), "sum"))
+
+
 def all_reduce_tile_stats(stats, shard, argmax=True):
-    """A vocabulary shard's TileStats made global across the shard group (the collective
-    hook): the max, the sums rebased to it, the target logit (held by one rank) and,
-    with argmax (two collectives more), the first most likely class (the lowest index
-    among the ranks holding the max; else the shard's own, not meant to be read)."""
-    M = shard.all_reduce(stats.m, "max")
-    scale = torch.exp(stats.m - M)
-    sums = shard.all_reduce(torch.stack([stats.s * scale,
-                                         rebased_ez(stats.ez, stats.s, stats.m, M) * scale,
-                                         stats.z_y]), "sum")
+    """A vocabulary shard's TileStats made global across the shard group: the max, the
+    sums rebased to it, the target logit (held by one rank) and, with argmax (two
+    collectives more), the first most likely class (the lowest index among the ranks
+    holding the max; else the shard's own, not meant to be read)."""
+    M, s, ez, z_y = all_reduce_sums(stats.m, stats.s, stats.ez, shard, stats.z_y)
     if not argmax:
-        return TileStats(M, sums[0], sums[1], stats.best, stats.argmax, sums[2])
+        return TileStats(M, s, ez, stats.best, stats.argmax, z_y)
     best = shard.all_reduce(stats.best, "max")
     idx = torch.where(stats.best == best, stats.argmax, shard.vocab_size)
-    return TileStats(M, sums[0], sums[1], best, shard.all_reduce(idx, "min"), sums[2])
+    return TileStats(M, s, ez, best, shard.all_reduce(idx, "min"), z_y)
 
 
 def shard_stats(rows, logits, target, inv_t, opts, entropy, math_dtype, shard):

@@ -28,7 +28,8 @@ import triton.language as tl
 
 from ...loop.chunked import ONE_DEVICE
 from ...loop.sparse import SparseGrad
-from ..distill import DistillRows, RowMath, capped, class_sums
+from ..distill import DistillRows, RowMath, capped, class_sums, scatter_whole
+from ..logprob import all_reduce_sums
 from .ce import _NEG_BIG, _block_v, _tanh, dz_buffer, dz_over
 
 _WARPS = 8  # the launch's warps (torch_fce/bench/probes/distill_profile.py measures others)
@@ -219,11 +220,11 @@ def _online_xlx(m, s, t, u):
 
 
 @triton.jit
-def _row_lse(z_row, V, inv_t, scale, cap, HAS_CAP: tl.constexpr, ENTROPY: tl.constexpr,
-             BLOCK_V: tl.constexpr):
-    """(m, log s, entropy) of a logits row: u = softcap(scale z) / T, lse = m + log s,
-    and with ENTROPY -sum q log q = log s - t / s, t = sum e (u - m) and e = exp(u - m)
-    (_online_xlx); else 0."""
+def _row_sums(z_row, V, inv_t, scale, cap, HAS_CAP: tl.constexpr, ENTROPY: tl.constexpr,
+              BLOCK_V: tl.constexpr):
+    """(m, s, t) of a logits row: u = softcap(scale z) / T, s = sum e, e = exp(u - m)
+    (lse = m + log s) and with ENTROPY t = sum e (u - m) (_online_xlx; the entropy -sum
+    q log q = log s - t / s), else 0."""
     cols = tl.arange(0, BLOCK_V)
     m, s = _start(BLOCK_V)
     t = s
@@ -234,19 +235,18 @@ def _row_lse(z_row, V, inv_t, scale, cap, HAS_CAP: tl.constexpr, ENTROPY: tl.con
             m, s, t = _online_xlx(m, s, t, u)
         else:
             m, s = _online(m, s, u)
-    ls = tl.log(s)
-    return m, ls, ls - t / s
+    return m, s, t
 
 
 @triton.jit
-def _sparse_stats_kernel(z_ptr, inv_t_ptr, m_ptr, ls_ptr, V, stride_z, scale, cap,
+def _sparse_stats_kernel(z_ptr, inv_t_ptr, out_ptr, n, V, stride_z, scale, cap,
                          HAS_CAP: tl.constexpr, BLOCK_V: tl.constexpr):
-    """Logits rows (n, V) -> m, log s (n,) (_row_lse)."""
+    """Logits rows (n, V) -> out (2, n): m, s (_row_sums)."""
     row = tl.program_id(0).to(tl.int64)
-    m, ls, _ = _row_lse(z_ptr + row * stride_z, V, tl.load(inv_t_ptr + row), scale, cap,
+    m, s, _ = _row_sums(z_ptr + row * stride_z, V, tl.load(inv_t_ptr + row), scale, cap,
                         HAS_CAP, False, BLOCK_V)
-    tl.store(m_ptr + row, m)
-    tl.store(ls_ptr + row, ls)
+    tl.store(out_ptr + row, m)
+    tl.store(out_ptr + n + row, s)
 
 
 @triton.jit
@@ -285,20 +285,33 @@ def _sparse_grad_kernel(z_ptr, dz_ptr, inv_t_ptr, m_ptr, ls_ptr, coef_ptr, V, st
 
 def triton_sparse_rows(z, idx, inv_t, terms, mdt, dz_dtype, want_grad, logit_scale=1.0,
                        softcap=None, shard=ONE_DEVICE):
-    """distill.sparse_rows on the Triton kernels (one device): a sweep for each row's
-    logsumexp, terms on the support's log-probs (from its gathered logits), a sweep
-    writing the softmax part of dz, then the support classes' exact values over theirs
-    (each rounded once); a row whose g is all 0 exactly 0, as sparse_rows'."""
+    """distill.sparse_rows on the Triton kernels: a sweep for each row's logsumexp, terms
+    on the support's log-probs (from its gathered logits), a sweep writing the softmax
+    part of dz, then the support classes' exact values over theirs (each rounded once);
+    a row whose g is all 0 exactly 0, as sparse_rows'. A vocabulary shard's z holds its
+    classes: the sweeps' sums and each support class's logit (from the shard holding
+    it) are all-reduced before terms (logprob.all_reduce_sums), and dz is its own
+    classes'."""
     n, V = z.shape
-    assert mdt == torch.float32 and z.stride(1) == 1 and shard.group is None
+    assert mdt == torch.float32 and z.stride(1) == 1
     inv_t = inv_t.float().contiguous()
+    col = idx - shard.vocab_start  # each support class's column in this shard
+    here = (col >= 0) & (col < V)
+    col = torch.where(here, col, 0)
     # the support's a = softcap(scale z), gathered before dz may be written over z
-    a_k, da_k = capped(z.gather(1, idx), logit_scale, softcap, mdt)
-    m, ls = (z.new_empty(n, dtype=torch.float32) for _ in range(2))
+    a_k, da_k = capped(z.gather(1, col), logit_scale, softcap, mdt)
+    u_k = a_k * inv_t[:, None]
+    sums = z.new_empty((2, n), dtype=torch.float32)
     flags = dict(HAS_CAP=softcap is not None, BLOCK_V=_block_v(V), num_warps=_WARPS)
     scale, cap = float(logit_scale), float(softcap or 1.0)
-    _sparse_stats_kernel[(n,)](z, inv_t, m, ls, V, z.stride(0), scale, cap, **flags)
-    log_q = (a_k * inv_t[:, None] - m[:, None]) - ls[:, None]  # relative to the max
+    _sparse_stats_kernel[(n,)](z, inv_t, sums, n, V, z.stride(0), scale, cap, **flags)
+    m, s = sums
+    if shard.group is not None:
+        m, s, _, *u_k = all_reduce_sums(m, s, torch.zeros_like(s), shard,
+                                        *torch.where(here, u_k, 0.0).T)
+        u_k = torch.stack(u_k, 1)
+    ls = s.log()
+    log_q = (u_k - m[:, None]) - ls[:, None]  # relative to the max
     loss_t, g, *stats = terms(log_q)
     if not want_grad:
         return (loss_t, *stats), None
@@ -312,7 +325,10 @@ def triton_sparse_rows(z, idx, inv_t, terms, mdt, dz_dtype, want_grad, logit_sca
         exact = exact * (da_k / logit_scale)
     # a row whose g is all 0: exactly 0 (the kernel wrote its other classes so)
     exact = torch.where((g == 0).all(-1, keepdim=True), 0.0, exact)
-    return (loss_t, *stats), dz.scatter_(1, idx, exact.to(dz.dtype))
+    if shard.group is None:
+        return (loss_t, *stats), dz.scatter_(1, idx, exact.to(dz.dtype))
+    scatter_whole(dz, col, here, exact.to(dz.dtype))
+    return (loss_t, *stats), dz
 
 
 _TAIL_MAX = tl.constexpr(-1e-7)  # TRL's clamp of the support's log-mass (the tail bucket)
@@ -373,7 +389,7 @@ def _multiplicity(support_ptr, teacher_ptr, row, K, V, ignore_index, safe,
 @triton.jit
 def _rest_sums(z_row, V, inv_t, scale, cap, HAS_CAP: tl.constexpr, BLOCK_V: tl.constexpr):
     """(m, s, t, count) of a row's classes whose logit is not -inf: u = softcap(scale z)
-    / T, s = sum exp(u - m), t = sum exp(u - m) (u - m) (_row_lse's), and how many
+    / T, s = sum exp(u - m), t = sum exp(u - m) (u - m) (_row_sums'), and how many
     logits are -inf."""
     cols = tl.arange(0, BLOCK_V)
     m, s = _start(BLOCK_V)
@@ -432,17 +448,99 @@ def _support_block(support_ptr, teacher_ptr, row, K, ks, V, ignore_index):
 
 
 @triton.jit
+def _local(safe, ks, K, start, V):
+    """(here, col) of a row's support entries ks of classes safe: those among this
+    shard's classes [start, start + V) and their columns (0 elsewhere; on one device
+    every entry, at safe itself)."""
+    col = safe - start
+    here = (ks < K) & (col >= 0) & (col < V)
+    return here, tl.where(here, col, 0)
+
+
+@triton.jit
+def _gather_here(z_row, g_row, support_ptr, teacher_ptr, row, K, ks, V, V_all, start,
+                 ignore_index, scale, cap, HAS_CAP: tl.constexpr):
+    """Stores the row's support logits a = softcap(scale z) held here to its scratch (0
+    for the others'); returns (entries, bad, here, col)."""
+    entries, bad, safe, _ = _support_block(support_ptr, teacher_ptr, row, K, ks, V_all,
+                                           ignore_index)
+    here, col = _local(safe, ks, K, start, V)
+    tl.store(g_row + ks, tl.where(here, _load_a(z_row + col, here, scale, cap, HAS_CAP),
+                                  0.0))
+    return entries, bad, here, col
+
+
+@triton.jit
+def _marked_sums(z_row, g_row, support_ptr, teacher_ptr, row, K, ks, V, V_all, start,
+                 ignore_index, inv_t, scale, cap, HAS_CAP: tl.constexpr,
+                 BLOCK_V: tl.constexpr):
+    """_rest_sums of a row without its support's classes: the student's mass off the
+    support summed directly (1 - its sum on the support cancels when the support holds
+    nearly all of it). The support's logits wait in the scratch (_gather_here), set to
+    -inf for the sweep, which leaves -inf logits out and counts them."""
+    entries, bad, here, col = _gather_here(z_row, g_row, support_ptr, teacher_ptr, row, K,
+                                           ks, V, V_all, start, ignore_index, scale, cap,
+                                           HAS_CAP)
+    tl.debug_barrier()  # every warp's gathers before any mark (duplicate classes)
+    tl.store(z_row + col, tl.full(ks.shape, float("-inf"), tl.float32)
+             .to(z_row.dtype.element_ty), mask=entries & ~bad & here)
+    tl.debug_barrier()  # the marks before any warp's loads
+    return _rest_sums(z_row, V, inv_t, scale, cap, HAS_CAP, BLOCK_V)
+
+
+@triton.jit
+def _store_part(part_ptr, n, row, m, s, t, count):
+    tl.store(part_ptr + row, m)
+    tl.store(part_ptr + n + row, s)
+    tl.store(part_ptr + 2 * n + row, t)
+    tl.store(part_ptr + 3 * n + row, count)
+
+
+@triton.jit
+def _load_part(part_ptr, n, row):
+    return (tl.load(part_ptr + row), tl.load(part_ptr + n + row),
+            tl.load(part_ptr + 2 * n + row), tl.load(part_ptr + 3 * n + row))
+
+
+@triton.jit
+def _sparse_sums_kernel(z_ptr, support_ptr, teacher_ptr, inv_t_ptr, g_ptr, part_ptr, n, V,
+                        V_all, start, K, ignore_index, scale, cap, stride_z,
+                        TAIL: tl.constexpr, HAS_CAP: tl.constexpr, BLOCK_V: tl.constexpr,
+                        BLOCK_K: tl.constexpr):
+    """A vocabulary shard's sweep of _sparse_divergence_kernel: its sums (m, s, t and the
+    -inf logits counted, _marked_sums' with the tail, else _row_sums') to part (4, n),
+    its support's logits to the scratch g (n, BLOCK_K), for the caller to all-reduce."""
+    row = tl.program_id(0).to(tl.int64)  # int64: row * stride passes 2^31
+    z_row = z_ptr + row * stride_z
+    g_row = g_ptr + row * BLOCK_K
+    ks = tl.arange(0, BLOCK_K)
+    inv_t = tl.load(inv_t_ptr + row)
+    if TAIL:
+        m, s, t, count = _marked_sums(z_row, g_row, support_ptr, teacher_ptr, row, K, ks, V,
+                                      V_all, start, ignore_index, inv_t, scale, cap, HAS_CAP,
+                                      BLOCK_V)
+        count = count.to(tl.float32)
+    else:
+        m, s, t = _row_sums(z_row, V, inv_t, scale, cap, HAS_CAP, True, BLOCK_V)
+        count = 0.0
+        _gather_here(z_row, g_row, support_ptr, teacher_ptr, row, K, ks, V, V_all, start,
+                     ignore_index, scale, cap, HAS_CAP)
+    _store_part(part_ptr, n, row, m, s, t, count)
+
+
+@triton.jit
 def _sparse_divergence_kernel(
     # pointers
     z_ptr, dz_ptr, support_ptr, teacher_ptr, tail_ptr, inv_t_ptr, w_ptr, out_ptr, g_ptr,
-    cols_ptr,
+    cols_ptr, part_ptr,
     # sizes and options
-    n, V, K, ignore_index, beta, one_m_beta, scale, cap,
+    n, V, V_all, start, K, ignore_index, beta, one_m_beta, scale, cap,
     # strides
     stride_z, stride_d,
     # meta-parameters
     KIND: tl.constexpr, TAIL: tl.constexpr, HAS_GRAD: tl.constexpr, HAS_CAP: tl.constexpr,
     OVER: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr,
+    FROM_PART: tl.constexpr,
 ):
     """distill.sparse_divergence_rows of logits rows (n, V), one program a row: the
     logsumexp sweep, the support's log-probs gathered, the divergence and its
@@ -450,32 +548,31 @@ def _sparse_divergence_kernel(
     dz and the support classes' exact values over theirs (g summed over duplicate
     classes through the row's g scratch); without the tail the gradient's entries
     instead (loop/sparse.py's SparseGrad: values into g, columns into cols, both (n,
-    BLOCK_K)). out (4, n): loss_t, divergence, mass, entropy."""
+    BLOCK_K)). out (4, n): loss_t, divergence, mass, entropy. The row's classes are
+    [start, start + V) of V_all (one device: 0 and V); FROM_PART: its sums and its
+    support's logits are _sparse_sums_kernel's, all-reduced (part and the scratch), not
+    swept here (a vocabulary shard)."""
     row = tl.program_id(0).to(tl.int64)  # int64: row * stride passes 2^31
     z_row = z_ptr + row * stride_z
     inv_t = tl.load(inv_t_ptr + row)
     ks = tl.arange(0, BLOCK_K)
     g_row = g_ptr + row * BLOCK_K  # the row's scratch (and, without the tail, its values)
     if TAIL:
-        # the student's mass off the support summed directly (1 - its sum on the support
-        # cancels when the support holds nearly all of it): the support's logits set to
-        # -inf for the sweep, which leaves -inf logits out and counts them; the support's
-        # distinct classes (and other -inf logits) are added back after it. Its logits
-        # wait in the scratch, the support is read again after the sweep (no vector
-        # held across it)
-        entries, bad, safe, tch = _support_block(support_ptr, teacher_ptr, row, K, ks, V,
-                                                 ignore_index)
-        tl.store(g_row + ks, _load_a(z_row + safe, ks < K, scale, cap, HAS_CAP))
-        tl.debug_barrier()  # every warp's gathers before any mark (duplicate classes)
-        tl.store(z_row + safe, tl.full([BLOCK_K], float("-inf"), tl.float32)
-                 .to(z_row.dtype.element_ty), mask=entries & ~bad)
-        tl.debug_barrier()  # the marks before any warp's loads
-        m_n, s_n, t_n, n_inf = _rest_sums(z_row, V, inv_t, scale, cap, HAS_CAP, BLOCK_V)
-        entries, bad, safe, tch = _support_block(support_ptr, teacher_ptr, row, K, ks, V,
-                                                 ignore_index)
+        # the student's mass off the support summed directly (_marked_sums), the
+        # support's distinct classes (and other -inf logits) added back after it; its
+        # logits wait in the scratch, the support is read again after the sweep (no
+        # vector held across it)
+        if FROM_PART:
+            m_n, s_n, t_n, n_inf = _load_part(part_ptr, n, row)
+        else:
+            m_n, s_n, t_n, n_inf = _marked_sums(z_row, g_row, support_ptr, teacher_ptr, row,
+                                                K, ks, V, V_all, start, ignore_index, inv_t,
+                                                scale, cap, HAS_CAP, BLOCK_V)
+        entries, bad, safe, tch = _support_block(support_ptr, teacher_ptr, row, K, ks,
+                                                 V_all, ignore_index)
         valid = entries & ~bad
         a_k = tl.load(g_row + ks)
-        mult = _multiplicity(support_ptr, teacher_ptr, row, K, V, ignore_index, safe,
+        mult = _multiplicity(support_ptr, teacher_ptr, row, K, V_all, ignore_index, safe,
                              BLOCK_K, SUB_K)
         u_k = tl.where(valid, a_k * inv_t, float("-inf"))
         once = tl.where(valid, 1.0 / mult, 0.0)  # each distinct class once
@@ -497,10 +594,19 @@ def _sparse_divergence_kernel(
         # support less the duplicates' excess
         rest = (s_n * r + e_inf - tl.sum(e_k * (1.0 - once), axis=0)) / S
     else:
-        m, ls, ent = _row_lse(z_row, V, inv_t, scale, cap, HAS_CAP, True, BLOCK_V)
-        entries, bad, safe, tch = _support_block(support_ptr, teacher_ptr, row, K, ks, V,
-                                                 ignore_index)
-        a_k = _load_a(z_row + safe, ks < K, scale, cap, HAS_CAP)
+        if FROM_PART:
+            m, s_all, t_all, _ = _load_part(part_ptr, n, row)
+        else:
+            m, s_all, t_all = _row_sums(z_row, V, inv_t, scale, cap, HAS_CAP, True, BLOCK_V)
+        ls = tl.log(s_all)
+        ent = ls - t_all / s_all
+        entries, bad, safe, tch = _support_block(support_ptr, teacher_ptr, row, K, ks,
+                                                 V_all, ignore_index)
+        here, col = _local(safe, ks, K, start, V)
+        if FROM_PART:
+            a_k = tl.load(g_row + ks)
+        else:
+            a_k = _load_a(z_row + col, here, scale, cap, HAS_CAP)
     log_q = (a_k * inv_t - m) - ls  # relative to the max
     counted = tl.sum(entries.to(tl.int32), axis=0) > 0
     w = tl.where(counted, tl.load(w_ptr + row), 0.0)
@@ -547,8 +653,8 @@ def _sparse_divergence_kernel(
             sums = tl.zeros([BLOCK_K], tl.float32)  # g summed over the entries of each class
             for j0 in range(0, BLOCK_K, SUB_K):
                 jj = j0 + tl.arange(0, SUB_K)
-                _, _, safe_j, _ = _support_block(support_ptr, teacher_ptr, row, K, jj, V,
-                                                 ignore_index)
+                _, _, safe_j, _ = _support_block(support_ptr, teacher_ptr, row, K, jj,
+                                                 V_all, ignore_index)
                 g_j = tl.load(g_row + jj)
                 sums += tl.sum(tl.where(safe[:, None] == safe_j[None, :], g_j[None, :], 0.0),
                                axis=1)
@@ -573,45 +679,62 @@ def _sparse_divergence_kernel(
                            BLOCK_V)
             tl.debug_barrier()  # the sweep's and the scratch's stores before the ones below
             entries, bad, safe, tch = _support_block(support_ptr, teacher_ptr, row, K, ks,
-                                                     V, ignore_index)
-            tl.store(dz_row + safe, tl.load(g_row + ks).to(dz_row.dtype.element_ty),
-                     mask=ks < K)
+                                                     V_all, ignore_index)
+            here, col = _local(safe, ks, K, start, V)
+            tl.store(dz_row + col, tl.load(g_row + ks).to(dz_row.dtype.element_ty),
+                     mask=here)
         else:  # renormalised: g sums to 0, no softmax part
             v = g * c
             if HAS_CAP:
                 th = a_k / cap
                 v *= 1.0 - th * th
-            tl.store(g_row + ks, tl.where(g != 0.0, v, 0.0))
-            tl.store(cols_ptr + row * BLOCK_K + ks, safe)
+            tl.store(g_row + ks, tl.where(here & (g != 0.0), v, 0.0))
+            tl.store(cols_ptr + row * BLOCK_K + ks, col)
 
 
 def triton_sparse_divergence_rows(z, support, teacher, tail_t, inv_t, weights, opts, mdt,
                                   dz_dtype, want_grad, shard=ONE_DEVICE):
-    """distill.sparse_divergence_rows in one Triton kernel (one device; the formula and
-    its derivative written by hand, as distill._divergence and autograd form them)."""
+    """distill.sparse_divergence_rows in one Triton kernel (the formula and its
+    derivative written by hand, as distill._divergence and autograd form them); a
+    vocabulary shard's in two, its sums and support logits all-reduced in between
+    (logprob.all_reduce_sums)."""
     n, V = z.shape
-    assert mdt == torch.float32 and z.stride(1) == 1 and shard.group is None
+    assert mdt == torch.float32 and z.stride(1) == 1
     K = support.shape[1]
     block_k = triton.next_power_of_2(max(K, 1))
     out = z.new_empty((4, n), dtype=torch.float32)
     dense = want_grad and opts.tail  # without the tail: a SparseGrad (g, cols)
     dz = dz_over(z, dz_dtype) if dense else z
-    # the values without the tail, the scratch with it
-    g = z.new_empty((n, block_k), dtype=torch.float32) if want_grad or opts.tail else out
+    sharded = shard.group is not None
+    # the values without the tail, the scratch with it or on a shard
+    g = z.new_empty((n, block_k), dtype=torch.float32) if want_grad or opts.tail or \
+        sharded else out
     cols = z.new_empty((n, block_k), dtype=torch.int64) if want_grad and not dense else g
     # the teacher's tail, formed in float64 by the op (in the kernel its float64 math
     # took registers)
     tail = tail_t.contiguous() if opts.tail else out
     beta = float(opts.beta)
+    support, inv_t = support.contiguous(), inv_t.float().contiguous()
+    where = (V, V if not sharded else shard.vocab_size, shard.vocab_start, K,
+             opts.ignore_index)
+    options = (float(opts.logit_scale), float(opts.softcap or 1.0))
+    flags = dict(TAIL=bool(opts.tail), HAS_CAP=opts.softcap is not None, BLOCK_V=_block_v(V),
+                 BLOCK_K=block_k)
+    part = out
+    if n and sharded:
+        part = z.new_empty((4, n), dtype=torch.float32)
+        _sparse_sums_kernel[(n,)](z, support, teacher.contiguous(), inv_t, g, part, n, *where,
+                                  *options, z.stride(0), **flags, num_warps=_WARPS)
+        m, s, t, *more = all_reduce_sums(*part[:3], shard, part[3], *g.T)
+        part.copy_(torch.stack([m, s, t, more[0]]))
+        g.copy_(torch.stack(more[1:], 1))
     if n:
         _sparse_divergence_kernel[(n,)](
-            z, dz, support.contiguous(), teacher.contiguous(), tail, inv_t.float().contiguous(),
-            weights.float().contiguous(), out, g, cols, n, V, K, opts.ignore_index, beta,
-            1.0 - beta, float(opts.logit_scale), float(opts.softcap or 1.0), z.stride(0),
+            z, dz, support, teacher.contiguous(), tail, inv_t, weights.float().contiguous(),
+            out, g, cols, part, n, *where, beta, 1.0 - beta, *options, z.stride(0),
             dz.stride(0), KIND=0 if beta == 0.0 else 1 if beta == 1.0 else 2,
-            TAIL=bool(opts.tail), HAS_GRAD=want_grad, HAS_CAP=opts.softcap is not None,
-            OVER=dz.dtype != z.dtype, BLOCK_V=_block_v(V), BLOCK_K=block_k,
-            SUB_K=min(block_k, 16), num_warps=_WARPS)
+            HAS_GRAD=want_grad, OVER=dz.dtype != z.dtype, SUB_K=min(block_k, 16),
+            FROM_PART=sharded, **flags, num_warps=_WARPS)
     if not want_grad:
         return tuple(out), None
     return tuple(out), dz if dense else SparseGrad(cols, g)
@@ -640,7 +763,8 @@ def triton_divergence_rows(z_s, z_t, target, valid, inv_t, weights, opts, mdt, d
     return loss_t, div, ent, dz if want_grad else None
 
 
-TRITON_DISTILL_ROWS = DistillRows(RowMath(triton_divergence_rows, temporaries=0),
+TRITON_DISTILL_ROWS = DistillRows(RowMath(triton_divergence_rows, temporaries=0,
+                                          shards=False),
                                   RowMath(triton_sparse_rows, temporaries=0, dz_over=True),
                                   RowMath(triton_sparse_divergence_rows, temporaries=0,
                                           dz_over=True))

@@ -45,6 +45,7 @@ import triton
 import triton.language as tl
 
 from ...loop.chunked import ONE_DEVICE
+from ..logprob import all_reduce_sums
 from ..topk import merged
 from .ce import _NEG_BIG, _block_v
 from .distill import _load_a
@@ -366,16 +367,15 @@ def triton_topk_rows(logits, target, inv_t, opts, math_dtype, shard=ONE_DEVICE,
         BLOCK_V=block_v, SUB=sub, C=C, RANKED=max(_RANKED // C, 1), num_warps=warps[1])
     if not sharded:
         return indices, logprobs, target_lp
-    # the shards' (m, log s) merged into the row's; log-probs formed as one device's
-    m_row = shard.all_reduce(m, "max")
-    ls = shard.all_reduce((ls + (m - m_row)).exp(), "sum").log()
+    # the shards' (m, s) merged into the row's (with the target's value: the rank
+    # holding it gives it, the others 0); log-probs formed as one device's
+    m, s, _, u_y = all_reduce_sums(m, ls.exp(), torch.zeros_like(m), shard, target_lp)
+    ls = s.log()
     indices, values = merged(indices + shard.vocab_start, logprobs, opts.k, shard)
-    logprobs = (values - m_row[:, None]) - ls[:, None]
+    logprobs = (values - m[:, None]) - ls[:, None]
     if y is None:
         return indices, logprobs, torch.zeros_like(target_lp)
-    # the target's value from the rank holding it, 0 from the others
-    lp_y = (shard.all_reduce(target_lp, "sum") - m_row) - ls
     # as one device: 0 where ignored, NaN outside [0, V) (nothing read out of bounds)
     in_range = (y >= 0) & (y < shard.vocab_size)
     return indices, logprobs, torch.where(y != opts.ignore_index,
-                                          torch.where(in_range, lp_y, math.nan), 0.0)
+                                          torch.where(in_range, (u_y - m) - ls, math.nan), 0.0)
