@@ -1,4 +1,5 @@
-"""Vocab-parallel loss on two GPUs over NCCL equals the single-GPU op, at a real size.
+"""Vocab-parallel losses on two GPUs over NCCL equal the single-GPU ops, at a real size
+(the cross entropy; the top-k and the sparse divergence on their Triton kernels).
 
 Needs two CUDA GPUs (skipped otherwise); NVLink multicast is kept off.
 """
@@ -12,7 +13,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import torch_fce
-from torch_fce.distributed import vocab_parallel_linear_cross_entropy
+from torch_fce.distributed import (vocab_parallel_linear_cross_entropy,
+                                   vocab_parallel_linear_sparse_divergence,
+                                   vocab_parallel_linear_topk_logprobs)
 from torch_fce.testing import make_inputs, rel_err
 from tests.helpers import LOSS_TOL, grad_tol
 
@@ -56,8 +59,41 @@ def _worker(rank, world, path):
             for name, got, want in zip(mine, grads, ref_grads):
                 want = want if name == "hidden" else want[start:end]
                 assert rel_err(got, want) <= tol, (family, name, rel_err(got, want))
+        _check_topk_distillation(start, end)
     finally:
         dist.destroy_process_group()
+
+
+def _check_topk_distillation(start, end):
+    # the teacher's top-k and the student's sparse divergence (tail on and off) on their
+    # Triton kernels per shard, against one GPU: the same classes in the same order where
+    # the logits agree (shard and whole GEMMs may round a logit apart), the log-probs,
+    # the loss and the gradients
+    x = make_inputs(N // 4, D, V, torch.bfloat16, bias=True, device="cuda", seed=5)
+    h, w, b = x["hidden"], x["weight"], x["bias"]
+    want = torch_fce.linear_topk_logprobs(h, w, 16, b, target=x["target"], temperature=0.9)
+    got = vocab_parallel_linear_topk_logprobs(h, w[start:end], 16, b[start:end],
+                                              vocab_start=start, vocab_size=V,
+                                              target=x["target"], temperature=0.9)
+    assert (got.indices == want.indices).all(-1).float().mean() >= 0.99
+    assert rel_err(got.logprobs, want.logprobs) <= LOSS_TOL
+    assert rel_err(got.target_logprob, want.target_logprob) <= LOSS_TOL
+    support, teacher = want.indices, want.logprobs - 0.05  # a teacher near the student
+    for opts in (dict(beta=0.0, tail=True), dict(beta=0.5, tail=False, softcap=30.0)):
+        full = [t.clone().requires_grad_() for t in (h, w, b)]
+        ref, _ = torch_fce.linear_sparse_divergence(full[0], full[1], support, teacher,
+                                                    full[2], **opts)
+        ref_grads = torch.autograd.grad(ref, full)
+        mine = [t.clone().requires_grad_() for t in (h, w[start:end], b[start:end])]
+        loss, _ = vocab_parallel_linear_sparse_divergence(
+            mine[0], mine[1], support, teacher, mine[2], vocab_start=start, vocab_size=V,
+            **opts)
+        grads = torch.autograd.grad(loss, mine)
+        assert rel_err(loss, ref) <= LOSS_TOL, opts
+        tol = grad_tol(torch.bfloat16, N)
+        for name, g, r in zip(("hidden", "weight", "bias"), grads, ref_grads):
+            r = r if name == "hidden" else r[start:end]
+            assert rel_err(g, r) <= tol, (opts, name, rel_err(g, r))
 
 
 @pytest.mark.cuda
