@@ -174,6 +174,7 @@ def _linear_ce_rows_kernel(
     # ---- per-token terms ----------------------------------------------------------
     t_safe = tl.where(valid & in_range, t, 0)
     z_y = _load_z(row_ptr + t_safe, True, softcap, HAS_SOFTCAP)
+    tl.debug_barrier()  # every thread's read before any warp's dz store over it
     w_y = tl.load(class_weight_ptr + t_safe).to(tl.float32) if HAS_CLASS_WEIGHT else 1.0
     # Out-of-range targets never read out of bounds: they poison the row with NaN.
     w_y = tl.where(in_range, w_y, float("nan"))

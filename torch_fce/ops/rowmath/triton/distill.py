@@ -156,6 +156,7 @@ def _distill_rows_kernel(
         in_range = (t >= 0) & (t < V)
         a_y = _load_a(zs_row + tl.where(valid & in_range, t, 0), True, scale_s, cap_s,
                       HAS_CAP_S)
+        tl.debug_barrier()  # every thread's read before any warp's dz store over it
         # out-of-range targets never read out of bounds: they poison the row with NaN
         ce = tl.where(in_range, ls_h - (a_y - m_h), float("nan"))
 
@@ -586,13 +587,17 @@ def _sparse_divergence_kernel(
         e_k = tl.where(valid, tl.exp(u_k - m), 0.0)
         e_inf = tl.where(n_gen > 0.5, n_gen * tl.exp(u_inf - m), 0.0)
         S = s_n * r + e_inf + tl.sum(e_k * once, axis=0)
+        # (0 log 0 = 0: a -inf logit of the support adds nothing)
         T = r * (t_n + (m_n - m) * s_n) + tl.where(e_inf > 0.0, e_inf * (u_inf - m), 0.0) \
-            + tl.sum(tl.where(valid, e_k * once * (u_k - m), 0.0), axis=0)
+            + tl.sum(tl.where(valid & (e_k > 0.0), e_k * once * (u_k - m), 0.0), axis=0)
         ls = tl.log(S)
         ent = ls - T / S
         # TRL's 1 - sum over the entries (duplicates each counted): the mass off the
-        # support less the duplicates' excess
-        rest = (s_n * r + e_inf - tl.sum(e_k * (1.0 - once), axis=0)) / S
+        # support less the duplicates' excess, exactly 0 for a class named once whatever
+        # the division's rounding (the GPU's fp32 division is not IEEE's: 1 / 1 is not
+        # promised to be 1, and the rest cancels here when it is small)
+        excess = tl.where(valid, e_k * ((mult - 1.0) / mult), 0.0)
+        rest = (s_n * r + e_inf - tl.sum(excess, axis=0)) / S
     else:
         if FROM_PART:
             m, s_all, t_all, _ = _load_part(part_ptr, n, row)
