@@ -693,6 +693,8 @@ def _sparse_divergence_kernel(
             if HAS_CAP:
                 th = a_k / cap
                 v *= 1.0 - th * th
+            if FROM_PART:
+                tl.debug_barrier()  # every warp's read of the scratch's logits first
             tl.store(g_row + ks, tl.where(here & (g != 0.0), v, 0.0))
             tl.store(cols_ptr + row * BLOCK_K + ks, col)
 
