@@ -195,7 +195,9 @@ def _candidates_kernel(
     t = tl.max(tl.where(top == k - 1, tl.topk(group, K), float("-inf")), axis=0)
 
     # the segments whose maximum is at or above t, listed (no more of them than classes
-    # >= t: when they pass C, so do the classes)
+    # >= t: when they pass C, so do the classes); their maxima are other threads' stores
+    # (the reductions above synchronise the warps too, but not by contract)
+    tl.debug_barrier()
     step = tl.arange(0, STEP)
     n_hit = tl.sum(tl.zeros([STEP], tl.int32), axis=0)
     for j0 in range(0, n_seg, STEP):
