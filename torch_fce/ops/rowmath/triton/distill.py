@@ -721,24 +721,26 @@ def triton_sparse_divergence_rows(z, support, teacher, tail_t, inv_t, weights, o
     # took registers)
     tail = tail_t.contiguous() if opts.tail else out
     beta = float(opts.beta)
-    support, inv_t = support.contiguous(), inv_t.float().contiguous()
-    where = (V, V if not sharded else shard.vocab_size, shard.vocab_start, K,
-             opts.ignore_index)
+    support, teacher = support.contiguous(), teacher.contiguous()
+    inv_t = inv_t.float().contiguous()
+    # this rank's classes: V of V_all from start (one device: V of V from 0)
+    classes = (V, V if not sharded else shard.vocab_size, shard.vocab_start, K,
+               opts.ignore_index)
     options = (float(opts.logit_scale), float(opts.softcap or 1.0))
     flags = dict(TAIL=bool(opts.tail), HAS_CAP=opts.softcap is not None, BLOCK_V=_block_v(V),
                  BLOCK_K=block_k)
     part = out
     if n and sharded:
         part = z.new_empty((4, n), dtype=torch.float32)
-        _sparse_sums_kernel[(n,)](z, support, teacher.contiguous(), inv_t, g, part, n, *where,
-                                  *options, z.stride(0), **flags, num_warps=_WARPS)
+        _sparse_sums_kernel[(n,)](z, support, teacher, inv_t, g, part, n, *classes, *options,
+                                  z.stride(0), **flags, num_warps=_WARPS)
         m, s, t, *more = all_reduce_sums(*part[:3], shard, part[3], *g.T)
         part.copy_(torch.stack([m, s, t, more[0]]))
         g.copy_(torch.stack(more[1:], 1))
     if n:
         _sparse_divergence_kernel[(n,)](
-            z, dz, support, teacher.contiguous(), tail, inv_t, weights.float().contiguous(),
-            out, g, cols, part, n, *where, beta, 1.0 - beta, *options, z.stride(0),
+            z, dz, support, teacher, tail, inv_t, weights.float().contiguous(),
+            out, g, cols, part, n, *classes, beta, 1.0 - beta, *options, z.stride(0),
             dz.stride(0), KIND=0 if beta == 0.0 else 1 if beta == 1.0 else 2,
             HAS_GRAD=want_grad, OVER=dz.dtype != z.dtype, SUB_K=min(block_k, 16),
             FROM_PART=sharded, **flags, num_warps=_WARPS)
