@@ -412,6 +412,8 @@ def _check_sparse(rank, world):
     support = torch.randint(0, V, (24, 5), generator=g)
     support[3, 1] = -100
     support[5] = -100  # a token without valid entries
+    support[support == 11] = 12
+    x["bias"][11] = -math.inf  # a -inf logit off the support (softcap: -cap, counted apart)
     lp = torch.randn(24, 5, generator=g).log_softmax(-1) - 0.2
     lp[7, 2] = float("-inf")
     probs = torch.rand(24, 5, generator=g)
