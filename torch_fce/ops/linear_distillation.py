@@ -29,7 +29,6 @@ from .loop.chunked import (ONE_DEVICE, LogitsGemm, VocabShard, after_first_gemm,
 from .loop.tokens import token_weights
 from .machinery import grads
 from .machinery.dispatch import LIB, kernel
-from .rowmath.distill import TORCH_DISTILL_ROWS
 
 # the CUDA default workspace as a multiple of the loop's (loop/workspace.py says why)
 _WORKSPACE_SCALE = 1.5
@@ -219,8 +218,9 @@ def fwd(hidden, weight, teacher_hidden, teacher_weight, target, bias, teacher_bi
     N, mdt = hidden.shape[0], math_dtype_for(hidden.dtype)
     out = _Outputs(*(hidden.new_empty(N, dtype=mdt) for _ in _Outputs._fields))
     want = any(needs)
-    row_math, extra = (backend.distill.divergence, {}) if shard.group is None else \
-        (TORCH_DISTILL_ROWS.divergence, dict(shard=shard))
+    # a shard group's: the PyTorch rows (their Triton twin sweeps both heads' whole rows)
+    row_math = backend.distill.on(shard).divergence
+    extra = {} if shard.group is None else dict(shard=shard)
 
     @after_first_gemm
     def per_token():  # whether counted, 1 / T, w_t
