@@ -53,7 +53,7 @@ class DistillRows(NamedTuple):
       sparse_divergence(z, support, teacher, teacher_tail, inv_t, weights, opts,
                         math_dtype, dz_dtype, want_grad) -> (out, dz):
                         sparse_divergence_rows'
-    each a RowMath; the sparse members on one device (`on`)."""
+    each a RowMath; `on` gives a vocabulary layout's members."""
     divergence: RowMath
     sparse: RowMath
     sparse_divergence: RowMath
@@ -355,11 +355,11 @@ def _sparse_terms(log_q, teacher, tail_t, entries, weights, opts, log_mass=None)
     """(loss_t, g, divergence, mass) of a chunk, each (n,) but g (n, K): the weighted
     loss term, its derivative w.r.t. the student's support log-probs, the divergence and
     the student's mass on the support, 0 at tokens not counted; tail_t the teacher's
-    tail bucket (n,) with the tail (else None). With log_mass (n,), the
-    log of the student's mass on the entries formed precisely (sparse_rows' rest_of),
-    the tail's log-mass is a variable of its own and g is (g_e, g_l): the derivatives
-    w.r.t. the log-probs with it fixed, and w.r.t. it (n, 1) (the rows form its chain
-    to the logits without cancellation). Autograd differentiates `_divergence` on these
+    tail bucket (n,) with the tail (else None). With log_mass (n,), the log of the
+    student's mass on the entries formed precisely (sparse_rows' rest_of), the tail's
+    log-mass is a variable of its own and g is (g_e, g_l): the derivatives w.r.t. the
+    log-probs with it fixed, and w.r.t. it (n, 1) (the rows form its chain to the
+    logits without cancellation). Autograd differentiates `_divergence` on these
     (n, K) tensors below the op's own autograd (inference_mode(False) lifts the
     dispatcher's exclusion of the autograd keys; the tensors entering the small graph
     are cloned)."""
@@ -396,8 +396,7 @@ def sparse_divergence_rows(z, support, teacher, tail_t, inv_t, weights, opts, md
     z (n, V) the logits (a vocabulary shard's: as sparse_rows'), support and teacher
     (n, K) the teacher's classes and log-probs, tail_t (n,) in mdt the teacher's tail
     bucket with the tail (teacher_tail, formed once a call; else None), inv_t, weights
-    (n,) 1 / T and w_t; opts
-    a SparseDivOptions. The results are 0 at a token without valid entries, and dz
+    (n,) 1 / T and w_t; opts a SparseDivOptions. The results are 0 at a token without valid entries, and dz
     exactly 0 there; a valid entry outside [0, V) makes its token's results NaN
     (nothing is read out of bounds). Without the tail dz is a SparseGrad: both
     distributions renormalised over the support, the loss reads only the support's
