@@ -244,6 +244,11 @@ CUDA_TOOLS = {
     # one GPU: NCCL with one rank (two ranks: tests/distributed/test_vocab_parallel_nccl.py)
     "bench distributed": ("torch_fce.bench", "distributed", "--world", "1", "--device",
                           "cuda", "--shapes", "tiny", "--reps", "1"),
+    "bench distributed sparse": ("torch_fce.bench", "distributed", "--world", "1",
+                                 "--device", "cuda", "--shapes", "tiny", "--reps", "1",
+                                 "--op", "sparse"),
+    "bench distributed topk": ("torch_fce.bench", "distributed", "--world", "1", "--device",
+                               "cuda", "--shapes", "tiny", "--reps", "1", "--op", "topk"),
 }
 
 
