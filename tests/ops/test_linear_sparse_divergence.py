@@ -255,9 +255,10 @@ def test_triton_rows_run_no_more_per_chunk_pytorch_ops_than_the_cross_entropy(ta
     h, w = torch.randn(N, D, generator=g), torch.randn(V, D, generator=g)
     support = torch.randint(0, V, (N, K), generator=g)
     lp = torch.randn(N, K, generator=g).log_softmax(-1) - 0.1
+    h, w, support, lp, T = (t.to(DEVICE) for t in (h, w, support, lp, torch.ones(N)))
     rec = room.SparseDivOptions(tail=tail, logits_dtype=torch.float32)
     calls = {
-        "sparse": lambda: room.fwd(h, w, support, lp, None, None, torch.ones(N), *rec,
+        "sparse": lambda: room.fwd(h, w, support, lp, None, None, T, *rec,
                                    *ONE_DEVICE, [True, True, False], backend=TRITON),
         "ce": lambda: linear_ce.fwd(h, w, support[:, 0], None, None, *linear_ce.CEOptions(),
                                     *ONE_DEVICE, [True, True, False], False, backend=TRITON)}
