@@ -194,9 +194,9 @@ def sparse_rows(z, idx, inv_t, terms, mdt, dz_dtype, want_grad, logit_scale=1.0,
     would cancel), and gives g as (g_e, g_l) (_sparse_terms). A vocabulary shard's z
     holds its classes: the max, the sum of exps and each support class's u (from the
     shard holding it) are all-reduced before terms, which every rank forms alike; its
-    dz is its own classes'. A row whose g is all 0 (a token
-    not counted) gets dz exactly 0, also where its logits are not finite (the callers
-    need no pass of their own). Overwrites z where it can."""
+    dz is its own classes'. A row whose g is all 0 (a token not counted) gets dz exactly
+    0, also where its logits are not finite (the callers need no pass of their own).
+    Overwrites z where it can."""
     a, da = capped(z, logit_scale, softcap, mdt) if logit_scale != 1.0 or softcap \
         is not None else (z.to(mdt), None)
     u = a.mul_(inv_t[:, None])
@@ -396,11 +396,11 @@ def sparse_divergence_rows(z, support, teacher, tail_t, inv_t, weights, opts, md
     z (n, V) the logits (a vocabulary shard's: as sparse_rows'), support and teacher
     (n, K) the teacher's classes and log-probs, tail_t (n,) in mdt the teacher's tail
     bucket with the tail (teacher_tail, formed once a call; else None), inv_t, weights
-    (n,) 1 / T and w_t; opts a SparseDivOptions. The results are 0 at a token without valid entries, and dz
-    exactly 0 there; a valid entry outside [0, V) makes its token's results NaN
-    (nothing is read out of bounds). Without the tail dz is a SparseGrad: both
-    distributions renormalised over the support, the loss reads only the support's
-    logits (its g sums to 0, no softmax part). Overwrites z where it can."""
+    (n,) 1 / T and w_t; opts a SparseDivOptions. The results are 0 at a token without
+    valid entries, and dz exactly 0 there; a valid entry outside [0, V) makes its
+    token's results NaN (nothing is read out of bounds). Without the tail dz is a
+    SparseGrad: both distributions renormalised over the support, the loss reads only
+    the support's logits (its g sums to 0, no softmax part). Overwrites z where it can."""
     V = z.shape[1] if shard.group is None else shard.vocab_size
     entries = sparse_entries(support, teacher, opts.ignore_index)
     bad = entries & ((support < 0) | (support >= V))

@@ -296,9 +296,11 @@ def triton_sparse_rows(z, idx, inv_t, terms, mdt, dz_dtype, want_grad, logit_sca
     n, V = z.shape
     assert mdt == torch.float32 and z.stride(1) == 1
     inv_t = inv_t.float().contiguous()
-    col = idx - shard.vocab_start  # each support class's column in this shard
-    here = (col >= 0) & (col < V)
-    col = torch.where(here, col, 0)
+    sharded, col = shard.group is not None, idx
+    if sharded:  # each support class's column in this shard
+        col = idx - shard.vocab_start
+        here = (col >= 0) & (col < V)
+        col = torch.where(here, col, 0)
     # the support's a = softcap(scale z), gathered before dz may be written over z
     a_k, da_k = capped(z.gather(1, col), logit_scale, softcap, mdt)
     u_k = a_k * inv_t[:, None]
@@ -307,7 +309,7 @@ def triton_sparse_rows(z, idx, inv_t, terms, mdt, dz_dtype, want_grad, logit_sca
     scale, cap = float(logit_scale), float(softcap or 1.0)
     _sparse_stats_kernel[(n,)](z, inv_t, sums, n, V, z.stride(0), scale, cap, **flags)
     m, s = sums
-    if shard.group is not None:
+    if sharded:
         m, s, _, *u_k = all_reduce_sums(m, s, torch.zeros_like(s), shard,
                                         *torch.where(here, u_k, 0.0).T)
         u_k = torch.stack(u_k, 1)
@@ -326,7 +328,7 @@ def triton_sparse_rows(z, idx, inv_t, terms, mdt, dz_dtype, want_grad, logit_sca
         exact = exact * (da_k / logit_scale)
     # a row whose g is all 0: exactly 0 (the kernel wrote its other classes so)
     exact = torch.where((g == 0).all(-1, keepdim=True), 0.0, exact)
-    if shard.group is None:
+    if not sharded:
         return (loss_t, *stats), dz.scatter_(1, idx, exact.to(dz.dtype))
     scatter_whole(dz, col, here, exact.to(dz.dtype))
     return (loss_t, *stats), dz
