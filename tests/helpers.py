@@ -7,25 +7,14 @@ word_tokenizer) are in torch_fce/testing.py."""
 
 import contextlib
 import math
-from unittest import mock
 
 import torch
 import torch.nn.functional as F
 from hypothesis import strategies as st
 
 import torch_fce
-from torch_fce.ops.loop import sparse
 from torch_fce.ops.loop.chunked import ONE_DEVICE  # noqa: F401  (the tests take it from here)
 from torch_fce.ops.machinery.dispatch import Backend
-from torch_fce.ops.rowmath.ce import TORCH_CE_ROWS
-from torch_fce.ops.rowmath.distill import TORCH_DISTILL_ROWS
-from torch_fce.ops.rowmath.logprob import TORCH_LOGPROB_ROWS
-from torch_fce.ops.rowmath.topk import topk_rows
-from torch_fce.ops.rowmath.truncation import TORCH_TRUNCATION_ROWS
-from torch_fce.ops.rowmath.triton.ce import TRITON_CE_ROWS
-from torch_fce.ops.rowmath.triton.distill import TRITON_DISTILL_ROWS
-from torch_fce.ops.rowmath.triton.logprob import TRITON_LOGPROB_ROWS, TRITON_TRUNCATION_ROWS
-from torch_fce.ops.rowmath.triton.topk import triton_topk_rows
 
 from tests.references import linear_ce_reference, logits_ce_reference
 from torch_fce.testing import make_inputs, rel_err
@@ -232,10 +221,8 @@ def ce_problems(draw, dtypes=(torch.float32, torch.bfloat16, torch.float16),
 # ---- an op's implementation with a chosen backend and chunk size: one device's row
 # functions on the shared loop, called directly (no dispatcher, no value checks)
 
-TORCH = Backend(TORCH_CE_ROWS, TORCH_LOGPROB_ROWS, TORCH_DISTILL_ROWS, topk_rows,
-                TORCH_TRUNCATION_ROWS, check_values=False)
-TRITON = Backend(TRITON_CE_ROWS, TRITON_LOGPROB_ROWS, TRITON_DISTILL_ROWS, triton_topk_rows,
-                 TRITON_TRUNCATION_ROWS, check_values=False)
+TORCH = Backend(triton=False, check_values=False)
+TRITON = Backend(triton=True, check_values=False)
 BACKENDS = {"torch_rows": TORCH, "triton_rows": TRITON}
 
 
@@ -252,15 +239,6 @@ def dz_over_inputs(dtype, k):
     idx = torch.randint(0, V, (N, k), generator=g)
     idx[:, 0], idx[:, 1] = V - 1, 1
     return h, w, idx.to(DEVICE), g
-
-
-@contextlib.contextmanager
-def triton_sparse_products(on=True):
-    """The loop's sparse-gradient products (loop/sparse.py) on their Triton kernels, on
-    CPU tensors too (the interpreter), as they run on CUDA; on=False: as the device
-    picks them (PyTorch off CUDA)."""
-    with mock.patch.object(sparse, "_TRITON_ON_CPU", on):
-        yield
 
 
 @contextlib.contextmanager

@@ -9,8 +9,8 @@ from hypothesis import given, strategies as st
 
 from torch_fce.ops import linear_ce
 from torch_fce.ops.linear_ce import CEOptions
-from torch_fce.ops.rowmath.ce import torch_ce_stats, torch_shard_grad, torch_shard_stats
-from torch_fce.ops.rowmath.triton.ce import triton_shard_grad, triton_shard_stats
+from torch_fce.ops.linear_ce.rows import torch_ce_stats, torch_shard_grad, torch_shard_stats
+from torch_fce.ops.linear_ce.kernels import triton_shard_grad, triton_shard_stats
 from torch_fce.testing import make_inputs, rel_err
 from tests.helpers import (
     EPS, LOSS_TOL, allowed_error, grad_tol, reference_loss_and_grads, torch_loss_and_grads)
@@ -153,12 +153,13 @@ def test_triton_rows_zero_non_finite_ignored_rows(reduction):
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="CUDA runs it through the CUDA backend tests")
 def test_triton_kahan_accumulator_through_the_op(monkeypatch):
-    from torch_fce.ops.loop import accumulate
     from torch_fce.ops.loop import workspace
+    from torch_fce.ops.machinery import dispatch
 
-    from tests.helpers import assert_matches_reference
+    from tests.helpers import TRITON, assert_matches_reference
 
-    monkeypatch.setattr(accumulate, "_TRITON_ON_CPU", True)
+    # the Triton backend on CPU tensors: its rows and the Kahan sums' GEMM kernel
+    monkeypatch.setattr(dispatch, "backend_for", lambda hidden: TRITON)
     monkeypatch.setattr(workspace, "_nbytes", 256)
     x = make_inputs(64, 8, 31, torch.bfloat16, bias=True, weight_scale=4.0)
     opts = dict(reduction="sum", label_smoothing=0.1, softcap=None, z_loss=0.0)

@@ -14,10 +14,10 @@ from torch_fce.ops.loop import chunked
 from torch_fce.ops import linear_logprobs
 from torch_fce.ops.linear_ce import CEOptions
 from torch_fce.ops.linear_logprobs import LogProbOptions
-from torch_fce.ops.rowmath.logprob import TORCH_LOGPROB_ROWS, empty_tile_stats, finish_stats
-from torch_fce.ops.rowmath.ce import TORCH_CE_ROWS
-from torch_fce.ops.rowmath.triton.logprob import TRITON_LOGPROB_ROWS
-from torch_fce.ops.rowmath.triton.ce import TRITON_CE_ROWS
+from torch_fce.ops.linear_logprobs.rows import TORCH_LOGPROB_ROWS, empty_tile_stats, finish_stats
+from torch_fce.ops.linear_ce.rows import TORCH_CE_ROWS
+from torch_fce.ops.linear_logprobs.kernels import TRITON_LOGPROB_ROWS
+from torch_fce.ops.linear_ce.kernels import TRITON_CE_ROWS
 from torch_fce.testing import make_inputs, rel_err
 from tests.references import logprobs_reference as reference
 from tests.helpers import (

@@ -21,7 +21,7 @@ from torch_fce.ops.loop.chunked import ONE_DEVICE
 from torch_fce.testing import rel_err
 
 from tests import helpers
-from tests.helpers import DEVICE, TRITON, chunks, confident_inputs, triton_sparse_products
+from tests.helpers import DEVICE, TRITON, chunks, confident_inputs
 from tests.references import sparse_divergence_reference as reference
 
 
@@ -104,7 +104,7 @@ def test_triton_rows_match_the_float64_composition(p, rows, logits_dtype):
     T = torch.as_tensor(p["T"], dtype=torch.float32).expand(N).contiguous().to(DEVICE)
     tw = None if p["weights"] is None else p["weights"].float().to(DEVICE)
     rec = room.SparseDivOptions(**p["options"], logits_dtype=logits_dtype)
-    with chunks(rows, h, w), triton_sparse_products():
+    with chunks(rows, h, w):
         loss, gh, gw, gb, *stats = room.fwd(
             h, w, support, lp, b, tw, T, *rec, *ONE_DEVICE, [True, True, b is not None],
             backend=TRITON)
@@ -155,9 +155,8 @@ def test_triton_rows_sum_a_class_over_blocks_of_a_wide_support(tail, beta):
     lp[:, 5] = float("-inf")  # an invalid entry among them
     T = torch.full((6,), 0.8, device=DEVICE)
     rec = room.SparseDivOptions(beta=beta, tail=tail, softcap=4.0)
-    with triton_sparse_products():
-        loss, gh, gw, _, *stats = room.fwd(h, w, support, lp, None, None, T, *rec,
-                                           *ONE_DEVICE, [True, True, False], backend=TRITON)
+    loss, gh, gw, _, *stats = room.fwd(h, w, support, lp, None, None, T, *rec,
+                                       *ONE_DEVICE, [True, True, False], backend=TRITON)
     leaves = [h.double().requires_grad_(), w.double().requires_grad_()]
     want = reference(*leaves, support, lp.double(), temperature=0.8, tail=tail, beta=beta,
                      softcap=4.0)
@@ -182,10 +181,9 @@ def test_an_entry_outside_the_vocabulary_makes_its_tokens_loss_nan(rows, tail, b
     backend = helpers.BACKENDS[rows]._replace(check_values=False)
 
     def run(support):
-        with triton_sparse_products(rows == "triton_rows"):
-            return room.fwd(h, w, support, lp, None, torch.ones(4, device=DEVICE) / 4,
-                            torch.ones(4, device=DEVICE), *rec, *ONE_DEVICE,
-                            [True, True, False], backend=backend)
+        return room.fwd(h, w, support, lp, None, torch.ones(4, device=DEVICE) / 4,
+                        torch.ones(4, device=DEVICE), *rec, *ONE_DEVICE,
+                        [True, True, False], backend=backend)
 
     clean = run(support)
     bad = support.clone()
@@ -213,9 +211,8 @@ def test_a_token_not_counted_with_non_finite_logits_gives_zero_gradient(rows, so
     T = torch.ones(5, device=DEVICE)
 
     def run(h):
-        with triton_sparse_products(rows == "triton_rows"):
-            return room.fwd(h, w, support, lp, None, None, T, *rec, *ONE_DEVICE,
-                            [True, True, False], backend=helpers.BACKENDS[rows])
+        return room.fwd(h, w, support, lp, None, None, T, *rec, *ONE_DEVICE,
+                        [True, True, False], backend=helpers.BACKENDS[rows])
 
     clean = run(h)
     bad = h.clone()
@@ -266,7 +263,7 @@ def test_triton_rows_run_no_more_per_chunk_pytorch_ops_than_the_cross_entropy(ta
     for name, call in calls.items():
         counts = []
         for rows in (N, N // 4):
-            with chunks(rows, h, w), triton_sparse_products(), _CountOps() as mode:
+            with chunks(rows, h, w), _CountOps() as mode:
                 call()
             counts.append(mode.ops)
         per_chunk[name] = counts[1] - counts[0]  # three chunks more
@@ -288,7 +285,7 @@ def test_a_support_class_of_minus_infinite_logit_has_no_mass_and_no_entropy(rows
     b[support[0, 2]] = -math.inf
     lp = torch.randn(N, K, generator=g).log_softmax(-1) - 0.2
     rec = room.SparseDivOptions(beta=0.0, tail=True, logits_dtype=torch.float32)
-    with chunks(2, h, w), triton_sparse_products():
+    with chunks(2, h, w):
         _, gh, gw, _, _, mass, ent = room.fwd(
             *(t.to(DEVICE) for t in (h, w, support, lp, b)), None,
             torch.ones(N, device=DEVICE), *rec, *ONE_DEVICE, [True, True, False],
@@ -340,10 +337,9 @@ def test_the_tail_of_a_support_holding_nearly_all_the_mass(rows, beta, softcap):
     opts = dict(beta=beta, tail=True, softcap=softcap)
     h, w, b, top, lp = (x.to(DEVICE) for x in (h, w, b, top, lp.float()))
     rec = room.SparseDivOptions(**opts)
-    with triton_sparse_products(rows == "triton_rows"):
-        loss, gh, gw, gb, *stats = room.fwd(
-            h, w, top, lp, b, None, torch.ones(N, device=DEVICE), *rec, *ONE_DEVICE,
-            [True, True, True], backend=helpers.BACKENDS[rows])
+    loss, gh, gw, gb, *stats = room.fwd(
+        h, w, top, lp, b, None, torch.ones(N, device=DEVICE), *rec, *ONE_DEVICE,
+        [True, True, True], backend=helpers.BACKENDS[rows])
     leaves = [x.double().requires_grad_() for x in (h, w, b)]
     want = reference(*leaves[:2], top, lp.double(), leaves[2], **opts)
     for name, a, r in zip(("hidden", "weight", "bias"), (gh, gw, gb),

@@ -12,7 +12,7 @@ import torch_fce
 from torch_fce.ops.loop.sparse import SparseGrad, products
 from torch_fce.testing import rel_err
 
-from tests.helpers import DEVICE, EPS, triton_sparse_products
+from tests.helpers import DEVICE, EPS
 
 
 def _entries(N, K, V, seed, dtype):
@@ -38,9 +38,8 @@ def test_products_equal_the_dense_gradients(impl, dtype):
                                                                             vals.double())
     want = (dz @ w.double(), dz.T @ h.double(), dz.sum(0))
     wide = torch.promote_types(dtype, torch.float32)
-    with triton_sparse_products(impl == "triton"):
-        got = products(SparseGrad(cols, vals), h, w, [True, True, True],
-                       torch.empty(N, D, dtype=dtype, device=DEVICE), wide)
+    got = products(SparseGrad(cols, vals), h, w, [True, True, True],
+                   torch.empty(N, D, dtype=dtype, device=DEVICE), wide, triton=impl == "triton")
     assert [t.dtype for t in got] == [dtype, wide, vals.dtype]
     # each a float32 (float64) sum rounded once into its dtype
     work = EPS[wide] * 8
@@ -57,18 +56,17 @@ def test_products_of_some_gradients_and_of_no_tokens(impl):
     cols, vals = _entries(N, K, V, 3, torch.float32)
     h, w = torch.randn(N, D).to(DEVICE), torch.randn(V, D).to(DEVICE)
     dz = torch.zeros(N, V, device=DEVICE).scatter_add_(1, cols, vals)
-    with triton_sparse_products(impl == "triton"):
-        gh, gw, gb = products(SparseGrad(cols, vals), h, w, [False, False, True], None,
-                              torch.float32)
-        assert gh is None and gw is None and rel_err(gb, dz.sum(0)) <= 1e-6
-        gh, gw, gb = products(SparseGrad(cols, vals), h, w, [False, True, False], None,
-                              torch.bfloat16)
-        assert gb is None and gw.dtype == torch.bfloat16
-        assert rel_err(gw.float(), dz.T @ h) <= EPS[torch.bfloat16]
-        none = SparseGrad(cols[:0], vals[:0])
-        gh, gw, gb = products(none, h[:0], w, [True, True, True], h[:0].clone(),
-                              torch.float32)
-        assert gh.shape == (0, D) and not gw.any() and not gb.any()
+    gh, gw, gb = products(SparseGrad(cols, vals), h, w, [False, False, True], None,
+                          torch.float32, triton=impl == "triton")
+    assert gh is None and gw is None and rel_err(gb, dz.sum(0)) <= 1e-6
+    gh, gw, gb = products(SparseGrad(cols, vals), h, w, [False, True, False], None,
+                          torch.bfloat16, triton=impl == "triton")
+    assert gb is None and gw.dtype == torch.bfloat16
+    assert rel_err(gw.float(), dz.T @ h) <= EPS[torch.bfloat16]
+    none = SparseGrad(cols[:0], vals[:0])
+    gh, gw, gb = products(none, h[:0], w, [True, True, True], h[:0].clone(),
+                          torch.float32, triton=impl == "triton")
+    assert gh.shape == (0, D) and not gw.any() and not gb.any()
 
 
 @pytest.mark.parametrize("impl", ["torch", "triton"])
@@ -76,9 +74,8 @@ def test_identical_calls_give_identical_bits(impl):
     N, K, V, D = 64, 8, 7, 24  # every class named by many entries, in token order
     cols, vals = _entries(N, K, V, 4, torch.float32)
     h, w = torch.randn(N, D).to(DEVICE), torch.randn(V, D).to(DEVICE)
-    with triton_sparse_products(impl == "triton"):
-        runs = [products(SparseGrad(cols, vals), h, w, [True, True, True],
-                         torch.empty(N, D, device=DEVICE), torch.float32) for _ in range(2)]
+    runs = [products(SparseGrad(cols, vals), h, w, [True, True, True],
+                     torch.empty(N, D, device=DEVICE), torch.float32, triton=impl == "triton") for _ in range(2)]
     for a, b in zip(*runs):
         assert torch.equal(a, b)
 
@@ -122,9 +119,8 @@ def test_an_entry_of_value_zero_adds_nothing_whatever_its_rows_hold(impl):
     bad_h, bad_w = h.clone(), w.clone()
     bad_h[2], bad_w[V - 1] = float("inf"), float("nan")
     grad = SparseGrad(cols.to(DEVICE), vals.to(DEVICE))
-    with triton_sparse_products(impl == "triton"):
-        clean, bad = (products(grad, a.to(DEVICE), b.to(DEVICE), [True, True, True],
-                               torch.empty(N, D, device=DEVICE), torch.float32)
-                      for a, b in ((h, w), (bad_h, bad_w)))
+    clean, bad = (products(grad, a.to(DEVICE), b.to(DEVICE), [True, True, True],
+                           torch.empty(N, D, device=DEVICE), torch.float32, triton=impl == "triton")
+                  for a, b in ((h, w), (bad_h, bad_w)))
     for a, b in zip(clean, bad):
         assert torch.equal(a, b)

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from torch_fce.ops.linear_topk_logprobs import TopKOptions
-from torch_fce.ops.rowmath.topk import topk_rows
-from torch_fce.ops.rowmath.triton.topk import _launch_sizes, triton_topk_rows
+from torch_fce.ops.linear_topk_logprobs.rows import topk_rows
+from torch_fce.ops.linear_topk_logprobs.kernels import _launch_sizes, triton_topk_rows
 
 from tests.helpers import DEVICE
 

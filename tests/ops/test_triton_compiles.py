@@ -22,7 +22,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from torch_fce.ops.loop import sparse_kernels
-from torch_fce.ops.rowmath.triton import distill
+from torch_fce.ops.linear_sparse_divergence import kernels as divergence
+from torch_fce.ops.rowmath import sparse_rows_kernels as sparse_rows
 
 def build(fn, signature, constants, warps):
     signature = {**signature, **dict.fromkeys(constants, "constexpr")}
@@ -42,19 +43,19 @@ for kind, tail, grad, cap, block_k, part in [
                                                    [True, False])] + [
         (0, True, True, False, 8, False), (2, True, True, True, 64, True),
         (1, False, True, False, 64, True)]:
-    build(distill._sparse_divergence_kernel, sig,
+    build(divergence._sparse_divergence_kernel, sig,
           dict(KIND=kind, TAIL=tail, HAS_GRAD=grad, HAS_CAP=cap, OVER=True, BLOCK_V=4096,
-               BLOCK_K=block_k, SUB_K=min(block_k, 16), FROM_PART=part), distill._WARPS)
+               BLOCK_K=block_k, SUB_K=min(block_k, 16), FROM_PART=part), divergence._WARPS)
 for tail, cap in itertools.product([True, False], [True, False]):
-    build(distill._sparse_sums_kernel,
+    build(divergence._sparse_sums_kernel,
           {k: sig[k] for k in ("z_ptr", "support_ptr", "teacher_ptr", "inv_t_ptr", "g_ptr",
                                "part_ptr", "n", "V", "V_all", "start", "K", "ignore_index",
                                "scale", "cap", "stride_z")},
-          dict(TAIL=tail, HAS_CAP=cap, BLOCK_V=4096, BLOCK_K=64), distill._WARPS)
-build(distill._sparse_stats_kernel,
+          dict(TAIL=tail, HAS_CAP=cap, BLOCK_V=4096, BLOCK_K=64), divergence._WARPS)
+build(sparse_rows._sparse_stats_kernel,
       {"z_ptr": "*fp32", "inv_t_ptr": "*fp32", "out_ptr": "*fp32", "n": "i32", "V": "i32",
        "stride_z": "i32", "scale": "fp32", "cap": "fp32"},
-      dict(HAS_CAP=True, BLOCK_V=4096), distill._WARPS)
+      dict(HAS_CAP=True, BLOCK_V=4096), sparse_rows._WARPS)
 build(sparse_kernels._gather_kernel,
       {"cols_ptr": "*i64", "vals_ptr": "*fp32", "w_ptr": "*bf16", "out_ptr": "*bf16",
        "K": "i32", "D": "i32", "stride_w": "i32", "stride_o": "i32"},

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch_fce.ops import linear_ce, linear_distillation, linear_sparse_divergence as room
 from torch_fce.ops.loop.chunked import ONE_DEVICE, VocabShard
 
-from tests.helpers import DEVICE, TRITON, chunks, dz_over_inputs, triton_sparse_products
+from tests.helpers import DEVICE, TRITON, chunks, dz_over_inputs
 from tests.races import races
 
 pytestmark = pytest.mark.skipif(DEVICE != "cpu", reason="the Triton interpreter's")
@@ -40,7 +40,7 @@ def test_sparse_divergence(tail, beta, softcap):
     support, lp = _support(g, h.shape[0], w.shape[0], 4)
     rec = room.SparseDivOptions(beta=beta, tail=tail, softcap=softcap,
                                 logits_dtype=torch.float32)
-    with chunks(3, h, w), triton_sparse_products(), races() as flags:
+    with chunks(3, h, w), races() as flags:
         room.fwd(h, w, support, lp, None, None, torch.full((h.shape[0],), 0.8), *rec,
                  *ONE_DEVICE, [True, True, False], backend=TRITON)
     assert not flags, flags
@@ -62,7 +62,7 @@ def test_a_shards_sparse_divergence(one_rank_group, tail):
     h, w = torch.randn(N, D, generator=g), torch.randn(V, D, generator=g)
     support, lp = _support(g, N, V, K)
     rec = room.SparseDivOptions(beta=0.5, tail=tail, logits_dtype=torch.float32)
-    with chunks(3, h, w), triton_sparse_products(), races() as flags:
+    with chunks(3, h, w), races() as flags:
         room.fwd(h, w, support, lp, None, None, torch.ones(N), *rec, *one_rank_group,
                  [True, True, False], backend=TRITON)
     assert not flags, flags

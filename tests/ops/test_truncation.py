@@ -193,9 +193,9 @@ def test_triton_threshold_rows_match_the_sorted_rows(monkeypatch, truncation, sl
     # top_p / min_p without a top-k on the Triton rows' sweeps (rowmath/triton/
     # truncation.py: bisection on the mass, the bracket's sort, the ties) against the
     # PyTorch rows' sort of the whole row; 8 slots take every row through the bisection
-    from torch_fce.ops.rowmath import truncation as rows
-    from torch_fce.ops.rowmath.triton import truncation as sweeps
-    from torch_fce.ops.rowmath.triton.logprob import TRITON_TRUNCATION_ROWS
+    from torch_fce.ops.linear_logprobs import truncation as rows
+    from torch_fce.ops.linear_logprobs import truncation_kernels as sweeps
+    from torch_fce.ops.linear_logprobs.kernels import TRITON_TRUNCATION_ROWS
 
     if slots:
         monkeypatch.setattr(sweeps, "_C", slots)
@@ -230,7 +230,7 @@ def test_value_search_matches_the_sorted_rows(truncation):
     # quartered bracket of images, ties counted out by class) on the whole row as one
     # rank against the sort of the whole row; the multi-rank merge: the gloo tests
     from torch_fce.ops.loop.chunked import VocabShard
-    from torch_fce.ops.rowmath import truncation as rows
+    from torch_fce.ops.linear_logprobs import truncation as rows
 
     z, y, inv_t = (t.cpu() for t in _threshold_rows_problem())
     opts = room.LogProbOptions(entropy=True, **truncation)
@@ -260,7 +260,7 @@ def test_value_search_matches_the_float64_reference_of_vllms_rules(p):
     import torch.nn.functional as F
 
     from torch_fce.ops.loop.chunked import VocabShard
-    from torch_fce.ops.rowmath import truncation as rows
+    from torch_fce.ops.linear_logprobs import truncation as rows
 
     logits = F.linear(p["h"], p["w"], p["b"])
     N, V = logits.shape
@@ -279,7 +279,7 @@ def test_value_search_matches_the_float64_reference_of_vllms_rules(p):
 def test_value_search_narrows_the_widest_brackets():
     # the search's fixed rounds reach the boundary value from brackets spanning every
     # float32 and float64 (signs, subnormals, -0.0 and +0.0), against a brute force
-    from torch_fce.ops.rowmath.truncation import _smallest_below
+    from torch_fce.ops.linear_logprobs.truncation import _smallest_below
 
     for dtype in (torch.float32, torch.float64):
         big, tiny = torch.finfo(dtype).max, torch.finfo(dtype).smallest_normal / 4

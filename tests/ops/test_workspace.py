@@ -65,13 +65,11 @@ def test_sparse_divergence_default_holds_its_chunk_and_sum_in_a_tenth(h200):
     # op's default chunk (3/4 of the loop's) with the float32 weight-gradient sum stays
     # within 1/10 of the compiled TRL composition's 14250 MiB (docs/distillation.md)
     from torch_fce.ops import linear_sparse_divergence as room
-    from torch_fce.ops.rowmath.distill import TORCH_DISTILL_ROWS
-    from torch_fce.ops.rowmath.triton.distill import TRITON_DISTILL_ROWS
+    from torch_fce.ops.linear_sparse_divergence import kernels, rows as torch_rows
 
-    per_logit = TRITON_DISTILL_ROWS.sparse_divergence.per_logit(torch.float32, torch.bfloat16)
+    per_logit = kernels.ROWS.per_logit(torch.float32, torch.bfloat16)
     assert per_logit == 4
-    assert TORCH_DISTILL_ROWS.sparse_divergence.per_logit(torch.float32,
-                                                          torch.bfloat16) == 6 + 3 * 4
+    assert torch_rows.ROWS.per_logit(torch.float32, torch.bfloat16) == 6 + 3 * 4
     N, V, D = 16384, 151936, 1024
     rows = workspace.chunk_rows(N, V, D, torch.bfloat16, "cuda", per_logit=per_logit,
                                 scale=room._WORKSPACE_SCALE)

@@ -11,7 +11,7 @@ import triton.language as tl
 
 from torch_fce.bench.measure import median_time
 from torch_fce.ops.linear_ce import CEOptions
-from torch_fce.ops.rowmath.triton.ce import triton_ce_stats_then_grad
+from torch_fce.ops.linear_ce.kernels import triton_ce_stats_then_grad
 
 OPTS = CEOptions()  # plain cross entropy, ignore_index -100
 

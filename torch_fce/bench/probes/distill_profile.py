@@ -19,7 +19,7 @@ import torch_fce
 from torch_fce.bench import distill
 from torch_fce.bench.measure import median_time, peak_extra_bytes
 from torch_fce.ops.linear_distillation import DistillOptions
-from torch_fce.ops.rowmath.triton import distill as distill_rows
+from torch_fce.ops.linear_distillation import kernels as distill_rows
 
 WORKSPACES_MIB = (None, 1536, 2048, 3072)
 LAUNCHES = ((4096, 8), (4096, 16), (2048, 8), (2048, 4), (8192, 16))

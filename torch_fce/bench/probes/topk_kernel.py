@@ -18,7 +18,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from torch_fce.bench.measure import median_time
 from torch_fce.ops.linear_topk_logprobs import TopKOptions
-from torch_fce.ops.rowmath.triton import topk
+from torch_fce.ops.linear_topk_logprobs import kernels as topk
 
 N, D, V = 4096, 1536, 151936
 KS = (8, 50, 128, 256)

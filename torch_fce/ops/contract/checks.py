@@ -36,7 +36,7 @@ def check_common(opts):
 
 
 def check_truncation(opts):
-    """The sampler's truncation options (top_k, top_p, min_p; rowmath/truncation.py):
+    """The sampler's truncation options (top_k, top_p, min_p; linear_logprobs/truncation.py):
     None each, or an int >= 1, a float in (0, 1], a float in [0, 1]."""
     if opts.top_k is not None:
         check_int("top_k", opts.top_k)

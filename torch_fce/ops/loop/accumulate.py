@@ -7,13 +7,8 @@
 Each chunk's partial product a.T @ b is formed with float32 accumulation in all modes.
 """
 
-import importlib.util
-
 import torch
 
-_HAS_TRITON = importlib.util.find_spec("triton") is not None
-# Tests set this to run the Triton Kahan GEMM on CPU tensors (Triton's interpreter).
-_TRITON_ON_CPU = False
 # Off CUDA, Kahan updates go through float32 partials of at most this many elements, so the
 # "kahan" mode never holds a weight-sized float32 buffer.
 _KAHAN_BLOCK_ELEMS = 1 << 24
@@ -36,14 +31,15 @@ def _mm_f32(a, b, out=None):
 
 
 class GradAccumulator:
-    """Accumulates sum over chunks of a.T @ b into a (V, D) buffer."""
+    """Accumulates sum over chunks of a.T @ b into a (V, D) buffer; triton: the Kahan
+    sums in their Triton GEMM (the backend's flag), else float32 partials."""
 
-    def __init__(self, mode, shape, compute_dtype, weight_dtype, device):
+    def __init__(self, mode, shape, compute_dtype, weight_dtype, device, triton=False):
         exact = compute_dtype in (torch.float32, torch.float64)
         self.sum_dtype = compute_dtype if exact else (
             torch.float32 if mode == "fp32" or weight_dtype == torch.float32 else compute_dtype
         )
-        self.shape, self.device = shape, device
+        self.shape, self.device, self.triton = shape, device, triton
         kahan = mode == "kahan" and self.sum_dtype == compute_dtype and not exact
         # Plain sums start from the first product (no zero fill, no read of zeros).
         self.acc = torch.zeros(shape, dtype=self.sum_dtype, device=device) if kahan else None
@@ -63,7 +59,7 @@ class GradAccumulator:
             self.acc.addmm_(a.t().float(), b.float())
 
     def _kahan_add(self, a, b):
-        if (a.device.type == "cuda" and _HAS_TRITON) or _TRITON_ON_CPU:
+        if self.triton:
             from .kahan import _launch_kahan_addmm
 
             return _launch_kahan_addmm(a, b, self.acc, self.comp)

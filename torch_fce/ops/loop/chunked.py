@@ -133,10 +133,13 @@ def logits_bytes(logits_dtype, dz_dtype):
 
 
 def run_chunks(hidden, weight, bias, row_fn, outputs, needs_grad, accumulator, chunk_rows,
-               by_vocab=False, shard=ONE_DEVICE, logits_dtype=None, sparse=False):
+               by_vocab=False, shard=ONE_DEVICE, logits_dtype=None, sparse=False,
+               triton=False):
     """The loop: row_fn (a RowFn) per chunk of chunk_rows tokens (by_vocab: per tile
     of as many logits, along the vocabulary), the logits in logits_dtype (None:
-    hidden's; see logits_dtype_for); sparse: row_fn gives SparseGrads (token chunks).
+    hidden's; see logits_dtype_for); sparse: row_fn gives SparseGrads (token chunks);
+    triton: the loop's own sums run their Triton kernels (the Kahan sums, a sparse
+    gradient's products), as the op's rows do (its Backend's flag).
     Returns (grad_hidden, grad_weight, grad_bias), each None unless flagged in
     needs_grad; grad_weight a GradAccumulator (token chunks) or a tensor in its output
     dtype (tiles, sparse); grad_hidden in hidden's dtype on one device with token
@@ -148,7 +151,7 @@ def run_chunks(hidden, weight, bias, row_fn, outputs, needs_grad, accumulator, c
                                       gemm)
     else:
         gh, gw, gb = _run_token_chunks(hidden, weight, row_fn, outputs, needs_grad,
-                                       accumulator, chunk_rows, shard, gemm, sparse)
+                                       accumulator, chunk_rows, shard, gemm, sparse, triton)
     if gh is not None and shard.group is not None:
         gh = shard.all_reduce(gh.result(math_dtype_for(hidden.dtype))
                               if isinstance(gh, GradAccumulator) else gh, "sum")
@@ -222,7 +225,7 @@ class LogitsGemm:
 
 
 def _run_token_chunks(hidden, weight, row_fn, outputs, needs_grad, accumulator,
-                      chunk_rows, shard, gemm, sparse):
+                      chunk_rows, shard, gemm, sparse, triton):
     N, D = hidden.shape
     dtype = hidden.dtype
     mdt = math_dtype_for(dtype)
@@ -232,8 +235,8 @@ def _run_token_chunks(hidden, weight, row_fn, outputs, needs_grad, accumulator,
     gh = hidden.new_empty(hidden.shape, dtype=mdt if partial else dtype) \
         if needs_grad[0] else None
     entries = []  # sparse: the chunks' SparseGrads
-    gw = GradAccumulator(accumulator, weight.shape, dtype, weight.dtype, hidden.device) \
-        if needs_grad[1] and not sparse else None
+    gw = GradAccumulator(accumulator, weight.shape, dtype, weight.dtype, hidden.device,
+                         triton) if needs_grad[1] and not sparse else None
     gb = hidden.new_zeros(weight.shape[0], dtype=mdt) \
         if needs_grad[2] and not sparse else None
     for s in range(0, N, chunk_rows):
@@ -258,7 +261,7 @@ def _run_token_chunks(hidden, weight, row_fn, outputs, needs_grad, accumulator,
         grad = SparseGrad(*map(torch.cat, zip(*entries))) if entries else SparseGrad(
             hidden.new_zeros(0, 1, dtype=torch.long), hidden.new_zeros(0, 1, dtype=mdt))
         return sparse_products(grad, hidden, w, needs_grad, gh,
-                               grad_dtype(weight.dtype, accumulator == "fp32"))
+                               grad_dtype(weight.dtype, accumulator == "fp32"), triton)
     return gh, gw, gb
 
 

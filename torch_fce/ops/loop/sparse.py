@@ -13,14 +13,9 @@ order: no atomics, identical calls give identical bits. On CUDA two Triton kerne
 entries sorted by class, each class's row summed by one program); elsewhere PyTorch.
 """
 
-import importlib.util
 from typing import NamedTuple
 
 import torch
-
-_HAS_TRITON = importlib.util.find_spec("triton") is not None
-# Tests set this to run the Triton kernels on CPU tensors (Triton's interpreter).
-_TRITON_ON_CPU = False
 
 
 class SparseGrad(NamedTuple):
@@ -32,14 +27,15 @@ class SparseGrad(NamedTuple):
     vals: torch.Tensor
 
 
-def products(grad, hidden, w, needs, gh=None, gw_dtype=None):
+def products(grad, hidden, w, needs, gh=None, gw_dtype=None, triton=False):
     """(gh, gw, gb) of a SparseGrad over all N tokens (N, K): gh written into the given
     (N, D) tensor (hidden's dtype, or float32 for a shard's partial sum), gw (V, D) in
     gw_dtype, gb (V,) in the math dtype; each None unless flagged in needs. hidden (N, D)
-    and w (V, D) are the GEMMs' operands (hidden's dtype)."""
+    and w (V, D) are the GEMMs' operands (hidden's dtype); triton: the Triton kernels
+    (the backend's flag), else PyTorch."""
     cols, vals = grad.cols.contiguous(), grad.vals.contiguous()
     gather, scatter = _gather_rows, _scatter_rows
-    if (hidden.device.type == "cuda" and _HAS_TRITON) or _TRITON_ON_CPU:
+    if triton:
         from .sparse_kernels import gather, scatter
     if needs[0]:
         gather(cols, vals, w, gh)

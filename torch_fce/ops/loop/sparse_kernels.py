@@ -9,15 +9,12 @@ entries: zeros); no atomics. A class named by every token is one program's loop 
 the batch (N / 32 steps): the longest program.
 """
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-_BLOCK_D = 16 if _INTERPRET else 128
-_BLOCK_E = 16 if _INTERPRET else 32  # entries a step: a (BLOCK_E, BLOCK_D) tile
+_BLOCK_D = 128
+_BLOCK_E = 32  # entries a step: a (BLOCK_E, BLOCK_D) tile
 
 
 @triton.jit

@@ -1,5 +1,5 @@
 """Per-row cross-entropy math in plain PyTorch (the rows of every device but CUDA with
-Triton): the counterpart of the Triton row kernel (rowmath/triton/ce.py).
+Triton): the counterpart of the Triton row kernel (kernels.py).
 
 For a chunk of logits rows z (n, V) (after bias), with p = softmax(softcap(z)):
   lse    = logsumexp(softcap(z))
@@ -19,15 +19,7 @@ from typing import Callable, NamedTuple, Optional
 import torch
 
 from ..loop.tokens import counted_target_weights
-
-
-def row_sum(x, keepdim=False):
-    """x.sum(-1) of rows of classes, a lone row's too as in a chunk of several: ATen
-    splits one row's sum across threads (another summation order), several rows' one
-    per thread (batch invariance: a chunk of one token must give its row's bits)."""
-    if x.dim() == 2 and x.shape[0] == 1 and not x.is_cuda:
-        return x.expand(2, -1).sum(-1, keepdim=keepdim)[:1]
-    return x.sum(-1, keepdim=keepdim)
+from ..rowmath.common import first_max, row_sum, softcapped
 
 
 class CETerms(NamedTuple):
@@ -60,24 +52,6 @@ class CERows(NamedTuple):
     stats_then_grad: Callable
     shard_stats: Callable
     shard_grad: Callable
-
-
-def softcapped(logits, softcap, math_dtype):
-    """(z, tanh): the logits in math_dtype after the softcap, and tanh(logits / softcap)
-    for its derivative (None without softcap). Overwrites logits where it can."""
-    z = logits.to(math_dtype)  # the buffer itself when it already is math_dtype
-    if softcap is None:
-        return z, None
-    tanh = z.div_(softcap).tanh_()
-    return tanh * softcap, tanh
-
-
-def first_max(c):
-    """(max, its first column) of each row of c, as the Triton kernels: a NaN never
-    wins (a row of NaN gives -inf at column 0)."""
-    c = torch.where(c.isnan(), float("-inf"), c)
-    i = c.argmax(-1)
-    return c.gather(1, i[:, None]).squeeze(1), i
 
 
 def grad_coefficients(ce_scale, z_scale, w_y, lse, W, V, eps):

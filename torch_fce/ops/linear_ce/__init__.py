@@ -15,17 +15,17 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .contract import checks
-from .contract.entry import (autocast_operands, flat, int64_if_needed, needs_grad,
+from ..contract import checks
+from ..contract.entry import (autocast_operands, flat, int64_if_needed, needs_grad,
                              refuse_transforms, token_rows)
-from .contract.options import as_float, check_bool, check_choice, got, schema_args, take
-from .loop.chunked import (ONE_DEVICE, VocabShard, after_first_gemm, chunk_rows_for,
+from ..contract.options import as_float, check_bool, check_choice, got, schema_args, take
+from ..loop.chunked import (ONE_DEVICE, VocabShard, after_first_gemm, chunk_rows_for,
                            grad_outputs, logits_dtype_for, math_dtype_for, no_autocast,
                            run_chunks)
-from .loop.tokens import counted_target_weights, grad_scales, reduce_loss, z_loss_term
-from .machinery import grads
-from .machinery.dispatch import LIB, kernel
-from .rowmath.ce import CETerms, dft_weight, grad_coefficients
+from ..loop.tokens import counted_target_weights, grad_scales, reduce_loss, z_loss_term
+from ..machinery import grads
+from ..machinery.dispatch import LIB, kernel
+from .rows import TORCH_CE_ROWS, CETerms, dft_weight, grad_coefficients
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -215,6 +215,15 @@ torch.library.register_autograd("fce::linear_ce_fwd", _backward, setup_context=_
 
 # ---- the implementation, on the chunk loop -----------------------------------------
 
+
+def _rows(backend):
+    """The cross entropy's row functions on the backend (rows.CERows): the Triton
+    kernels, or the PyTorch rows."""
+    if backend.triton:
+        from .kernels import TRITON_CE_ROWS
+        return TRITON_CE_ROWS
+    return TORCH_CE_ROWS
+
 @kernel("linear_ce_fwd")
 def fwd(hidden, weight, target, bias, class_weight, *args, backend):
     opts, rest = take(CEOptions, args)
@@ -270,10 +279,10 @@ def _chunks(hidden, weight, target, bias, class_weight, opts, shard, needs, scal
     if shard.group is None:
         def row_fn(logits, s, e):
             if scales is None:
-                out, dz = backend.ce.stats(logits, target[s:e], class_weight, opts, stats,
-                                           mdt), None
+                out, dz = _rows(backend).stats(logits, target[s:e], class_weight, opts, stats,
+                                             mdt), None
             else:
-                out, dz = backend.ce.stats_then_grad(
+                out, dz = _rows(backend).stats_then_grad(
                     logits, target[s:e], class_weight, tuple(t[s:e] for t in scales()), opts,
                     stats, mdt, hidden.dtype)
             return out if stats else out[:3], dz
@@ -285,7 +294,7 @@ def _chunks(hidden, weight, target, bias, class_weight, opts, shard, needs, scal
     rows = chunk_rows_for(hidden, weight, shard, ldt,
                           log_prob_tiles=False if opts.head_bound else None)
     gradients = run_chunks(hidden, weight, bias, row_fn, terms, needs, opts.accumulator,
-                           rows, shard=shard, logits_dtype=ldt)
+                           rows, shard=shard, logits_dtype=ldt, triton=backend.triton)
     return CETerms(*terms) if stats else CETerms(*terms, None, None), gradients
 
 
@@ -308,7 +317,7 @@ def _shard_row_fn(hidden, weight, target, class_weight, opts, shard, scales, bac
 
     def row_fn(logits, s, e):
         W, col, valid, w_y = per_token()
-        lse_here, z_y, zsum = backend.ce.shard_stats(logits, col[s:e], cw, opts, mdt)
+        lse_here, z_y, zsum = _rows(backend).shard_stats(logits, col[s:e], cw, opts, mdt)
         M = shard.all_reduce(lse_here, "max")
         parts = [torch.exp(lse_here - M), z_y] + ([zsum] if smoothing else [])
         sums = shard.all_reduce(torch.stack(parts), "sum")
@@ -323,6 +332,6 @@ def _shard_row_fn(hidden, weight, target, class_weight, opts, shard, scales, bac
         ce_scale, z_scale = (t[s:e] for t in scales())
         coeffs = grad_coefficients(ce_scale * p_y, z_scale, w_y[s:e], lse, W, V,
                                    opts.label_smoothing)
-        return (lse, nll, smooth), backend.ce.shard_grad(logits, col[s:e], cw, lse, *coeffs,
-                                                         opts, mdt, hidden.dtype)
+        return (lse, nll, smooth), _rows(backend).shard_grad(logits, col[s:e], cw, lse, *coeffs,
+                                                            opts, mdt, hidden.dtype)
     return row_fn

@@ -1,5 +1,5 @@
 """Per-row log-prob math in plain PyTorch (the rows of every device but CUDA with
-Triton): the counterpart of the Triton log-prob row kernel (rowmath/triton/logprob.py).
+Triton): the counterpart of the Triton log-prob row kernel (kernels.py).
 
 For a chunk of logits rows l (n, V) (after bias), with z = softcap(l) / T (T the row's
 temperature) and p = softmax(z):
@@ -23,7 +23,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from .ce import first_max, row_sum, softcapped
+from ..rowmath.common import all_reduce_sums, first_max, rebased_ez, row_sum, softcapped
 
 
 class TileStats(NamedTuple):
@@ -48,12 +48,6 @@ def empty_tile_stats(n, dtype, device):
     m.fill_(torch.finfo(dtype).min)  # fills, not a copy from the host: no sync
     best.fill_(float("-inf"))
     return TileStats(m, s, ez, best, torch.zeros(n, dtype=torch.int64, device=device), z_y)
-
-
-def rebased_ez(ez, s, m, m_new):
-    """ez = sum_c exp(z_c - m) (z_c - m) relative to a larger max m_new, before the
-    exp(m - m_new) scale: 0 for no classes (s = 0), where m - m_new may overflow."""
-    return torch.where(s > 0, ez + (m - m_new) * s, 0.0)
 
 
 def merge_tile_stats(total, tile):
@@ -105,16 +99,6 @@ def _tile_stats(z, target, inv_t, entropy, col0):
     # ez keeps no 0 * -inf at -inf logits and no cancellation against m.
     ez = row_sum(torch.where(e > 0, e * (z - m), 0.0)) if entropy else torch.zeros_like(s)
     return TileStats(m.squeeze(1), s, ez, best, argmax + col0, z_y)
-
-
-def all_reduce_sums(m, s, ez, shard, *more):
-    """(M, s, ez, *more) of rows (n,) across the shard group (the collective hook): the
-    max, the sum of exps and ez (TileStats') rebased to it, and more tensors of the rows
-    summed (one max, one stacked sum)."""
-    M = shard.all_reduce(m, "max")
-    scale = torch.exp(m - M)
-    return (M, *shard.all_reduce(torch.stack([s * scale, rebased_ez(ez, s, m, M) * scale,
-                                              *more]), "sum"))
 
 
 def all_reduce_tile_stats(stats, shard, argmax=True):

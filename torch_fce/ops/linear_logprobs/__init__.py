@@ -11,17 +11,17 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .contract import checks
-from .contract.entry import (autocast_operands, flat, int64_if_needed, refuse_transforms,
+from ..contract import checks
+from ..contract.entry import (autocast_operands, flat, int64_if_needed, refuse_transforms,
                              token_rows)
-from .contract.options import check_bool, schema_args, take
-from .loop.chunked import (ONE_DEVICE, VocabShard, after_first_gemm, by_vocab,
+from ..contract.options import check_bool, schema_args, take
+from ..loop.chunked import (ONE_DEVICE, VocabShard, after_first_gemm, by_vocab,
                            chunk_rows_for, grad_outputs, inverse_temperature,
                            logits_dtype_for, math_dtype_for, no_autocast, run_chunks)
-from .machinery import grads
-from .machinery.dispatch import LIB, kernel
-from .rowmath import truncation
-from .rowmath.logprob import all_reduce_tile_stats, empty_tile_stats, finish_stats
+from ..machinery import grads
+from ..machinery.dispatch import LIB, kernel
+from . import truncation
+from .rows import TORCH_LOGPROB_ROWS, all_reduce_tile_stats, empty_tile_stats, finish_stats
 
 
 class LogProbOptions(NamedTuple):
@@ -32,7 +32,7 @@ class LogProbOptions(NamedTuple):
     entropy: bool = False
     accumulator: str = "fp32"
     logits_dtype: Optional[torch.dtype] = None  # torch.float32: the GEMM's float32 sums
-    # the sampler's truncation (rowmath/truncation.py): its distribution's log-probs
+    # the sampler's truncation (truncation.py): its distribution's log-probs
     top_k: Optional[int] = None
     top_p: Optional[float] = None
     min_p: Optional[float] = None
@@ -177,6 +177,15 @@ torch.library.register_autograd("fce::linear_logprobs_fwd", _backward, setup_con
 
 # ---- the implementation, on the chunk loop -----------------------------------------
 
+def logprob_rows(backend):
+    """The log-probs' row functions on the backend (rows.LogProbRows, also the policy
+    loss's): the Triton kernels, or the PyTorch rows."""
+    if backend.triton:
+        from .kernels import TRITON_LOGPROB_ROWS
+        return TRITON_LOGPROB_ROWS
+    return TORCH_LOGPROB_ROWS
+
+
 @kernel("linear_logprobs_fwd")
 def fwd(hidden, weight, target, bias, temperature, *args, backend):
     """(logprob, entropy, lse, argmax) each (N,), and row_stats (N, 3 or
@@ -190,6 +199,7 @@ def fwd(hidden, weight, target, bias, temperature, *args, backend):
     shard = take(VocabShard, rest)[0]
     V = shard.vocab(weight)
     truncated = truncation.rows_for(backend, opts, shard, V)
+    rows = logprob_rows(backend)
     if backend.check_values:
         checks.check_target_range(target, V, opts.ignore_index)
         checks.check_temperature_values(temperature)
@@ -205,19 +215,19 @@ def fwd(hidden, weight, target, bias, temperature, *args, backend):
 
     def row_fn(logits, s, e):
         if vocab:  # classes [s, e) of every token
-            backend.logprobs.tile_stats(logits, target, inv_t(), opts, opts.entropy, mdt,
-                                        start + s, total())
+            rows.tile_stats(logits, target, inv_t(), opts, opts.entropy, mdt, start + s,
+                            total())
             return (), None
         if truncated is not None:
             return truncation.kept_stats(truncated, logits, target[s:e], inv_t()[s:e], opts,
                                          mdt, shard), None
         if merged:  # a shard's classes of tokens [s, e)
             part = empty_tile_stats(e - s, mdt, hidden.device)
-            backend.logprobs.tile_stats(logits, target[s:e], inv_t()[s:e], opts,
-                                        opts.entropy, mdt, start, part)
+            rows.tile_stats(logits, target[s:e], inv_t()[s:e], opts, opts.entropy, mdt,
+                            start, part)
             return part, None
-        return backend.logprobs.stats(logits, target[s:e], inv_t()[s:e], opts,
-                                      opts.entropy, mdt), None
+        return rows.stats(logits, target[s:e], inv_t()[s:e], opts, opts.entropy,
+                          mdt), None
 
     with no_autocast(hidden):
         # Token chunks of a shard write their partial statistics into a TileStats of N.
@@ -227,7 +237,7 @@ def fwd(hidden, weight, target, bias, temperature, *args, backend):
                                per_logit=truncation.per_logit(truncated, ldt, hidden.dtype,
                                                               opts, V))
         run_chunks(hidden, weight, bias, row_fn, () if vocab else (parts or out),
-                   (False,) * 3, "fp32", chunk, by_vocab=vocab, logits_dtype=ldt)
+                   (False,) * 3, "fp32", chunk, by_vocab=vocab, logits_dtype=ldt, triton=backend.triton)
     if merged:
         stats = total() if vocab else parts
         out = finish_stats(all_reduce_tile_stats(stats, shard) if shard.group else stats,
@@ -249,7 +259,7 @@ def bwd(grad_logprob, grad_entropy, row_stats, hidden, weight, target, bias, tem
     shard, (needs,) = take(VocabShard, rest)
     V = shard.vocab(weight)
     truncated = truncation.rows_for(backend, opts, shard, V)
-    grad = backend.logprobs.grad if truncated is None else truncated.grad
+    grad = logprob_rows(backend).grad if truncated is None else truncated.grad
     N, mdt = hidden.shape[0], math_dtype_for(hidden.dtype)
     inv_t = after_first_gemm(lambda: inverse_temperature(temperature, N, hidden.device, mdt))
     per_token = after_first_gemm(lambda: [None if t is None else t.to(mdt)
@@ -271,7 +281,7 @@ def bwd(grad_logprob, grad_entropy, row_stats, hidden, weight, target, bias, tem
                                                           V))
     with no_autocast(hidden):
         gradients = run_chunks(hidden, weight, bias, row_fn, (), needs, opts.accumulator,
-                               chunk, by_vocab=vocab, shard=shard, logits_dtype=ldt)
+                               chunk, by_vocab=vocab, shard=shard, logits_dtype=ldt, triton=backend.triton)
     return grad_outputs(hidden, weight, bias, gradients, keep_f32=False)
 
 

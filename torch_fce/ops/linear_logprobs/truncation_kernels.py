@@ -1,5 +1,5 @@
 """Triton row kernel: the sampler's kept set under top_p and min_p without a top-k
-(rowmath/truncation.py's rules), found by sweeps of the row instead of a sort of it.
+(truncation.py's rules), found by sweeps of the row instead of a sort of it.
 
 One program per token row, z = softcap(l) / T as the log-probs' gradient sweep forms it
 (so its kept-set test sees these bits), NaN ranked as -inf:
@@ -31,9 +31,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..truncation import kept_outputs
-from .ce import _NEG_BIG, _block_v, _load_z
-from .topk import _EMPTY, _key, _ranked, _sort_key, _unkey
+from ..linear_topk_logprobs.kernels import _EMPTY, _key, _ranked, _sort_key, _unkey
+from ..rowmath.kernels import _NEG_BIG, _block_v, _load_z
+from .truncation import kept_outputs
 
 _C = 256  # the bracket's classes the scratch holds
 _STAGES = 3  # the sweeps' loads in flight
@@ -303,7 +303,7 @@ def _threshold_kernel(
 
 
 def triton_threshold_stats(logits, target, inv_t, opts, math_dtype):
-    """TruncationRows.thresholds (rowmath/truncation.py) on the Triton kernel, one
+    """TruncationRows.thresholds (truncation.py) on the Triton kernel, one
     device: kept_stats' outputs under top_p and min_p without a top-k."""
     assert math_dtype == torch.float32 and logits.stride(1) == 1
     n, V = logits.shape

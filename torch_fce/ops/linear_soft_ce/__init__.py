@@ -16,17 +16,18 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .contract import checks
-from .contract.entry import (autocast_operands, flat, forward_needs_grad, refuse_transforms,
+from ..contract import checks
+from ..contract.entry import (autocast_operands, flat, forward_needs_grad, refuse_transforms,
                              token_rows)
-from .contract.options import take, tensor_record
-from .loop.chunked import (ONE_DEVICE, VocabShard, after_first_gemm, chunk_rows_for,
+from ..contract.options import take, tensor_record
+from ..loop.chunked import (ONE_DEVICE, VocabShard, after_first_gemm, chunk_rows_for,
                            grad_outputs, inverse_temperature, logits_dtype_for,
                            math_dtype_for, no_autocast, run_chunks)
-from .loop.tokens import token_weights
-from .machinery import grads
-from .machinery.dispatch import LIB, kernel
-from .rowmath.distill import soft_ce_rows
+from ..loop.tokens import token_weights
+from ..machinery import grads
+from ..machinery.dispatch import LIB, kernel
+from ..rowmath import sparse_rows
+from .rows import soft_ce_rows
 
 
 class SoftCEOptions(NamedTuple):
@@ -120,10 +121,19 @@ grads.register_forward_grads_autograd("linear_soft_cross_entropy_fwd", (0, 1, 4)
 
 # ---- the implementation, on the chunk loop -----------------------------------------
 
+def _sparse_rows(backend):
+    """The sparse rows for the backend (a RowMath, also a vocabulary shard's): the
+    Triton kernels, or the PyTorch rows."""
+    if backend.triton:
+        from ..rowmath.sparse_rows_kernels import ROWS
+        return ROWS
+    return sparse_rows.ROWS
+
+
 @kernel("linear_soft_cross_entropy_fwd")
 def fwd(hidden, weight, idx, probs, bias, token_weights_, temperature, *args, backend):
     """(loss, grad_hidden, grad_weight, grad_bias): per chunk the logits, then
-    soft_ce_rows (rowmath/distill.py) on the backend's sparse rows; with a VocabShard
+    soft_ce_rows (rows.py) on the backend's sparse rows; with a VocabShard
     their row sums all-reduced."""
     opts, rest = take(SoftCEOptions, args)
     opts = opts.check()
@@ -134,7 +144,7 @@ def fwd(hidden, weight, idx, probs, bias, token_weights_, temperature, *args, ba
         checks.check_temperature_values(temperature)
     N, mdt = hidden.shape[0], math_dtype_for(hidden.dtype)
     loss_t = hidden.new_empty(N, dtype=mdt)
-    sparse = backend.distill.on(shard).sparse
+    sparse = _sparse_rows(backend)
 
     @after_first_gemm
     def per_token():  # 1 / T, w_t
@@ -154,6 +164,6 @@ def fwd(hidden, weight, idx, probs, bias, token_weights_, temperature, *args, ba
         chunk = chunk_rows_for(hidden, weight, shard,
                                per_logit=sparse.per_logit(ldt, hidden.dtype))
         gradients = run_chunks(hidden, weight, bias, row_fn, [loss_t], needs,
-                               opts.accumulator, chunk, shard=shard, logits_dtype=ldt)
+                               opts.accumulator, chunk, shard=shard, logits_dtype=ldt, triton=backend.triton)
     return (loss_t.sum(), *grad_outputs(hidden, weight, bias, gradients,
                                         opts.accumulator == "fp32", shard.group is not None))

@@ -23,18 +23,18 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .contract import checks
-from .contract.entry import (autocast_operands, flat, forward_needs_grad, int64_if_needed,
+from ..contract import checks
+from ..contract.entry import (autocast_operands, flat, forward_needs_grad, int64_if_needed,
                              refuse_transforms, token_rows)
-from .contract.options import as_float, check_choice, got, take, tensor_record
-from .loop.chunked import (ONE_DEVICE, VocabShard, after_first_gemm, chunk_rows_for,
+from ..contract.options import as_float, check_choice, got, take, tensor_record
+from ..loop.chunked import (ONE_DEVICE, VocabShard, after_first_gemm, chunk_rows_for,
                            grad_outputs, inverse_temperature, logits_dtype_for,
                            math_dtype_for, no_autocast, run_chunks)
-from .loop.tokens import token_weights
-from .machinery import grads
-from .machinery.dispatch import LIB, kernel
-from .rowmath import truncation
-from .rowmath.logprob import shard_stats
+from ..loop.tokens import token_weights
+from ..machinery import grads
+from ..machinery.dispatch import LIB, kernel
+from ..linear_logprobs import logprob_rows, truncation
+from ..linear_logprobs.rows import shard_stats
 
 
 class PolicyOptions(NamedTuple):
@@ -53,7 +53,7 @@ class PolicyOptions(NamedTuple):
     ignore_index: int = -100
     accumulator: str = "fp32"
     logits_dtype: Optional[torch.dtype] = None  # torch.float32: the GEMM's float32 sums
-    # the sampler's truncation (rowmath/truncation.py): its distribution's log-probs
+    # the sampler's truncation (linear_logprobs/truncation.py): its distribution's log-probs
     top_k: Optional[int] = None
     top_p: Optional[float] = None
     min_p: Optional[float] = None
@@ -272,6 +272,7 @@ def fwd(hidden, weight, target, advantages, bias, old_logprobs, ref_logprobs,
     opts = opts.check()
     shard, (needs,) = take(VocabShard, rest)
     truncated = truncation.rows_for(backend, opts, shard, shard.vocab(weight))
+    rows = logprob_rows(backend)
     if backend.check_values:
         checks.check_target_range(target, shard.vocab(weight), opts.ignore_index)
         checks.check_temperature_values(temperature)
@@ -303,11 +304,11 @@ def fwd(hidden, weight, target, advantages, bias, old_logprobs, ref_logprobs,
             dz = truncated.grad(logits, target[s:e], inv_t[s:e], opts, g_lp, g_h, row_stats,
                                 mdt, shard.vocab_start, hidden.dtype) if want else None
         elif want:
-            lp, ent, *_, dz = backend.logprobs.stats_then_grad(
+            lp, ent, *_, dz = rows.stats_then_grad(
                 logits, target[s:e], inv_t[s:e], opts, upstream, mdt, shard, hidden.dtype)
         else:
-            lp, ent, *_ = shard_stats(backend.logprobs, logits, target[s:e], inv_t[s:e],
-                                       opts, True, mdt, shard)
+            lp, ent, *_ = shard_stats(rows, logits, target[s:e], inv_t[s:e], opts, True,
+                                      mdt, shard)
             upstream(lp, ent)
             dz = None
         t, = terms
@@ -321,7 +322,7 @@ def fwd(hidden, weight, target, advantages, bias, old_logprobs, ref_logprobs,
                                               per_logit=truncation.per_logit(
                                                   truncated, ldt, hidden.dtype, opts,
                                                   shard.vocab(weight))), shard=shard,
-                               logits_dtype=ldt)
+                               logits_dtype=ldt, triton=backend.triton)
     loss_t, *stats = out
     return (loss_t.sum(), *grad_outputs(hidden, weight, bias, gradients,
                                         opts.accumulator == "fp32", shard.group is not None),

@@ -1,5 +1,5 @@
 """Triton row kernel: the exact per-row top-k of a logits chunk's log-softmax, the twin
-of rowmath/topk.py's topk_rows (its tie rule: value descending, equal values by
+of rows.py's topk_rows (its tie rule: value descending, equal values by
 ascending class).
 
 One program per token row, one streaming sweep over the vocabulary and a few gathers in
@@ -44,11 +44,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ...loop.chunked import ONE_DEVICE
-from ..logprob import all_reduce_sums
-from ..topk import merged
-from .ce import _NEG_BIG, _block_v
-from .distill import _load_a
+from ..loop.chunked import ONE_DEVICE
+from ..rowmath.common import all_reduce_sums
+from ..rowmath.kernels import _NEG_BIG, _block_v, _load_a
+from .rows import merged
 
 _WARPS = (4, 8)  # (candidates, ranking) kernels' warps
 _BLOCK = 2048  # the sweep's classes a step
@@ -320,7 +319,7 @@ def _launch_sizes(V, k, warps=_WARPS[1]):
 
 def triton_topk_rows(logits, target, inv_t, opts, math_dtype, shard=ONE_DEVICE,
                      groups=None, slots=None, warps=_WARPS, block=None, stages=_STAGES):
-    """topk_rows (rowmath/topk.py) on the Triton kernels: logits (n, V) with unit stride
+    """topk_rows (rows.py) on the Triton kernels: logits (n, V) with unit stride
     along V (a shard's classes), opts a TopKOptions; float32 math. groups, slots: G and
     C (powers of two; tests force the bisection with small ones); warps: the two
     kernels'; block, stages: the sweep's classes a step and software pipeline (a probe

@@ -3,7 +3,7 @@
 Its options (TopKOptions), the schemas, the public op's entry, the fake kernel and the
 implementation on the chunk loop (token chunks, one device). Per token the k most
 likely classes of softmax(softcap(logit_scale * logits) / T) and their log-probs
-(rowmath/topk.py has the formulas and the tie rule), and the log-prob of a given
+(rows.py has the formulas and the tie rule), and the log-prob of a given
 target: what an inference server returns beside its top-k, from the head's inputs in
 one pass of its GEMM, without the N x V logits. No gradient: the outputs are a
 teacher's (the public op detaches its inputs).
@@ -13,15 +13,15 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .contract import checks
-from .contract.entry import (autocast_operands, flat, int64_if_needed, refuse_transforms,
+from ..contract import checks
+from ..contract.entry import (autocast_operands, flat, int64_if_needed, refuse_transforms,
                              token_rows)
-from .contract.options import (as_float, check_int, got, schema_args, take, tensor_args,
+from ..contract.options import (as_float, check_int, got, schema_args, take, tensor_args,
                                tensor_record, value)
-from .loop.chunked import (ONE_DEVICE, VocabShard, chunk_rows_for, inverse_temperature,
+from ..loop.chunked import (ONE_DEVICE, VocabShard, chunk_rows_for, inverse_temperature,
                            logits_dtype_for, math_dtype_for, no_autocast, run_chunks)
-from .machinery.dispatch import LIB, kernel
-from .rowmath.topk import topk_rows
+from ..machinery.dispatch import LIB, kernel
+from .rows import topk_rows
 
 MAX_K = 256  # the row math keeps k candidates per row; larger k is a full sort's job
 # the CUDA default workspace as a multiple of the loop's (loop/workspace.py says why)
@@ -126,7 +126,10 @@ def fwd(hidden, weight, bias, target, temperature, *args, backend):
     out = (hidden.new_empty(N, opts.k, dtype=torch.int64),
            hidden.new_empty(N, opts.k, dtype=mdt), hidden.new_empty(N, dtype=mdt))
     inv_t = inverse_temperature(temperature, N, hidden.device, mdt)
-    rows = backend.topk
+    if backend.triton:
+        from .kernels import triton_topk_rows as rows
+    else:
+        rows = topk_rows
 
     def row_fn(logits, s, e):
         return rows(logits, None if target is None else target[s:e], inv_t[s:e], opts, mdt,
@@ -140,5 +143,5 @@ def fwd(hidden, weight, bias, target, temperature, *args, backend):
         run_chunks(hidden, weight, bias, row_fn, out, (False,) * 3, "fp32",
                    chunk_rows_for(hidden, weight, shard, per_logit=per_logit,
                                   scale=_WORKSPACE_SCALE, weight_grad=False),
-                   shard=shard, logits_dtype=ldt)
+                   shard=shard, logits_dtype=ldt, triton=backend.triton)
     return out

@@ -2,7 +2,7 @@
 
 Its options (SparseDivOptions), the schemas, the public op's entry, the fake kernel,
 the autograd formula and the implementation on the chunk loop; the per-token formula is
-row math (rowmath/distill.py, sparse_divergence_rows, and its Triton twin).
+row math (rows.py, sparse_divergence_rows, and its Triton twin).
 
 A student trained on a teacher's top-k (on-policy distillation from a server's or an
 in-process teacher's linear_topk_logprobs). Per token, with S the support's valid
@@ -26,17 +26,18 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .contract import checks
-from .contract.entry import (autocast_operands, flat, forward_needs_grad, refuse_transforms,
+from ..contract import checks
+from ..contract.entry import (autocast_operands, flat, forward_needs_grad, refuse_transforms,
                              token_rows)
-from .contract.options import as_float, check_bool, got, take, tensor_record
-from .loop.chunked import (ONE_DEVICE, VocabShard, after_first_gemm, chunk_rows_for,
+from ..contract.options import as_float, check_bool, got, take, tensor_record
+from ..loop.chunked import (ONE_DEVICE, VocabShard, after_first_gemm, chunk_rows_for,
                            grad_outputs, inverse_temperature, logits_dtype_for,
                            math_dtype_for, no_autocast, run_chunks)
-from .loop.tokens import token_weights
-from .machinery import grads
-from .machinery.dispatch import LIB, kernel
-from .rowmath.distill import sparse_entries, teacher_tail
+from ..loop.tokens import token_weights
+from ..machinery import grads
+from ..machinery.dispatch import LIB, kernel
+from . import rows as torch_rows
+from .rows import sparse_entries, teacher_tail
 
 # the CUDA default workspace as a multiple of the loop's (loop/workspace.py says why)
 _WORKSPACE_SCALE = 0.75
@@ -150,6 +151,15 @@ grads.register_forward_grads_autograd("linear_sparse_divergence_fwd", (0, 1, 4),
 _Outputs = collections.namedtuple("_Outputs", "loss divergence student_mass entropy")
 
 
+def _rows(backend):
+    """The sparse divergence's row function for the backend (a RowMath, also a
+    vocabulary shard's): the Triton kernels, or the PyTorch rows."""
+    if backend.triton:
+        from .kernels import ROWS
+        return ROWS
+    return torch_rows.ROWS
+
+
 @kernel("linear_sparse_divergence_fwd")
 def fwd(hidden, weight, support, teacher, bias, token_weights_, temperature, *args, backend):
     """(loss, grad_hidden, grad_weight, grad_bias, divergence, student_mass, entropy):
@@ -163,7 +173,7 @@ def fwd(hidden, weight, support, teacher, bias, token_weights_, temperature, *ar
         checks.check_target_range(support, V, opts.ignore_index, "support")
         checks.check_temperature_values(temperature)
     N, mdt = hidden.shape[0], math_dtype_for(hidden.dtype)
-    rows = backend.distill.on(shard).sparse_divergence
+    rows = _rows(backend)
     out = _Outputs(*(hidden.new_empty(N, dtype=mdt) for _ in _Outputs._fields))
 
     @after_first_gemm
@@ -186,7 +196,7 @@ def fwd(hidden, weight, support, teacher, bias, token_weights_, temperature, *ar
                                chunk_rows_for(hidden, weight, shard,
                                               per_logit=rows.per_logit(ldt, hidden.dtype),
                                               scale=_WORKSPACE_SCALE),
-                               shard=shard, logits_dtype=ldt, sparse=not opts.tail)
+                               shard=shard, logits_dtype=ldt, sparse=not opts.tail, triton=backend.triton)
     return (out.loss.sum(), *grad_outputs(hidden, weight, bias, gradients,
                                           opts.accumulator == "fp32", shard.group is not None),
             out.divergence, out.student_mass, out.entropy)

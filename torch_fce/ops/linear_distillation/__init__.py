@@ -8,7 +8,7 @@ w_t * (divergence_t + hard_weight * CE_t): the divergence between the student's 
 teacher's next-token distributions at temperature T (TRL's generalized JSD, beta 0:
 KL(teacher || student), 1: KL(student || teacher)) and the student's cross entropy at the
 target (temperature 1), each head's logits after its scale and softcap
-(rowmath/distill.py has the formulas). The loss is a scalar, so the forward forms the
+(rows.py has the formulas). The loss is a scalar, so the forward forms the
 student's gradients for a unit upstream gradient in four GEMMs: per chunk the teacher's
 logits (no gradient), the student's (the loop's), and the two gradient GEMMs; the
 backward scales them. The teacher receives no gradient.
@@ -19,16 +19,17 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .contract import checks
-from .contract.entry import (autocast_operands, flat, forward_needs_grad, int64_if_needed,
+from ..contract import checks
+from ..contract.entry import (autocast_operands, flat, forward_needs_grad, int64_if_needed,
                              refuse_transforms, token_rows)
-from .contract.options import as_float, got, take, tensor_record, value
-from .loop.chunked import (ONE_DEVICE, LogitsGemm, VocabShard, after_first_gemm,
+from ..contract.options import as_float, got, take, tensor_record, value
+from ..loop.chunked import (ONE_DEVICE, LogitsGemm, VocabShard, after_first_gemm,
                            chunk_rows_for, grad_outputs, inverse_temperature,
                            logits_dtype_for, math_dtype_for, no_autocast, run_chunks)
-from .loop.tokens import token_weights
-from .machinery import grads
-from .machinery.dispatch import LIB, kernel
+from ..loop.tokens import token_weights
+from ..machinery import grads
+from ..machinery.dispatch import LIB, kernel
+from . import rows
 
 # the CUDA default workspace as a multiple of the loop's (loop/workspace.py says why)
 _WORKSPACE_SCALE = 1.5
@@ -200,11 +201,20 @@ grads.register_forward_grads_autograd("linear_distillation_loss_fwd", (0, 1, 5),
 _Outputs = collections.namedtuple("_Outputs", "loss divergence entropy")
 
 
+def _rows(backend):
+    """The divergence's row function on one device for the backend (a RowMath): the
+    Triton kernel, or the PyTorch rows."""
+    if backend.triton:
+        from .kernels import ROWS
+        return ROWS
+    return rows.ROWS
+
+
 @kernel("linear_distillation_loss_fwd")
 def fwd(hidden, weight, teacher_hidden, teacher_weight, target, bias, teacher_bias,
         token_weights_, temperature, *args, backend):
     """(loss, grad_hidden, grad_weight, grad_bias, divergence, entropy): per chunk the
-    teacher's logits, then the row math on both (rowmath/distill.py) over the student's.
+    teacher's logits, then the row math on both (rows.py) over the student's.
     With a VocabShard, both heads' logits are this rank's classes and the row math's sums
     are all-reduced (the PyTorch rows on every device: the Triton kernel sweeps whole
     rows)."""
@@ -219,7 +229,7 @@ def fwd(hidden, weight, teacher_hidden, teacher_weight, target, bias, teacher_bi
     out = _Outputs(*(hidden.new_empty(N, dtype=mdt) for _ in _Outputs._fields))
     want = any(needs)
     # a shard group's: the PyTorch rows (their Triton twin sweeps both heads' whole rows)
-    row_math = backend.distill.on(shard).divergence
+    row_math = _rows(backend) if shard.group is None else rows.ROWS
     extra = {} if shard.group is None else dict(shard=shard)
 
     @after_first_gemm
@@ -247,7 +257,7 @@ def fwd(hidden, weight, teacher_hidden, teacher_weight, target, bias, teacher_bi
         chunk = chunk_rows_for(hidden, weight, shard, per_logit=per_logit,
                                scale=_WORKSPACE_SCALE)
         gradients = run_chunks(hidden, weight, bias, row_fn, out, needs, opts.accumulator,
-                               chunk, shard=shard, logits_dtype=ldt)
+                               chunk, shard=shard, logits_dtype=ldt, triton=backend.triton)
     loss_t, div, ent = out
     return (loss_t.sum(), *grad_outputs(hidden, weight, bias, gradients,
                                         opts.accumulator == "fp32", shard.group is not None),

@@ -18,12 +18,12 @@ gradient), H_K = log s_K - d_K, and the gradient the untruncated one's with q_K 
 The candidates are the first k classes (the top-k rows, k <= MAX_CANDIDATES) or,
 without top_k or with a larger one, the whole row sorted on one device. Without a top-k
 (top_p and min_p only) the Triton rows find K by sweeps of the row instead
-(rowmath/triton/truncation.py: bisection on top_p's mass, no sort). A vocabulary shard
+(truncation_kernels.py: bisection on top_p's mass, no sort). A vocabulary shard
 without top-k candidates finds (v, c) by a search of values (sharded_kept_stats: each
 rank sorts its classes once, the group's counts and masses above a value are
 all-reduced). A TruncationRows family gives them and the gradient on one backend: the
 PyTorch members here (any device, any shard), the Triton ones in
-rowmath/triton/logprob.py (one device, top-k candidates or no top-k: rows_for picks).
+kernels.py (one device, top-k candidates or no top-k: rows_for picks).
 The forward's candidate values and the backward's recomputed z come from the same
 backend's formula, so the backward's threshold test sees the forward's bits.
 """
@@ -34,9 +34,9 @@ from typing import Callable, NamedTuple, Optional
 import torch
 
 from ..loop.chunked import ONE_DEVICE, logits_bytes
-from .ce import first_max, row_sum, softcapped
-from .logprob import logits_grad
-from .topk import at_classes, topk_rows
+from ..linear_topk_logprobs.rows import at_classes, topk_rows
+from ..rowmath.common import first_max, row_sum, softcapped
+from .rows import logits_grad
 
 MAX_CANDIDATES = 256  # the top-k rows' largest k
 # row_stats' columns after the log-probs' (m, log s_K, d_K): the kept set's last class
@@ -149,7 +149,10 @@ def rows_for(backend, opts, shard, vocab_size):
     PyTorch ones (forward and backward pick alike)."""
     if not truncating(opts):
         return None
-    rows = backend.truncation
+    if backend.triton:
+        from .kernels import TRITON_TRUNCATION_ROWS as rows
+    else:
+        rows = TORCH_TRUNCATION_ROWS
     if shard.group is None and (not whole_row_sort(opts, vocab_size)
                                 or _by_thresholds(rows, opts, vocab_size)):
         return rows

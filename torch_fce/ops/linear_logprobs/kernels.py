@@ -1,10 +1,10 @@
 """Triton row kernel for the log-probs: logsumexp, log-prob, entropy, argmax and the
-logits gradient of a logits chunk (the math of rowmath/logprob.py, its LogProbRows).
+logits gradient of a logits chunk (the math of rows.py, its LogProbRows).
 
 One program per token row. The forward sweeps a row once, forming the logsumexp, the
 entropy's sum_c p_c z_c and the argmax online (on a vocabulary tile, it merges the
 tile's sums into the running ones, as logprob.merge_tile_stats); the backward,
-given the forward's row statistics relative to the row max (rowmath/logprob.py), sweeps it
+given the forward's row statistics relative to the row max (rows.py), sweeps it
 once more, writing the logits gradient over the recomputed logits in place: each pass
 reads a chunk once (and the backward writes it once), in its own dtype.
 """
@@ -13,11 +13,12 @@ import torch
 import triton
 import triton.language as tl
 
-from ..logprob import LogProbRows, shard_stats
-from ..truncation import ROW_STATS, TopKRecord, TruncationRows
-from .ce import _block_max, _block_v, _load_z, _rebased_ez, _sweep_start, dz_buffer
-from .topk import triton_topk_rows
-from .truncation import triton_threshold_stats
+from ..linear_topk_logprobs.kernels import triton_topk_rows
+from ..rowmath.kernels import (_block_max, _block_v, _load_z, _rebased_ez, _sweep_start,
+                               dz_buffer)
+from .rows import LogProbRows, shard_stats
+from .truncation import ROW_STATS, TopKRecord, TruncationRows
+from .truncation_kernels import triton_threshold_stats
 
 
 @triton.jit
@@ -95,7 +96,7 @@ def _linear_logprobs_rows_kernel(
     buffer of the inputs' dtype) <- dl for upstream
     g_lp (and, with HAS_ENTROPY_GRAD, g_h), from the forward's row statistics; the
     logits may be a tile's (col0). TRUNCATED (the backward only): the sampler's kept set
-    (rowmath/truncation.py): row_stats (n, ROW_STATS) also holds its last class (v, c)
+    (truncation.py): row_stats (n, ROW_STATS) also holds its last class (v, c)
     and whether the target is kept; p is q_K, 0 outside it."""
     # int64: row * stride_ln passes 2^31 for chunks of large vocabularies.
     row = tl.program_id(0).to(tl.int64)
@@ -212,7 +213,7 @@ def triton_kept_grad(logits, target, inv_t, opts, g_lp, g_h, row_stats, math_dty
 
 
 def triton_logprob_stats(logits, target, inv_t, opts, entropy, math_dtype):
-    """LogProbRows.stats (rowmath/logprob.py) on the Triton kernel: one sweep per row."""
+    """LogProbRows.stats (rows.py) on the Triton kernel: one sweep per row."""
     assert math_dtype == torch.float32
     return _launch(logits, target, inv_t, opts, entropy, None)[:5]
 

@@ -19,7 +19,7 @@ import math
 import torch
 
 from ..loop.chunked import ONE_DEVICE
-from .ce import row_sum, softcapped
+from ..rowmath.common import row_sum, softcapped
 
 
 def topk_rows(logits, target, inv_t, opts, math_dtype, shard=ONE_DEVICE):
