@@ -241,7 +241,7 @@ def linear_distillation_loss(hidden, weight, teacher_hidden, teacher_weight, tar
                              teacher_logit_scale=_DI.teacher_logit_scale, softcap=_DI.softcap,
                              teacher_softcap=_DI.teacher_softcap,
                              ignore_index=_DI.ignore_index, shift=False,
-                             accumulator=_DI.accumulator, logits_dtype=torch.float32):
+                             accumulator=_DI.accumulator, logits_dtype=_DI.logits_dtype):
     """The divergence of a student's next-token distribution from a teacher's, from
     their heads' inputs, without either's logits: four GEMMs (docs/distillation.md).
 
@@ -293,7 +293,7 @@ def linear_distillation_loss(hidden, weight, teacher_hidden, teacher_weight, tar
 def linear_soft_cross_entropy(hidden, weight, target_indices, target_probs, bias=None, *,
                               temperature=1.0, ignore_index=_SC.ignore_index,
                               token_weights=None, shift=False, accumulator=_SC.accumulator,
-                              logits_dtype=torch.float32):
+                              logits_dtype=_SC.logits_dtype):
     """Cross entropy of the student's next-token distribution to sparse teacher targets
     (a stored top-k), without the logits: three GEMMs (docs/distillation.md).
 
@@ -332,7 +332,7 @@ def linear_sparse_divergence(hidden, weight, support, teacher_logprobs, bias=Non
                              beta=_SD.beta, tail=_SD.tail, temperature=1.0,
                              logit_scale=_SD.logit_scale, softcap=_SD.softcap,
                              token_weights=None, ignore_index=_SD.ignore_index, shift=False,
-                             logits_dtype=torch.float32, accumulator=_SD.accumulator):
+                             logits_dtype=_SD.logits_dtype, accumulator=_SD.accumulator):
     """The divergence of a student's next-token distribution from a teacher's top-k (a
     server's, or linear_topk_logprobs'), over that support, without the student's
     logits: three GEMMs (docs/distillation.md).
@@ -411,7 +411,7 @@ def _shifted_sparse(idx, values, ignore_index, fill):
 def linear_topk_logprobs(hidden, weight, k, bias=None, *, target=None, temperature=1.0,
                          logit_scale=_TK.logit_scale, softcap=_TK.softcap,
                          ignore_index=_TK.ignore_index, shift=False,
-                         logits_dtype=torch.float32):
+                         logits_dtype=_TK.logits_dtype):
     """The k most likely next tokens of softmax(softcap(logit_scale * F.linear(hidden,
     weight, bias)) / temperature) and their log-probs, per token, without the logits:
     a teacher's top-k (on-policy distillation with an in-process teacher, or offline

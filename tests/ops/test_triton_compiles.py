@@ -1,7 +1,9 @@
 """The Triton kernels this machine runs only in the interpreter also compile for CUDA:
 Triton's code generator (ttir to cubin, for sm_90, no GPU needed) on the sparse
-divergence's row kernels in each of their variants (one device and a vocabulary
-shard's two), the sparse rows' logsumexp kernel and the loop's sparse-gradient kernels.
+divergence's row kernels in each of their variants (with the tail and without, one
+device and a vocabulary shard's), the sparse rows' logsumexp kernel and the loop's
+sparse-gradient kernels; the row kernels' registers (cuobjdump's count of the cubin) no
+more than before they were split.
 The interpreter runs Python, so what only the code generator refuses (a loop-carried
 variable changing shape, say) shows here first. In a process of its own: the tests'
 TRITON_INTERPRET=1 makes every @triton.jit an interpreted function."""
@@ -17,40 +19,53 @@ _HAS_NVIDIA = os.path.isdir(os.path.join(os.path.dirname(triton.__file__), "back
                                          "nvidia"))
 
 _SCRIPT = '''
-import itertools
+import itertools, os, re, subprocess, tempfile
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from torch_fce.ops.loop import sparse_kernels
 from torch_fce.ops.linear_sparse_divergence import kernels as divergence
+from torch_fce.ops.loop import sparse_kernels
 from torch_fce.ops.rowmath import sparse_rows_kernels as sparse_rows
+
+CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                         "cuobjdump")
 
 def build(fn, signature, constants, warps):
     signature = {**signature, **dict.fromkeys(constants, "constexpr")}
     kernel = triton.compile(ASTSource(fn, signature, constants),
                             target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
-    assert kernel.asm["cubin"]
-    print("compiled", fn.__name__, constants)
+    with tempfile.NamedTemporaryFile("wb", suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([CUOBJDUMP, "--dump-resource-usage", f.name],
+                               capture_output=True, text=True).stdout
+    regs = re.search(r"REG:(\\d+)", usage)
+    print("compiled", fn.__name__, sorted(constants.items()), "registers",
+          regs.group(1) if regs else "?")
 
 sig = {"z_ptr": "*fp32", "dz_ptr": "*bf16", "support_ptr": "*i64", "teacher_ptr": "*fp32",
        "tail_ptr": "*fp32", "inv_t_ptr": "*fp32", "w_ptr": "*fp32", "out_ptr": "*fp32",
        "g_ptr": "*fp32", "cols_ptr": "*i64", "part_ptr": "*fp32", "n": "i32", "V": "i32",
        "V_all": "i32", "start": "i32", "K": "i32", "ignore_index": "i32", "beta": "fp32",
-       "one_m_beta": "fp32", "scale": "fp32", "cap": "fp32", "stride_z": "i32",
-       "stride_d": "i32"}
-for kind, tail, grad, cap, block_k, part in [
-        c + (64, False) for c in itertools.product([0, 1, 2], [True, False], [True, False],
-                                                   [True, False])] + [
-        (0, True, True, False, 8, False), (2, True, True, True, 64, True),
-        (1, False, True, False, 64, True)]:
-    build(divergence._sparse_divergence_kernel, sig,
-          dict(KIND=kind, TAIL=tail, HAS_GRAD=grad, HAS_CAP=cap, OVER=True, BLOCK_V=4096,
+       "scale": "fp32", "cap": "fp32", "stride_z": "i32"}
+
+def args(fn):
+    return {k: v for k, v in sig.items() if k in fn.arg_names}
+
+for kind, grad, cap, block_k, part in [
+        c + (64, False) for c in itertools.product([0, 1, 2], [True, False], [True, False])
+        ] + [(0, True, False, 8, False), (2, True, True, 64, True)]:
+    build(divergence._tail_kernel, args(divergence._tail_kernel),
+          dict(KIND=kind, HAS_GRAD=grad, HAS_CAP=cap, OVER=True, BLOCK_V=4096,
                BLOCK_K=block_k, SUB_K=min(block_k, 16), FROM_PART=part), divergence._WARPS)
+for kind, grad, cap, part in [
+        c + (False,) for c in itertools.product([0, 1, 2], [True, False], [True, False])
+        ] + [(1, True, False, True)]:
+    build(divergence._renormalised_kernel, args(divergence._renormalised_kernel),
+          dict(KIND=kind, HAS_GRAD=grad, HAS_CAP=cap, BLOCK_V=4096, BLOCK_K=64,
+               FROM_PART=part), divergence._WARPS)
 for tail, cap in itertools.product([True, False], [True, False]):
-    build(divergence._sparse_sums_kernel,
-          {k: sig[k] for k in ("z_ptr", "support_ptr", "teacher_ptr", "inv_t_ptr", "g_ptr",
-                               "part_ptr", "n", "V", "V_all", "start", "K", "ignore_index",
-                               "scale", "cap", "stride_z")},
+    build(divergence._sparse_sums_kernel, args(divergence._sparse_sums_kernel),
           dict(TAIL=tail, HAS_CAP=cap, BLOCK_V=4096, BLOCK_K=64), divergence._WARPS)
 build(sparse_rows._sparse_stats_kernel,
       {"z_ptr": "*fp32", "inv_t_ptr": "*fp32", "out_ptr": "*fp32", "n": "i32", "V": "i32",
@@ -68,6 +83,15 @@ for weights, bias in [(True, True), (True, False), (False, True)]:
           dict(HAS_W=weights, HAS_B=bias, BLOCK_E=32, BLOCK_D=128), 4)
 '''
 
+# The sparse divergence's row kernels' registers at sm_90 (8 warps), as measured before
+# they were split by the tail (one kernel of 32 parameters, commit a31f8c7): no variant
+# may take more. (KIND, HAS_GRAD, HAS_CAP, BLOCK_K, FROM_PART) -> registers.
+_TAIL_REGISTERS = {(0, True, False, 8, False): 76, (0, True, False, 64, False): 80,
+                   (1, True, True, 64, False): 80, (2, True, True, 64, False): 80,
+                   (0, False, False, 64, False): 63, (2, True, True, 64, True): 64}
+_RENORMALISED_REGISTERS = {(0, True, False, False): 40, (2, True, True, False): 56,
+                           (0, False, False, False): 40, (1, True, False, True): 32}
+
 
 @pytest.mark.skipif(not _HAS_NVIDIA, reason="Triton without its CUDA backend")
 def test_kernels_compile_for_cuda():
@@ -75,4 +99,19 @@ def test_kernels_compile_for_cuda():
     run = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True,
                          text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
-    assert run.stdout.count("compiled") == 36
+    lines = run.stdout.splitlines()
+    assert sum(line.startswith("compiled") for line in lines) == 36
+    regs = {}
+    for line in lines:
+        name, rest = line.split(" ", 2)[1:]
+        constants, count = rest.rsplit(" registers ", 1)
+        regs[name, constants] = int(count)
+    for name, table, keys in [
+            ("_tail_kernel", _TAIL_REGISTERS, ("KIND", "HAS_GRAD", "HAS_CAP", "BLOCK_K",
+                                               "FROM_PART")),
+            ("_renormalised_kernel", _RENORMALISED_REGISTERS, ("KIND", "HAS_GRAD", "HAS_CAP",
+                                                               "FROM_PART"))]:
+        for variant, ceiling in table.items():
+            hits = [count for (n, constants), count in regs.items() if n == name and all(
+                f"('{k}', {v})" in constants for k, v in zip(keys, variant))]
+            assert hits and max(hits) <= ceiling, (name, variant, hits, ceiling)

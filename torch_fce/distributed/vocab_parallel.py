@@ -11,18 +11,12 @@ float32 partial sums are all-reduced once. Here: the collective checks that ever
 agrees on the tiling (before the op, outside torch.compile) and the result types.
 """
 
-import torch
-
 from ..ops import (linear_ce, linear_distillation, linear_logprobs, linear_policy_loss,
                    linear_soft_ce, linear_sparse_divergence, linear_topk_logprobs)
 from ..ops.contract.entry import advantages_tensor, temperature_tensor
 from ..ops.machinery.shards import checked_shard
 from ..results import (DistillationStats, LogProbs, PolicyStats, SparseDivergenceStats,
                        TopKLogprobs)
-
-# The distillation family's default, as their public functions' (float32 logits)
-_FLOAT32_LOGITS = dict(logits_dtype=torch.float32)
-
 
 def vocab_parallel_linear_cross_entropy(hidden, weight, target, bias=None, class_weight=None,
                                         *, vocab_start, vocab_size, group=None, **options):
@@ -102,7 +96,7 @@ def vocab_parallel_linear_distillation_loss(hidden, weight, teacher_hidden, teac
     Returns:
         (loss, DistillationStats), identical on every rank.
     """
-    opts = linear_distillation.DistillOptions(**{**_FLOAT32_LOGITS, **options}).check()
+    opts = linear_distillation.DistillOptions(**options).check()
     tokens = linear_distillation.tokens_of(hidden, target)
     temperature = temperature_tensor(1.0 if temperature is None else temperature, tokens)
     shard = checked_shard(hidden, weight, tokens, vocab_start, vocab_size, group)
@@ -126,7 +120,7 @@ def vocab_parallel_linear_sparse_divergence(hidden, weight, support, teacher_log
     Returns:
         (loss, SparseDivergenceStats), identical on every rank.
     """
-    opts = linear_sparse_divergence.SparseDivOptions(**{**_FLOAT32_LOGITS, **options}).check()
+    opts = linear_sparse_divergence.SparseDivOptions(**options).check()
     tokens = support[..., 0]
     temperature = temperature_tensor(1.0 if temperature is None else temperature, tokens)
     shard = checked_shard(hidden, weight, tokens, vocab_start, vocab_size, group)
@@ -147,7 +141,7 @@ def vocab_parallel_linear_soft_cross_entropy(hidden, weight, target_indices, tar
     Returns:
         The loss, identical on every rank.
     """
-    opts = linear_soft_ce.SoftCEOptions(**{**_FLOAT32_LOGITS, **options}).check()
+    opts = linear_soft_ce.SoftCEOptions(**options).check()
     tokens = target_indices[..., 0]
     temperature = temperature_tensor(1.0 if temperature is None else temperature, tokens)
     shard = checked_shard(hidden, weight, tokens, vocab_start, vocab_size, group)
@@ -167,7 +161,7 @@ def vocab_parallel_linear_topk_logprobs(hidden, weight, k, bias=None, *, vocab_s
     Returns:
         TopKLogprobs (whole-vocabulary indices), identical on every rank.
     """
-    opts = linear_topk_logprobs.TopKOptions(k=k, **{**_FLOAT32_LOGITS, **options}).check()
+    opts = linear_topk_logprobs.TopKOptions(k=k, **options).check()
     tokens = target if target is not None else hidden[..., 0]
     temperature = temperature_tensor(1.0 if temperature is None else temperature, tokens)
     shard = checked_shard(hidden, weight, tokens.long(), vocab_start, vocab_size, group)

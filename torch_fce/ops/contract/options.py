@@ -21,9 +21,15 @@ _SCHEMA_TYPES = {int: "SymInt", Optional[int]: "int?", float: "float",
                  Optional[torch.dtype]: "ScalarType?"}
 
 
+# Schema text writes a dtype default as its c10::ScalarType number.
+_SCALAR_TYPES = {torch.float32: "6"}
+
+
 def _literal(value):
     if value is None:
         return "None"
+    if isinstance(value, torch.dtype):
+        return _SCALAR_TYPES[value]
     if isinstance(value, str):
         return f'"{value}"'
     return repr(value)

@@ -51,7 +51,8 @@ class SparseDivOptions(NamedTuple):
     softcap: Optional[float] = None
     ignore_index: int = -100
     accumulator: str = "fp32"
-    logits_dtype: Optional[torch.dtype] = None  # torch.float32: the GEMM's float32 sums
+    # the GEMM's float32 sums (None: rounded to the inputs' dtype)
+    logits_dtype: Optional[torch.dtype] = torch.float32
 
     def check(self):
         """Raises naming the option; returns the record."""

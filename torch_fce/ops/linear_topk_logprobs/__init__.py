@@ -34,7 +34,8 @@ class TopKOptions(NamedTuple):
     logit_scale: float = 1.0
     softcap: Optional[float] = None
     ignore_index: int = -100
-    logits_dtype: Optional[torch.dtype] = None  # torch.float32: the GEMM's float32 sums
+    # the GEMM's float32 sums (None: rounded to the inputs' dtype)
+    logits_dtype: Optional[torch.dtype] = torch.float32
 
     def check(self):
         """Raises naming the option; returns the record."""

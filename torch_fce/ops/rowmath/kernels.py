@@ -63,7 +63,7 @@ def _sweep_start(BLOCK_V: tl.constexpr):
 @triton.jit
 def _rebased_ez(ez, s, m, m_new):
     """ez relative to a larger max m_new, before the exp(m - m_new) scale: 0 for no
-    classes (s = 0), where m - m_new may overflow to -inf (logprob.rebased_ez)."""
+    classes (s = 0), where m - m_new may overflow to -inf (common.rebased_ez)."""
     return tl.where(s > 0.0, ez + (m - m_new) * s, 0.0)
 
 

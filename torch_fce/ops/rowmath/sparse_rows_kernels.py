@@ -95,12 +95,12 @@ def _sparse_grad_kernel(z_ptr, dz_ptr, inv_t_ptr, m_ptr, ls_ptr, coef_ptr, V, st
 
 def triton_sparse_rows(z, idx, inv_t, terms, mdt, dz_dtype, want_grad, logit_scale=1.0,
                        softcap=None, shard=ONE_DEVICE):
-    """distill.sparse_rows on the Triton kernels: a sweep for each row's logsumexp, terms
+    """sparse_rows.sparse_rows on the Triton kernels: a sweep for each row's logsumexp, terms
     on the support's log-probs (from its gathered logits), a sweep writing the softmax
     part of dz, then the support classes' exact values over theirs (each rounded once);
     a row whose g is all 0 exactly 0, as sparse_rows'. A vocabulary shard's z holds its
     classes: the sweeps' sums and each support class's logit (from the shard holding
-    it) are all-reduced before terms (logprob.all_reduce_sums), and dz is its own
+    it) are all-reduced before terms (common.all_reduce_sums), and dz is its own
     classes'."""
     n, V = z.shape
     assert mdt == torch.float32 and z.stride(1) == 1
