@@ -7,6 +7,9 @@ them.
     policy_reference                            the policy losses, as TRL's GRPOTrainer
     distillation_reference                      the generalized JSD and hard loss
     soft_ce_reference                           the cross entropy to sparse targets
+    topk_reference                              a teacher's top-k log-probs
+    sparse_divergence_reference                 the divergence over a teacher's top-k
+                                                (add_tail_bucket, jsd_divergence: TRL's)
 """
 
 import math
@@ -215,6 +218,33 @@ def topk_reference(hidden, weight, k, bias=None, target=None, temperature=1.0,
     return order, logp.gather(-1, order), target_lp
 
 
+def add_tail_bucket(log_probs, valid_mask):
+    """TRL 1.16's _add_tail_bucket (trl/experimental/server_distillation): a (K+1)-th
+    entry log(1 - sum exp(log_probs)), the sum's log clamped below -1e-7, and its mask
+    (tests/integrations/test_trl_topk_distill.py holds the copy to TRL's own)."""
+    log_sum = torch.logsumexp(log_probs, dim=-1, keepdim=True).clamp(max=-1e-7)
+    tail = torch.log(-torch.expm1(log_sum))
+    return (torch.cat([log_probs, tail], dim=-1),
+            torch.cat([valid_mask, torch.ones_like(valid_mask[..., :1])], dim=-1))
+
+
+def jsd_divergence(student_log_probs, teacher_log_probs, beta, support_mask):
+    """TRL 1.16's _jsd_divergence with a support mask, per entry: beta 0 KL(p || q), 1
+    KL(q || p), between the mixture's (log m clamped at tiny); masked entries 0 (held to
+    TRL's own as add_tail_bucket)."""
+    s, t, mask = student_log_probs, teacher_log_probs, support_mask
+    s0, t0 = torch.where(mask, s, 0.0), torch.where(mask, t, 0.0)
+    q, p = torch.where(mask, s.exp(), 0.0), torch.where(mask, t.exp(), 0.0)
+    if beta == 0.0:
+        return torch.nan_to_num(p * (t0 - s0), nan=0.0)
+    if beta == 1.0:
+        return torch.nan_to_num(q * (s0 - t0), nan=0.0)
+    tiny = torch.finfo(s.dtype).tiny
+    m = torch.where(mask, torch.log(((1 - beta) * q + beta * p).clamp_min(tiny)), 0.0)
+    return beta * torch.nan_to_num(p * (t0 - m), nan=0.0) + \
+        (1 - beta) * torch.nan_to_num(q * (s0 - m), nan=0.0)
+
+
 def sparse_divergence_reference(hidden, weight, support, teacher_lp, bias=None, beta=0.0,
                                 tail=False, temperature=1.0, logit_scale=1.0, softcap=None,
                                 token_weights=None, ignore_index=-100):
@@ -242,28 +272,13 @@ def sparse_divergence_reference(hidden, weight, support, teacher_lp, bias=None, 
     s = torch.where(mask & ~valid, 0.0, s)
     t = torch.where(mask & ~valid, 0.0, t)
 
-    def add_tail(lp):
-        log_sum = torch.logsumexp(lp, dim=-1, keepdim=True).clamp(max=-1e-7)
-        return torch.cat([lp, torch.log(-torch.expm1(log_sum))], dim=-1)
-
     if tail:
-        s, t = add_tail(s), add_tail(t)
-        mask = torch.cat([mask, torch.ones_like(mask[..., :1])], dim=-1)
+        (s, tail_mask), (t, _) = add_tail_bucket(s, mask), add_tail_bucket(t, mask)
+        mask = tail_mask
     else:
         s = s - torch.logsumexp(s, dim=-1, keepdim=True)
         t = t - torch.logsumexp(t, dim=-1, keepdim=True)
-    s0, t0 = torch.where(mask, s, 0.0), torch.where(mask, t, 0.0)
-    q, p = torch.where(mask, s.exp(), 0.0), torch.where(mask, t.exp(), 0.0)
-    if beta == 0.0:
-        jsd = torch.nan_to_num(p * (t0 - s0), nan=0.0)
-    elif beta == 1.0:
-        jsd = torch.nan_to_num(q * (s0 - t0), nan=0.0)
-    else:
-        tiny = torch.finfo(torch.float64).tiny
-        m = torch.where(mask, torch.log(((1 - beta) * q + beta * p).clamp_min(tiny)), 0.0)
-        jsd = beta * torch.nan_to_num(p * (t0 - m), nan=0.0) + \
-            (1 - beta) * torch.nan_to_num(q * (s0 - m), nan=0.0)
-    div = torch.where(counted, jsd.sum(-1), 0.0)
+    div = torch.where(counted, jsd_divergence(s, t, beta, mask).sum(-1), 0.0)
     w = counted.double() / counted.sum().clamp(min=1) if token_weights is None \
         else token_weights.double()
     mass = torch.where(valid, log_q.gather(-1, torch.where(valid, support, 0)).exp(), 0.0)

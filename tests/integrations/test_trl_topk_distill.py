@@ -342,3 +342,26 @@ def test_the_docs_example_trains(tmp_path, monkeypatch):
                                                    word_tokenizer(V))
     assert math.isfinite(trainer.state.log_history[0]["loss"])
     assert "compute_loss" not in vars(trainer)  # reverted
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_the_reference_copies_are_trls_own(beta):
+    # tests/references.py's sparse divergence composes TRL's _add_tail_bucket and
+    # _jsd_divergence from copies: each held to TRL's function, bit for bit, on float64
+    # log-probs with invalid (-inf) and confident entries
+    from trl.experimental.server_distillation import server_distillation_trainer as trl_server
+
+    from tests.references import add_tail_bucket, jsd_divergence
+
+    g = torch.Generator().manual_seed(4)
+    s = torch.randn(6, 7, generator=g, dtype=torch.float64).log_softmax(-1)
+    t = torch.randn(6, 7, generator=g, dtype=torch.float64).log_softmax(-1) - 0.1
+    s[0, :6] = -40.0  # a confident row: its top entry holds nearly all the mass
+    mask = torch.rand(6, 7, generator=g) > 0.2
+    s, t = torch.where(mask, s, -math.inf), torch.where(mask, t, -math.inf)
+    for mine, trls in ((add_tail_bucket(s, mask), trl_server._add_tail_bucket(s, mask)),
+                       (add_tail_bucket(t, mask), trl_server._add_tail_bucket(t, mask))):
+        assert all(torch.equal(a, b) for a, b in zip(mine, trls))
+    (s1, m1), (t1, _) = add_tail_bucket(s, mask), add_tail_bucket(t, mask)
+    for args in ((s, t, beta, mask), (s1, t1, beta, m1)):
+        assert torch.equal(jsd_divergence(*args), trl_server._jsd_divergence(*args))

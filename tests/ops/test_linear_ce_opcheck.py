@@ -40,7 +40,8 @@ def test_linear_ce_internal_ops_opcheck(needs):
     args = (x["hidden"], x["weight"], x["target"], x["bias"], None)
 
     def opts(reduction, accumulator):
-        return (*CEOptions(-100, reduction, 0.1, 3.0, 1e-3, accumulator), *ONE_DEVICE)
+        return (*CEOptions(reduction=reduction, label_smoothing=0.1, softcap=3.0,
+                           z_loss=1e-3, accumulator=accumulator), *ONE_DEVICE)
 
     for stats in (False, True):
         torch.library.opcheck(torch.ops.fce.linear_ce_fwd.default,

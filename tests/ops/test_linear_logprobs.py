@@ -227,7 +227,7 @@ def test_linear_logprobs_opcheck(entropy):
     torch.library.opcheck(torch.ops.fce.linear_logprobs.default, args,
                           dict(softcap=5.0, entropy=entropy))
     flat = (x["hidden"].detach(), x["weight"].detach(), x["target"], x["bias"],
-            torch.rand(6) + 0.5, *LogProbOptions(5.0, -100, entropy), *ONE_DEVICE)
+            torch.rand(6) + 0.5, *LogProbOptions(softcap=5.0, entropy=entropy), *ONE_DEVICE)
     torch.library.opcheck(torch.ops.fce.linear_logprobs_fwd.default, flat)
     row_stats = torch.ops.fce.linear_logprobs_fwd(*flat)[4]
     torch.library.opcheck(torch.ops.fce.linear_logprobs_bwd.default,
@@ -273,7 +273,7 @@ def test_triton_logprob_rows_match_their_pytorch_twin(softcap, entropy, dtype):
     T = torch.rand(9, device=DEVICE) + 0.5
     g_lp, g_h = torch.randn(9, device=DEVICE), torch.randn(9, device=DEVICE)
     args = (x["hidden"], x["weight"], x["target"], x["bias"], T,
-            *LogProbOptions(softcap, -100, entropy), *ONE_DEVICE)
+            *LogProbOptions(softcap=softcap, entropy=entropy), *ONE_DEVICE)
     outs = []
     for backend in (TORCH, TRITON):
         with chunks(4, x["hidden"], x["weight"]):
@@ -411,7 +411,7 @@ def test_logprobs_by_tokens_and_by_vocabulary(rows, N, by_vocab, weight_dtype):
     target = x["target"]
     T = torch.rand(N, device=DEVICE) + 0.5
     g_lp, g_h = torch.randn(N, device=DEVICE), torch.randn(N, device=DEVICE)
-    args = (x["hidden"], w, target, b, T, *LogProbOptions(4.0, -100, True), *ONE_DEVICE)
+    args = (x["hidden"], w, target, b, T, *LogProbOptions(softcap=4.0, entropy=True), *ONE_DEVICE)
     # three tiles or chunks (by vocabulary: 37 // 3 classes each)
     with chunks(N // 3, x["hidden"], w):
         logprob, ent, lse, argmax, row_stats = linear_logprobs.fwd(*args,

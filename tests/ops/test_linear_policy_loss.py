@@ -212,7 +212,8 @@ def test_triton_policy_rows_match_their_pytorch_twin():
         9, 5, 37, bias=True, ignore_frac=0.3, weight_scale=2.0).items()}
     g = torch.Generator().manual_seed(2)
     A, old = (torch.randn(9, generator=g).to(DEVICE) for _ in range(2))
-    opts = PolicyOptions("clip", 0.2, 0.28, None, 1.0, 1.05, 0.04, "k3", True, 0.01, 4.0)
+    opts = PolicyOptions(loss_type="clip", epsilon_low=0.2, epsilon_high=0.28, beta=0.04,
+                         kl="k3", kl_ratio=True, entropy_coef=0.01, softcap=4.0)
     args = (x["hidden"], x["weight"], x["target"], A, x["bias"], old - 3.0, old - 3.1, None,
             torch.rand(9, generator=g).to(DEVICE) + 0.5, *opts, *ONE_DEVICE,
             [True, True, True])

@@ -1,14 +1,15 @@
 """An op's options, declared once: a NamedTuple whose fields are the schema's arguments.
 
-Each op's room (linear_ce, linear_logprobs, linear_policy_loss, linear_distillation,
-linear_soft_ce) declares its options as one record, and the ops with several optional
-per-token tensors those as another (`tensor_args` writes their schema text). The record gives the schema its argument list (`schema_args`:
-names, types and defaults from the fields), travels as one value through the chunk
-loop, the row functions and vocab-parallel, and checks itself (`check()`, the one
-owner of the options' validation: eager calls, fake kernels and the lowering pass all
-call it). A call of an internal op passes the record spread (`*opts`); its kernel,
-fake kernel and autograd read it back with `take`. Nothing lists the options by
-position but the record's field order.
+Each op's room (ops/<op>/__init__.py: linear_ce, linear_logprobs, linear_policy_loss,
+linear_distillation, linear_soft_ce, linear_sparse_divergence, linear_topk_logprobs)
+declares its options as one record, and the ops with several optional per-token tensors
+those as another (`tensor_args` writes their schema text). The record gives the schema
+its argument list (`schema_args`: names, types and defaults from the fields), travels
+as one value through the chunk loop, the row functions and vocab-parallel, and checks
+itself (`check()`, the one owner of the options' validation: eager calls, fake kernels
+and the lowering pass all call it). A call of an internal op passes the record spread
+(`*opts`); its kernel, fake kernel and autograd read it back with `take`. Nothing lists
+the options by position but the record's field order.
 """
 
 import collections
