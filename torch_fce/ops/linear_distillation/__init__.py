@@ -184,16 +184,14 @@ def _fwd_fake(hidden, weight, teacher_hidden, teacher_weight, target, bias, teac
 # ---- autograd: the forward's gradients scaled by the upstream gradient -------------
 
 def _counted(args):
-    """The tokens counted, from linear_distillation_loss_fwd's arguments."""
-    target, hidden = args[4], args[0]
+    """The tokens counted, from linear_distillation_loss_fwd's arguments (by name)."""
+    target, hidden = args["target"], args["hidden"]
     if target is None:
         return torch.ones(hidden.shape[0], dtype=torch.bool, device=hidden.device)
-    return target != take(DistillOptions, args[9:])[0].ignore_index
+    return target != args["ignore_index"]
 
 
-# hidden, weight and bias among linear_distillation_loss_fwd's arguments; token_weights
-grads.register_forward_grads_autograd("linear_distillation_loss_fwd", (0, 1, 5),
-                                      weights=(7, _counted))
+grads.register_forward_grads_autograd("linear_distillation_loss_fwd", _counted)
 
 
 # ---- the implementation, on the chunk loop -----------------------------------------

@@ -249,14 +249,12 @@ def _fwd_fake(hidden, weight, target, advantages, bias, *args):
 
 # ---- autograd: the forward's gradients scaled by the upstream gradient -------------
 
-# hidden, weight and bias among linear_policy_loss_fwd's arguments
 def _counted(args):
-    """The tokens counted, from linear_policy_loss_fwd's arguments."""
-    return args[2] != take(PolicyOptions, args[9:])[0].ignore_index
+    """The tokens counted, from linear_policy_loss_fwd's arguments (by name)."""
+    return args["target"] != args["ignore_index"]
 
 
-grads.register_forward_grads_autograd("linear_policy_loss_fwd", (0, 1, 4),
-                                      weights=(7, _counted))
+grads.register_forward_grads_autograd("linear_policy_loss_fwd", _counted)
 
 
 # ---- the implementation, on the chunk loop -----------------------------------------

@@ -111,13 +111,11 @@ def _fwd_fake(hidden, weight, idx, probs, bias, token_weights_, temperature, *ar
 # ---- autograd: the forward's gradients scaled by the upstream gradient -------------
 
 def _counted(args):
-    """The tokens counted, from linear_soft_cross_entropy_fwd's arguments."""
-    return (args[2] != take(SoftCEOptions, args[7:])[0].ignore_index).any(-1)
+    """The tokens counted, from linear_soft_cross_entropy_fwd's arguments (by name)."""
+    return (args["target_indices"] != args["ignore_index"]).any(-1)
 
 
-# hidden, weight and bias among linear_soft_cross_entropy_fwd's arguments; token_weights
-grads.register_forward_grads_autograd("linear_soft_cross_entropy_fwd", (0, 1, 4),
-                                      weights=(5, _counted))
+grads.register_forward_grads_autograd("linear_soft_cross_entropy_fwd", _counted)
 
 
 # ---- the implementation, on the chunk loop -----------------------------------------

@@ -136,14 +136,12 @@ def _fwd_fake(hidden, weight, support, teacher, *args):
 # ---- autograd: the forward's gradients scaled by the upstream gradient -------------
 
 def _counted(args):
-    """The tokens counted, from linear_sparse_divergence_fwd's arguments."""
-    ignore_index = take(SparseDivOptions, args[7:])[0].ignore_index
-    return sparse_entries(args[2], args[3], ignore_index).any(-1)
+    """The tokens counted, from linear_sparse_divergence_fwd's arguments (by name)."""
+    return sparse_entries(args["support"], args["teacher_logprobs"],
+                          args["ignore_index"]).any(-1)
 
 
-# hidden, weight and bias among linear_sparse_divergence_fwd's arguments; token_weights
-grads.register_forward_grads_autograd("linear_sparse_divergence_fwd", (0, 1, 4),
-                                      weights=(5, _counted))
+grads.register_forward_grads_autograd("linear_sparse_divergence_fwd", _counted)
 
 
 # ---- the implementation, on the chunk loop -----------------------------------------

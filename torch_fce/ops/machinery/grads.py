@@ -138,27 +138,30 @@ def define_forward_grads_ops(name, args, tensors, options, stats, shard=True):
 _SAVED = object()  # an argument's place in the saved tensors
 
 
-def register_forward_grads_autograd(name, at, weights=None):
+def register_forward_grads_autograd(name, counted=None):
     """The autograd formula of an op whose outputs are (loss, grad_hidden, grad_weight,
     grad_bias, *statistics): a scalar loss sum_t w_t * term_t whose forward formed the
     gradients for a unit upstream gradient (policy loss, distillation, soft CE, sparse
-    divergence); at: the positions of hidden, weight and bias among its arguments. The
-    backward scales those gradients by the upstream gradient, rounded once.
+    divergence); its arguments hidden, weight and bias are found by name in its schema.
+    The backward scales those gradients by the upstream gradient, rounded once.
 
     float16 inputs are the exception (the entries ask the forward for no gradient,
     entry.forward_needs_grad): a logits gradient formed for a unit upstream gradient
     would underflow float16 before a GradScaler's scale reached it. Their backward runs
     the op again with the token weights times the upstream gradient (the loss is linear
     in them), so the scale reaches the logits gradient before its rounding, as it
-    reaches torch's. weights = (position of token_weights among the arguments,
-    counted(arguments) -> the (N,) tokens counted, whose weights default to 1 / their
-    number: tokens.token_weights, as the op's kernel forms them)."""
+    reaches torch's. counted({argument name: value}) -> the (N,) tokens counted, whose
+    token_weights default to 1 / their number (tokens.token_weights, as the op's kernel
+    forms them)."""
+    names = [a.name for a in getattr(torch.ops.fce, name).default._schema.arguments]
+    at = [names.index(n) for n in ("hidden", "weight", "bias")]
+
     def setup(ctx, inputs, output):
         hidden, weight, bias = (inputs[i] for i in at)
         ctx.mark_non_differentiable(*output[1:])
         ctx.set_materialize_grads(False)
         ctx.dtypes = dtypes(hidden, weight, bias)
-        ctx.again = hidden.dtype == torch.float16 and weights is not None
+        ctx.again = hidden.dtype == torch.float16 and counted is not None
         if ctx.again:  # every argument, to run the op again
             ctx.args = [_SAVED if isinstance(a, torch.Tensor) else a for a in inputs]
             ctx.save_for_backward(*(a for a in inputs if isinstance(a, torch.Tensor)))
@@ -175,9 +178,10 @@ def register_forward_grads_autograd(name, at, weights=None):
             saved = iter(ctx.saved_tensors)
             args = [next(saved) if a is _SAVED else a for a in ctx.args]
             inputs = [args[i] for i in at]
-            position, counted = weights
+            position = names.index("token_weights")
             with torch.no_grad():
-                w = token_weights(args[position], counted(args), math_dtype_for(ctx.dtypes[0]))
+                w = token_weights(args[position], counted(dict(zip(names, args))),
+                                  math_dtype_for(ctx.dtypes[0]))
                 args[position] = w * grad_loss
                 args[-1] = wanted  # needs_grad, the last argument
                 got = getattr(torch.ops.fce, name)(*args)[1:4]
