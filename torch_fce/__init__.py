@@ -35,9 +35,9 @@ names one of those files.
 """
 
 from . import ops  # noqa: F401  (registers the ops)
-from .functional import (linear_cross_entropy, linear_distillation_loss, linear_logprobs,
-                         linear_policy_loss, linear_soft_cross_entropy,
-                         linear_sparse_divergence, linear_topk_logprobs)
+from .distillation import (linear_distillation_loss, linear_soft_cross_entropy,
+                           linear_sparse_divergence, linear_topk_logprobs)
+from .functional import linear_cross_entropy, linear_logprobs, linear_policy_loss
 from .modules import LinearCrossEntropyLoss
 from .ops.loop.workspace import set_workspace, workspace
 from .results import (DistillationStats, LogProbs, LossStats, PolicyStats,

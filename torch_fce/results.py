@@ -1,5 +1,5 @@
 """The result types of torch_fce's functions, below everything that returns them
-(functional.py, distributed/), so that no module imports its caller for a type."""
+(functional.py, distillation.py, distributed/), so that no module imports its caller for a type."""
 
 from typing import NamedTuple, Optional
 

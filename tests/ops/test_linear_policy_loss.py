@@ -1,8 +1,8 @@
 """linear_policy_loss against a float64 reference built from the logits with TRL's
 formulas and autograd: every loss_type, with and without old/ref log-probs, each KL
 estimator, entropy_coef, token_weights, per-token and per-sequence advantages and
-temperatures, the KL times the ratio, softcap, bias, ignored tokens; gradcheck; opcheck; compile; the Triton rows
-under the interpreter; bad input."""
+temperatures, the KL times the ratio, softcap, bias, ignored tokens; gradcheck;
+opcheck; compile; the Triton rows under the interpreter; bad input."""
 
 import pytest
 import torch

@@ -243,7 +243,7 @@ class _CountOps(TorchDispatchMode):
 @pytest.mark.parametrize("tail", [True, False])
 def test_triton_rows_run_no_more_per_chunk_pytorch_ops_than_the_cross_entropy(tail):
     # per-chunk PyTorch work around the row kernel left an H200 waiting on the host
-    # (rowmath/triton/distill.py): what a chunk adds beyond the cross entropy's own
+    # (linear_sparse_divergence/kernels.py): what a chunk adds beyond the cross entropy's own
     # (its GEMMs and the loop's) must be nothing; per-token work is formed once a call
     from torch_fce.ops import linear_ce
 

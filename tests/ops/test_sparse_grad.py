@@ -75,7 +75,8 @@ def test_identical_calls_give_identical_bits(impl):
     cols, vals = _entries(N, K, V, 4, torch.float32)
     h, w = torch.randn(N, D).to(DEVICE), torch.randn(V, D).to(DEVICE)
     runs = [products(SparseGrad(cols, vals), h, w, [True, True, True],
-                     torch.empty(N, D, device=DEVICE), torch.float32, triton=impl == "triton") for _ in range(2)]
+                     torch.empty(N, D, device=DEVICE), torch.float32,
+                     triton=impl == "triton") for _ in range(2)]
     for a, b in zip(*runs):
         assert torch.equal(a, b)
 

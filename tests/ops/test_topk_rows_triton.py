@@ -1,5 +1,5 @@
-"""The Triton top-k rows (rowmath/triton/topk.py) against the PyTorch ones
-(rowmath/topk.py): the same classes bit for bit (the tie rule), log-probs within a few
+"""The Triton top-k rows (linear_topk_logprobs/kernels.py) against the PyTorch ones
+(rows.py): the same classes bit for bit (the tie rule), log-probs within a few
 float32 ulps; random rows, low-precision ties, confident rows at large magnitude,
 temperature, scale and softcap, padding rows, -0.0, -inf and NaN entries, strided rows,
 several blocks, and the bisection forced with small scratch sizes (the interpreter off
@@ -186,7 +186,7 @@ def test_ties_across_lanes():
 
 def test_many_segments_and_gather_steps():
     # more segments than a listing step reads and more hit segments than a gather step
-    # takes (rowmath/triton/topk.py: _SEGMENT, _STEP), the last segment partial. Row 1:
+    # takes (linear_topk_logprobs/kernels.py: _SEGMENT, _STEP), the last segment partial. Row 1:
     # k of its candidates early, the largest class in the last segment (a listing that
     # stops early still counts k and answers wrong, not through the exact fallback)
     z = randn(2, 40001, seed=13)

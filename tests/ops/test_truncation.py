@@ -186,12 +186,13 @@ def _assert_outputs_match(got, want):
 
 
 @pytest.mark.parametrize("slots", [None, 8])
-@pytest.mark.parametrize("truncation", [dict(top_p=0.9), dict(top_p=0.5), dict(top_p=0.5, min_p=0.02),
+@pytest.mark.parametrize("truncation", [dict(top_p=0.9), dict(top_p=0.5),
+                                        dict(top_p=0.5, min_p=0.02),
                                         dict(top_p=0.999), dict(top_p=0.01),
                                         dict(min_p=0.1), dict(top_p=0.7, top_k=5000)])
 def test_triton_threshold_rows_match_the_sorted_rows(monkeypatch, truncation, slots):
-    # top_p / min_p without a top-k on the Triton rows' sweeps (rowmath/triton/
-    # truncation.py: bisection on the mass, the bracket's sort, the ties) against the
+    # top_p / min_p without a top-k on the Triton rows' sweeps (linear_logprobs/
+    # truncation_kernels.py: bisection on the mass, the bracket's sort, the ties) against the
     # PyTorch rows' sort of the whole row; 8 slots take every row through the bisection
     from torch_fce.ops.linear_logprobs import truncation as rows
     from torch_fce.ops.linear_logprobs import truncation_kernels as sweeps
@@ -226,7 +227,7 @@ def test_triton_threshold_rows_match_the_sorted_rows(monkeypatch, truncation, sl
                                         dict(top_k=300), dict(top_k=1000, top_p=0.7),
                                         dict(top_k=2999, min_p=0.05, top_p=0.9)])
 def test_value_search_matches_the_sorted_rows(truncation):
-    # a vocabulary shard's search of values (rowmath/truncation.sharded_kept_stats: the
+    # a vocabulary shard's search of values (truncation.sharded_kept_stats: the
     # quartered bracket of images, ties counted out by class) on the whole row as one
     # rank against the sort of the whole row; the multi-rank merge: the gloo tests
     from torch_fce.ops.loop.chunked import VocabShard

@@ -1,7 +1,7 @@
 """Can the row kernel's second read of each logit come from L2 instead of HBM?
 
-torch_fce's row kernel (ops/rowmath/triton/ce.py) reads a chunk's logits twice and writes them
-once, one program per row. If the second read hit L2 the kernel would move 2 instead of
+torch_fce's row kernel (ops/linear_ce/kernels.py) reads a chunk's logits twice and writes
+them once, one program per row. If the second read hit L2 the kernel would move 2 instead of
 3 bytes per byte of logits. This probe times the row kernel's core (online logsumexp,
 then the gradient sweep) in variants meant to keep rows L2-resident: persistent programs
 (1-2 per SM) with large blocks, and "evict_last"/"evict_first" hints, against the

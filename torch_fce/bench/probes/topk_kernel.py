@@ -1,4 +1,4 @@
-"""Where the top-k row kernels' time goes (rowmath/triton/topk.py), and what their
+"""Where the top-k row kernels' time goes (ops/linear_topk_logprobs/kernels.py), and what their
 launch buys.
 
 On one logits chunk (4096 x 151936 from a bf16 GEMM, D 1536, temperature 0.7), bf16

@@ -4,7 +4,7 @@ Two processes, one GPU each (NCCL), each holding V / 2 rows of a bf16 head and t
 batch (temperature 0.7): the vocab-parallel log-probs' forward untruncated, with
 `top_k=50, top_p=0.95` (the shards' top-k candidates merged), and with `top_p=0.95`,
 `min_p=0.05` or `top_k=1000` (no candidates: each rank's sort and the search of values,
-rowmath/truncation.sharded_kept_stats), median of 5 after a warm-up. Rank 0 also runs
+linear_logprobs/truncation.sharded_kept_stats), median of 5 after a warm-up. Rank 0 also runs
 the one-GPU op on the whole head (its Triton rows: candidates or threshold sweeps) and
 counts the tokens whose target is kept by one and not the other (the masses are summed
 in another order, so a boundary within rounding may fall either side) and the largest

@@ -7,7 +7,7 @@ import warnings
 import torch
 
 from ...extension import autocast_operands
-from ...functional import linear_distillation_loss
+from ...distillation import linear_distillation_loss
 from .common import _forward_grads_refusal
 
 

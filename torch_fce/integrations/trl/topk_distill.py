@@ -8,7 +8,7 @@ import warnings
 
 import torch
 
-from ...functional import linear_sparse_divergence
+from ...distillation import linear_sparse_divergence
 from .common import _forward_grads_refusal, _head_inputs, _multimodal
 
 _SERVER_METHODS = ("compute_loss", "_compute_prompt_length", "_reduce_divergence_loss",

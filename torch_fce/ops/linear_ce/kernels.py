@@ -5,9 +5,9 @@ logsumexp online (and the sums label smoothing needs), the second writes the log
 gradient over the logits in place, so a chunk is read twice and written once, in its
 own dtype, with no float32 copy (float32 logits of low-precision inputs: dz goes to a
 buffer of the inputs' dtype instead, the gradient GEMMs' operand). The math is that of
-rows.py (its CERows). The vocab-parallel loss runs the two sweeps as separate kernels on a shard of the
-vocabulary (the twins of rows.torch_shard_stats / torch_shard_grad), its all-reduce of
-the per-row statistics in between.
+rows.py (its CERows). The vocab-parallel loss runs the two sweeps as separate kernels
+on a shard of the vocabulary (the twins of rows.torch_shard_stats / torch_shard_grad),
+its all-reduce of the per-row statistics in between.
 """
 
 import torch
@@ -24,8 +24,8 @@ def _lse_sweep(row_ptr, class_weight_ptr, V, softcap, HAS_SOFTCAP: tl.constexpr,
                HAS_CLASS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
                BLOCK_V: tl.constexpr, WANT_STATS: tl.constexpr):
     """Sweep 1: (m, log s, sum_c w_c z_c, argmax, entropy) of one row, m its max and s =
-    sum_c exp(z_c - m) formed online (lse = m + log s); the token statistics argmax (the first most likely class) and entropy are 0
-    unless WANT_STATS. The entropy's ez = sum_c exp(z_c - m) (z_c - m) is kept online
+    sum_c exp(z_c - m) formed online (lse = m + log s); the token statistics argmax (the
+    first most likely class) and entropy are 0 unless WANT_STATS. The entropy's ez = sum_c exp(z_c - m) (z_c - m) is kept online
     relative to the running max (rebased at each new one, as the log-prob kernel's), so
     a confident row's entropy does not cancel against lse."""
     cols = tl.arange(0, BLOCK_V)

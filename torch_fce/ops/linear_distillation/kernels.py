@@ -1,5 +1,4 @@
-"""Triton row kernels for the distillation family: the twins of
-distill.divergence_rows and sparse_rows.
+"""Triton row kernel of the dense distillation loss, the twin of rows.divergence_rows.
 
 One program per token row, sweeping both heads' logits rows (float32 by default, as
 the GEMMs summed them): sweep 1 forms both logsumexps at temperature (and the
@@ -8,16 +7,6 @@ each class's log q and log p exactly, summing the divergence, the entropy and (b
 0) G = sum q g; the gradient is written in sweep 2 for beta = 0 (q - p needs no row
 sum) and in a third sweep otherwise (q (g - G) needs G). So a chunk's two logits are
 read two or three times and the gradient written once, in the inputs' dtype.
-
-The losses over a few classes of each row sweep a row twice: the first sweep forms its
-logsumexp at T (the sparse divergence: and the entropy); the loss terms and their
-derivative g on the support follow from the gathered support logits; the second sweep
-writes dz's softmax part, -sum(g) q / T; the support classes' exact values (that plus
-their g / T) are then written over theirs, each rounded once. The sparse-target cross
-entropy runs them as two kernels with its terms in PyTorch between (triton_sparse_rows);
-the sparse divergence in one kernel with its terms written out (its per-chunk PyTorch
-math on (n, K) tensors left an H200 waiting on the host: 46-65 ms a step at 16384 x 1024
-x 151936 against 31-32 ms with 4x larger chunks).
 """
 
 import math
@@ -184,7 +173,7 @@ def _distill_rows_kernel(
 
 def triton_divergence_rows(z_s, z_t, target, valid, inv_t, weights, opts, mdt, dz_dtype,
                            want_grad):
-    """distill.divergence_rows on the Triton kernel (valid is read from target)."""
+    """rows.divergence_rows on the Triton kernel (valid is read from target)."""
     n, V = z_s.shape
     assert mdt == torch.float32 and z_s.stride(1) == 1 and z_t.stride(1) == 1
     loss_t, div, ent = (z_s.new_empty(n, dtype=torch.float32) for _ in range(3))

@@ -237,7 +237,8 @@ def fwd(hidden, weight, target, bias, temperature, *args, backend):
                                per_logit=truncation.per_logit(truncated, ldt, hidden.dtype,
                                                               opts, V))
         run_chunks(hidden, weight, bias, row_fn, () if vocab else (parts or out),
-                   (False,) * 3, "fp32", chunk, by_vocab=vocab, logits_dtype=ldt, triton=backend.triton)
+                   (False,) * 3, "fp32", chunk, by_vocab=vocab, logits_dtype=ldt,
+                   triton=backend.triton)
     if merged:
         stats = total() if vocab else parts
         out = finish_stats(all_reduce_tile_stats(stats, shard) if shard.group else stats,
@@ -281,7 +282,8 @@ def bwd(grad_logprob, grad_entropy, row_stats, hidden, weight, target, bias, tem
                                                           V))
     with no_autocast(hidden):
         gradients = run_chunks(hidden, weight, bias, row_fn, (), needs, opts.accumulator,
-                               chunk, by_vocab=vocab, shard=shard, logits_dtype=ldt, triton=backend.triton)
+                               chunk, by_vocab=vocab, shard=shard, logits_dtype=ldt,
+                               triton=backend.triton)
     return grad_outputs(hidden, weight, bias, gradients, keep_f32=False)
 
 

@@ -163,6 +163,7 @@ def fwd(hidden, weight, idx, probs, bias, token_weights_, temperature, *args, ba
         chunk = chunk_rows_for(hidden, weight, shard,
                                per_logit=sparse.per_logit(ldt, hidden.dtype))
         gradients = run_chunks(hidden, weight, bias, row_fn, [loss_t], needs,
-                               opts.accumulator, chunk, shard=shard, logits_dtype=ldt, triton=backend.triton)
+                               opts.accumulator, chunk, shard=shard, logits_dtype=ldt,
+                               triton=backend.triton)
     return (loss_t.sum(), *grad_outputs(hidden, weight, bias, gradients,
                                         opts.accumulator == "fp32", shard.group is not None))

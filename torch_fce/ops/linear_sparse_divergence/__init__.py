@@ -195,7 +195,8 @@ def fwd(hidden, weight, support, teacher, bias, token_weights_, temperature, *ar
                                chunk_rows_for(hidden, weight, shard,
                                               per_logit=rows.per_logit(ldt, hidden.dtype),
                                               scale=_WORKSPACE_SCALE),
-                               shard=shard, logits_dtype=ldt, sparse=not opts.tail, triton=backend.triton)
+                               shard=shard, logits_dtype=ldt, sparse=not opts.tail,
+                               triton=backend.triton)
     return (out.loss.sum(), *grad_outputs(hidden, weight, bias, gradients,
                                           opts.accumulator == "fp32", shard.group is not None),
             out.divergence, out.student_mass, out.entropy)
