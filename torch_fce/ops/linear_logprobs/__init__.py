@@ -186,6 +186,16 @@ def logprob_rows(backend):
     return TORCH_LOGPROB_ROWS
 
 
+def truncation_rows(backend, opts, shard, vocab_size):
+    """The sampler's truncation rows on the backend (truncation.rows_for picks among
+    them and the PyTorch ones; the policy loss's too)."""
+    if backend.triton:
+        from .kernels import TRITON_TRUNCATION_ROWS as rows
+    else:
+        rows = truncation.TORCH_TRUNCATION_ROWS
+    return truncation.rows_for(rows, opts, shard, vocab_size)
+
+
 @kernel("linear_logprobs_fwd")
 def fwd(hidden, weight, target, bias, temperature, *args, backend):
     """(logprob, entropy, lse, argmax) each (N,), and row_stats (N, 3 or
@@ -198,7 +208,7 @@ def fwd(hidden, weight, target, bias, temperature, *args, backend):
     opts, rest = take(LogProbOptions, args)
     shard = take(VocabShard, rest)[0]
     V = shard.vocab(weight)
-    truncated = truncation.rows_for(backend, opts, shard, V)
+    truncated = truncation_rows(backend, opts, shard, V)
     rows = logprob_rows(backend)
     if backend.check_values:
         checks.check_target_range(target, V, opts.ignore_index)
@@ -259,7 +269,7 @@ def bwd(grad_logprob, grad_entropy, row_stats, hidden, weight, target, bias, tem
     opts, rest = take(LogProbOptions, args)
     shard, (needs,) = take(VocabShard, rest)
     V = shard.vocab(weight)
-    truncated = truncation.rows_for(backend, opts, shard, V)
+    truncated = truncation_rows(backend, opts, shard, V)
     grad = logprob_rows(backend).grad if truncated is None else truncated.grad
     N, mdt = hidden.shape[0], math_dtype_for(hidden.dtype)
     inv_t = after_first_gemm(lambda: inverse_temperature(temperature, N, hidden.device, mdt))

@@ -143,16 +143,12 @@ def _by_thresholds(rows, opts, vocab_size):
         and no_top_k(opts, vocab_size)
 
 
-def rows_for(backend, opts, shard, vocab_size):
+def rows_for(rows, opts, shard, vocab_size):
     """The truncation rows for these options, None where they truncate nothing: the
-    backend's where they serve (one device, top-k candidates or their sweeps), else the
-    PyTorch ones (forward and backward pick alike)."""
+    backend's `rows` where they serve (one device, top-k candidates or their sweeps),
+    else the PyTorch ones (forward and backward pick alike)."""
     if not truncating(opts):
         return None
-    if backend.triton:
-        from .kernels import TRITON_TRUNCATION_ROWS as rows
-    else:
-        rows = TORCH_TRUNCATION_ROWS
     if shard.group is None and (not whole_row_sort(opts, vocab_size)
                                 or _by_thresholds(rows, opts, vocab_size)):
         return rows

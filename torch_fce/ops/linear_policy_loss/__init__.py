@@ -33,7 +33,7 @@ from ..loop.chunked import (ONE_DEVICE, VocabShard, after_first_gemm, chunk_rows
 from ..loop.tokens import token_weights
 from ..machinery import grads
 from ..machinery.dispatch import LIB, kernel
-from ..linear_logprobs import logprob_rows, truncation
+from ..linear_logprobs import logprob_rows, truncation, truncation_rows
 from ..linear_logprobs.rows import shard_stats
 
 
@@ -269,7 +269,7 @@ def fwd(hidden, weight, target, advantages, bias, old_logprobs, ref_logprobs,
     opts, rest = take(PolicyOptions, args)
     opts = opts.check()
     shard, (needs,) = take(VocabShard, rest)
-    truncated = truncation.rows_for(backend, opts, shard, shard.vocab(weight))
+    truncated = truncation_rows(backend, opts, shard, shard.vocab(weight))
     rows = logprob_rows(backend)
     if backend.check_values:
         checks.check_target_range(target, shard.vocab(weight), opts.ignore_index)
