@@ -196,6 +196,41 @@ def test_an_entry_outside_the_vocabulary_makes_its_tokens_loss_nan(rows, tail, b
 
 
 @pytest.mark.parametrize("rows", ["torch_rows", "triton_rows"])
+@pytest.mark.parametrize("tail", [False, True])
+@pytest.mark.parametrize("value", [math.nan, math.inf, 0.5])
+def test_impossible_teacher_log_probs_make_their_tokens_divergence_nan(rows, tail, value):
+    # without the value checks (CUDA's default) a teacher log-prob that is NaN, +inf or
+    # above 0 (at an entry not ignored) gives its token's divergence, the loss and its
+    # hidden gradient NaN, never a plausible number; the other tokens as without it. Its
+    # token counts (the lone entry of token 2 too), so the others' weights stay 1 / 4.
+    g = torch.Generator().manual_seed(5)
+    h = torch.randn(4, 6, generator=g).to(DEVICE)
+    w = torch.randn(17, 6, generator=g).to(DEVICE)
+    support = torch.randint(0, 17, (4, 3), generator=g).to(DEVICE)
+    support[2, 1:] = -100
+    lp = (torch.randn(4, 3, generator=g).log_softmax(-1) - 0.2).to(DEVICE)
+    rec = room.SparseDivOptions(tail=tail)
+    backend = helpers.BACKENDS[rows]._replace(check_values=False)
+
+    def run(lp, support=support):
+        return room.fwd(h, w, support, lp, None, None, torch.ones(4, device=DEVICE), *rec,
+                        *ONE_DEVICE, [True, True, False], backend=backend)
+
+    clean = run(lp)
+    for token, entry in [(1, 2), (2, 0)]:
+        bad = lp.clone()
+        bad[token, entry] = value
+        got = run(bad)
+        assert got[0].isnan() and got[4][token].isnan() and got[1][token].isnan().all()
+        keep = torch.tensor([t for t in range(4) if t != token], device=DEVICE)
+        assert torch.equal(got[4][keep], clean[4][keep])
+        assert torch.equal(got[1][keep], clean[1][keep])
+    ignored, bad = support.clone(), lp.clone()
+    ignored[1, 2], bad[1, 2] = -100, value  # at an ignored entry: not read
+    assert not run(bad, ignored)[0].isnan()
+
+
+@pytest.mark.parametrize("rows", ["torch_rows", "triton_rows"])
 @pytest.mark.parametrize("softcap, tail", [(None, True), (3.0, True), (3.0, False)])
 def test_a_token_not_counted_with_non_finite_logits_gives_zero_gradient(rows, softcap, tail):
     # its dz is exactly 0 from the sparse rows themselves (no pass of the callers'; no
@@ -474,6 +509,8 @@ def _small():
     (dict(logit_scale=0.0), ValueError, "logit_scale"),
     (dict(support=torch.zeros(3, 2)), TypeError, "support"),
     (dict(teacher_logprobs=torch.zeros(3, 3)), ValueError, "teacher_logprobs"),
+    (dict(teacher_logprobs=torch.full((3, 2), math.nan)), ValueError, "teacher_logprobs"),
+    (dict(teacher_logprobs=torch.full((3, 2), 0.5)), ValueError, "teacher_logprobs"),
     (dict(support=torch.zeros(3, dtype=torch.long)), ValueError, "support"),
     (dict(token_weights=torch.ones(4)), ValueError, "token_weights"),
     (dict(shift=1), TypeError, "shift"),

@@ -153,6 +153,15 @@ def bias_dtypes(hidden, weight):
     return tuple(dict.fromkeys((hidden.dtype, weight.dtype, torch.float32)))
 
 
+def check_log_probs(values, entries, name):
+    """Raises ValueError for values (log-probabilities called `name`) that are NaN, +inf
+    or above 0 where entries is True (syncs)."""
+    bad = entries & ~(values <= 0)
+    if bad.any():
+        raise ValueError(f"{name} must be log-probabilities (<= 0, not NaN) where the "
+                         f"support is not ignore_index; got {float(values[bad][0])}")
+
+
 def check_target_range(target, V, ignore_index, name="target"):
     """Raises IndexError for a target (class indices called `name`) outside [0, V) that
     is not ignore_index (syncs)."""

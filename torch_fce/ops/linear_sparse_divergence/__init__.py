@@ -22,6 +22,7 @@ logs it).
 """
 
 import collections
+import math
 from typing import NamedTuple, Optional
 
 import torch
@@ -37,7 +38,7 @@ from ..loop.tokens import token_weights
 from ..machinery import grads
 from ..machinery.dispatch import LIB, kernel
 from . import rows as torch_rows
-from .rows import sparse_entries, teacher_tail
+from .rows import counted_tokens, impossible_entries, sparse_entries, teacher_tail
 
 # the CUDA default workspace as a multiple of the loop's (loop/workspace.py says why)
 _WORKSPACE_SCALE = 0.75
@@ -137,8 +138,7 @@ def _fwd_fake(hidden, weight, support, teacher, *args):
 
 def _counted(args):
     """The tokens counted, from linear_sparse_divergence_fwd's arguments (by name)."""
-    return sparse_entries(args["support"], args["teacher_logprobs"],
-                          args["ignore_index"]).any(-1)
+    return counted_tokens(args["support"], args["teacher_logprobs"], args["ignore_index"])
 
 
 grads.register_forward_grads_autograd("linear_sparse_divergence_fwd", _counted)
@@ -171,20 +171,26 @@ def fwd(hidden, weight, support, teacher, bias, token_weights_, temperature, *ar
     if backend.check_values:
         checks.check_target_range(support, V, opts.ignore_index, "support")
         checks.check_temperature_values(temperature)
+        checks.check_log_probs(teacher, support != opts.ignore_index, "teacher_logprobs")
     N, mdt = hidden.shape[0], math_dtype_for(hidden.dtype)
     rows = _rows(backend)
     out = _Outputs(*(hidden.new_empty(N, dtype=mdt) for _ in _Outputs._fields))
 
     @after_first_gemm
-    def per_token():  # 1 / T, w_t (1 / the tokens counted by default), the teacher's tail
-        entries = sparse_entries(support, teacher, opts.ignore_index)
-        return (inverse_temperature(temperature, N, hidden.device, mdt),
-                token_weights(token_weights_, entries.any(-1), mdt),
-                teacher_tail(teacher, entries).to(mdt) if opts.tail else None)
+    def per_token():  # 1 / T, w_t (1 / the tokens counted by default), the teacher's
+        # log-probs and tail; a token with impossible ones (rows.impossible_entries): the
+        # stand-in -1 for them, its weight and divergence NaN
+        impossible = impossible_entries(support, teacher, opts.ignore_index)
+        lp = teacher.masked_fill(impossible, -1.0)
+        entries = sparse_entries(support, lp, opts.ignore_index)
+        nan = impossible.any(-1)
+        w = token_weights(token_weights_, entries.any(-1), mdt).masked_fill(nan, math.nan)
+        return (inverse_temperature(temperature, N, hidden.device, mdt), w, lp,
+                teacher_tail(lp, entries).to(mdt) if opts.tail else None, nan)
 
     def row_fn(logits, s, e):
-        inv_t, weights, tail = per_token()
-        stats, dz = rows.rows(logits, support[s:e], teacher[s:e],
+        inv_t, weights, lp, tail, _ = per_token()
+        stats, dz = rows.rows(logits, support[s:e], lp[s:e],
                               None if tail is None else tail[s:e], inv_t[s:e], weights[s:e],
                               opts, mdt, hidden.dtype, any(needs), shard=shard)
         return _Outputs(*stats), dz
@@ -197,6 +203,7 @@ def fwd(hidden, weight, support, teacher, bias, token_weights_, temperature, *ar
                                               scale=_WORKSPACE_SCALE),
                                shard=shard, logits_dtype=ldt, sparse=not opts.tail,
                                triton=backend.triton)
+    divergence = out.divergence.masked_fill(per_token()[4], math.nan)
     return (out.loss.sum(), *grad_outputs(hidden, weight, bias, gradients,
                                           opts.accumulator == "fp32", shard.group is not None),
-            out.divergence, out.student_mass, out.entropy)
+            divergence, out.student_mass, out.entropy)

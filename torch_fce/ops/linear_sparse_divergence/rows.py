@@ -23,6 +23,20 @@ def sparse_entries(support, teacher, ignore_index):
     return (support != ignore_index) & (teacher > -math.inf)
 
 
+def impossible_entries(support, teacher, ignore_index):
+    """(n, K) the entries not ignored whose teacher log-probs cannot be log-probabilities:
+    NaN, +inf or above 0. Their token's divergence is NaN, never a number (TRL's formula
+    gives NaN or a plausible value); the op cannot raise on values without a host sync,
+    so the room counts such a token, gives it a NaN weight and its rows a stand-in."""
+    return (support != ignore_index) & ~(teacher <= 0)
+
+
+def counted_tokens(support, teacher, ignore_index):
+    """(n,) the tokens counted: those with a valid entry or an impossible one."""
+    return (sparse_entries(support, teacher, ignore_index) |
+            impossible_entries(support, teacher, ignore_index)).any(-1)
+
+
 def _with_tail(lp, entries, log_sum=None):
     """TRL's _add_tail_bucket: (K+1) log-probs, the last log(1 - sum exp(lp)), the sum's
     log clamped below -1e-7 (so the bucket stays finite), and its support mask. log_sum
