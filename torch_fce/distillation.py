@@ -42,7 +42,7 @@ def linear_distillation_loss(hidden, weight, teacher_hidden, teacher_weight, tar
     student.
 
     Args:
-        hidden: (*, D) bfloat16 or float32 (float64 for gradcheck). weight: (V, D).
+        hidden: (*, D) bfloat16, float16 or float32 (float64 for gradcheck). weight: (V, D).
         teacher_hidden: (*, D_t) of hidden's leading shape; teacher_weight: (V, D_t),
             the same V. Neither receives a gradient.
         target: None or (*) labels (ignore_index to skip), needed by hard_weight > 0.
@@ -61,7 +61,7 @@ def linear_distillation_loss(hidden, weight, teacher_hidden, teacher_weight, tar
                           teacher_logit_scale=teacher_logit_scale, softcap=softcap,
                           teacher_softcap=teacher_softcap, ignore_index=ignore_index,
                           accumulator=accumulator, logits_dtype=logits_dtype)
-    _checked(opts, hidden=hidden, weight=weight, teacher_hidden=teacher_hidden,
+    opts = _checked(opts, hidden=hidden, weight=weight, teacher_hidden=teacher_hidden,
              teacher_weight=teacher_weight)
     target, tokens = _optional_target(hidden, weight, target, bias, ignore_index, shift)
     temperature = temperature_tensor(temperature, tokens)
@@ -90,7 +90,7 @@ def linear_soft_cross_entropy(hidden, weight, target_indices, target_probs, bias
     skipped; a token whose indices are all skipped is not counted.
 
     Args:
-        hidden: (*, D) bfloat16 or float32 (float64 for gradcheck). weight: (V, D).
+        hidden: (*, D) bfloat16, float16 or float32 (float64 for gradcheck). weight: (V, D).
         target_indices: (*, k) int64/int32 classes; target_probs: (*, k) their
             probabilities (any float dtype; not differentiated; they need not sum to 1).
         bias: optional (V,).
@@ -106,7 +106,7 @@ def linear_soft_cross_entropy(hidden, weight, target_indices, target_probs, bias
     """
     opts = SoftCEOptions(ignore_index=ignore_index, accumulator=accumulator,
                          logits_dtype=logits_dtype)
-    _checked(opts, hidden=hidden, weight=weight, target_indices=target_indices,
+    opts = _checked(opts, hidden=hidden, weight=weight, target_indices=target_indices,
              target_probs=target_probs)
     target_indices, target_probs, tokens = _sparse_targets(target_indices, target_probs,
                                                            ignore_index, 0.0, shift)
@@ -152,7 +152,7 @@ def linear_sparse_divergence(hidden, weight, support, teacher_logprobs, bias=Non
     opts = SparseDivOptions(beta=beta, tail=tail, logit_scale=logit_scale, softcap=softcap,
                             ignore_index=ignore_index, accumulator=accumulator,
                             logits_dtype=logits_dtype)
-    _checked(opts, hidden=hidden, weight=weight, support=support,
+    opts = _checked(opts, hidden=hidden, weight=weight, support=support,
              teacher_logprobs=teacher_logprobs)
     support, teacher_logprobs, tokens = _sparse_targets(support, teacher_logprobs,
                                                         ignore_index, -math.inf, shift)
@@ -223,7 +223,7 @@ def linear_topk_logprobs(hidden, weight, k, bias=None, *, target=None, temperatu
     """
     opts = TopKOptions(k=k, logit_scale=logit_scale, softcap=softcap,
                        ignore_index=ignore_index, logits_dtype=logits_dtype)
-    _checked(opts, hidden=hidden, weight=weight)
+    opts = _checked(opts, hidden=hidden, weight=weight)
     target, tokens = _optional_target(hidden, weight, target, bias, ignore_index, shift)
     temperature = temperature_tensor(temperature, tokens)
     if _is_dtensor(weight):  # sharded by vocabulary: the vocab-parallel top-k

@@ -9,6 +9,7 @@ import torch
 
 from .ops.contract.checks import check_head_inputs
 from .ops.contract.entry import advantages_tensor, int64_if_needed, temperature_tensor
+from .ops.contract.options import integral
 from .ops.linear_ce import CEOptions, stats_z_loss
 from .ops.linear_logprobs import LogProbOptions
 from .ops.linear_policy_loss import PolicyOptions, PolicyTensors
@@ -16,6 +17,7 @@ from .results import LogProbs, LossStats, PolicyStats
 
 # The records' defaults, the only place they are written (the signatures read them).
 _CE, _LP, _PL = CEOptions(), LogProbOptions(), PolicyOptions()
+_INT_OPTIONS = ("ignore_index", "top_k", "k")  # the records' int fields
 
 
 def shift_targets(target, ignore_index):
@@ -38,15 +40,19 @@ def _shifted(hidden, weight, target, bias, class_weight, ignore_index, shift):
 
 
 def _checked(opts, **tensors):
-    """Checks the options record (outside torch.compile: there the op's fake kernel
-    checks it, since an error raised here would reach the caller as Dynamo's "Observed
-    exception", without its message) and that each of `tensors` is a Tensor (named here,
-    before the schema's cast error would not name it)."""
+    """The options record, its integral numbers (numpy's too) as ints, checked (outside
+    torch.compile: there the op's fake kernel checks it, since an error raised here
+    would reach the caller as Dynamo's "Observed exception", without its message); and
+    checks that each of `tensors` is a Tensor (named here, before the schema's cast error
+    would not name it)."""
+    opts = opts._replace(**{f: integral(getattr(opts, f)) for f in _INT_OPTIONS
+                            if f in opts._fields})
     if not torch.compiler.is_compiling():
         opts.check()
     for name, t in tensors.items():
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a Tensor, got {type(t).__name__}")
+    return opts
 
 
 def _optional_target(hidden, weight, target, bias, ignore_index, shift):
@@ -102,7 +108,7 @@ def linear_cross_entropy(hidden, weight, target, bias=None, class_weight=None, *
                      label_smoothing=label_smoothing, softcap=softcap, z_loss=z_loss,
                      accumulator=accumulator, logits_dtype=logits_dtype, dft=dft,
                      head_bound=head_bound)
-    _checked(opts)
+    opts = _checked(opts)
     target = _shifted(hidden, weight, target, bias, class_weight, ignore_index, shift)
     if not isinstance(return_stats, bool):
         raise TypeError(f"return_stats must be a bool, got {type(return_stats).__name__}")
@@ -151,7 +157,7 @@ def linear_logprobs(hidden, weight, target, bias=None, *, temperature=1.0,
     opts = LogProbOptions(softcap=softcap, ignore_index=ignore_index, entropy=entropy,
                           accumulator=accumulator, logits_dtype=logits_dtype, top_k=top_k,
                           top_p=top_p, min_p=min_p)
-    _checked(opts)
+    opts = _checked(opts)
     temperature = temperature_tensor(temperature, target)
     target = _shifted(hidden, weight, target, bias, None, ignore_index, shift)
     if _is_dtensor(weight):  # sharded by vocabulary: the vocab-parallel log-probs
@@ -183,8 +189,8 @@ def linear_policy_loss(hidden, weight, target, advantages, bias=None, *, old_log
     logprob, without old_logprobs).
 
     Args:
-        hidden: (*, D) bfloat16 or float32. weight: (V, D). target: (*) sampled tokens,
-            ignore_index to skip. bias: optional (V,).
+        hidden: (*, D) bfloat16, float16 or float32. weight: (V, D). target: (*) sampled
+            tokens, ignore_index to skip. bias: optional (V,).
         advantages: (B,) or (B, 1) per sequence of a (B, T) target, or target's shape.
         old_logprobs, ref_logprobs, token_weights: None or target's shape (token_weights
             None: 1 / the number of tokens not ignored). beta > 0 needs ref_logprobs.
@@ -209,7 +215,7 @@ def linear_policy_loss(hidden, weight, target, advantages, bias=None, *, old_log
                          kl_ratio=kl_ratio, entropy_coef=entropy_coef, softcap=softcap,
                          ignore_index=ignore_index, accumulator=accumulator,
                          logits_dtype=logits_dtype, top_k=top_k, top_p=top_p, min_p=min_p)
-    _checked(opts)
+    opts = _checked(opts)
     temperature = temperature_tensor(temperature, target)
     target = _shifted(hidden, weight, target, bias, None, ignore_index, shift)
     advantages = advantages_tensor(advantages, target)

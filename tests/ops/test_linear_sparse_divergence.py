@@ -512,7 +512,11 @@ def _small():
     (dict(teacher_logprobs=torch.full((3, 2), math.nan)), ValueError, "teacher_logprobs"),
     (dict(teacher_logprobs=torch.full((3, 2), 0.5)), ValueError, "teacher_logprobs"),
     (dict(support=torch.zeros(3, dtype=torch.long)), ValueError, "support"),
-    (dict(token_weights=torch.ones(4)), ValueError, "token_weights"),
+    (dict(support=torch.zeros(2, 2, dtype=torch.long)), ValueError,
+     "support must have shape .* hidden's leading shape"),
+    (dict(token_weights=torch.ones(4)), ValueError,
+     "token_weights must have hidden's leading shape"),
+    (dict(temperature=torch.ones(2)), ValueError, "temperature .*hidden's leading shape"),
     (dict(shift=1), TypeError, "shift"),
     (dict(accumulator="fp64"), ValueError, "accumulator"),
 ])

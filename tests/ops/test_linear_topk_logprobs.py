@@ -163,10 +163,26 @@ def test_opcheck():
     ((torch.randn(3, 4), torch.randn(5, 4), 2), dict(shift=True), ValueError, "shift"),
     ((torch.randn(3, 4), torch.randn(5, 4), 2), dict(temperature=0.0), ValueError,
      "temperature"),
+    ((torch.randn(3, 4), torch.randn(5, 4), 2), dict(temperature=torch.ones(5)), ValueError,
+     "temperature .*hidden's leading shape"),
 ])
 def test_bad_input_is_named(args, options, error, named):
     with pytest.raises(error, match=named):
         torch_fce.linear_topk_logprobs(*args, **options)
+
+
+def test_integral_numbers_are_ints():
+    # numpy's integers (a config's, an array's) are ints to every public function
+    np = pytest.importorskip("numpy")
+    g = torch.Generator().manual_seed(8)
+    h, w = torch.randn(3, 4, generator=g), torch.randn(9, 4, generator=g)
+    t = torch.randint(0, 9, (3,), generator=g)
+    assert torch.equal(torch_fce.linear_topk_logprobs(h, w, np.int64(3)).indices,
+                       torch_fce.linear_topk_logprobs(h, w, 3).indices)
+    for fn in (lambda k: torch_fce.linear_logprobs(h, w, t, top_k=k).logprob,
+               lambda k: torch_fce.linear_policy_loss(h, w, t, torch.ones(3), top_k=k)[0],
+               lambda k: torch_fce.linear_cross_entropy(h, w, t, ignore_index=k - 103)):
+        assert torch.equal(fn(np.int32(3)), fn(3))
 
 
 @pytest.mark.cuda

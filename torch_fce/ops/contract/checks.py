@@ -48,30 +48,33 @@ def check_truncation(opts):
         raise ValueError(f"min_p must be None or a float in [0, 1]{got(opts.min_p)}")
 
 
-def check_temperature(temperature, target):
-    """A float tensor of target's shape on its device, not requiring grad. The kernels
-    check its values (check_temperature_values)."""
-    check_per_token("temperature", temperature, target)
+def check_temperature(temperature, target, like="target"):
+    """A float tensor of target's shape on its device, not requiring grad (like: as
+    check_per_token's). The kernels check its values (check_temperature_values)."""
+    check_per_token("temperature", temperature, target, like)
 
 
 def check_per_token(name, t, target, like="target"):
     """None, or a float tensor of target's shape on its device that does not require
     grad (a per-token input that is not differentiated); `like` names target in the
-    messages."""
-    whose = f"{like}'" if like.endswith("s") else f"{like}'s"
+    messages (None: target is the tokens' shape of an op without one, named as
+    hidden's leading shape)."""
+    shape = "hidden's leading shape" if like is None else \
+        f"{like}'" + ("" if like.endswith("s") else "s") + " shape"
     if t is None:
         return
     _check_tensor(name, t)
     if t.dtype not in FLOAT_DTYPES:
         raise TypeError(f"{name} must be a float tensor, got {t.dtype}")
     if t.dim() != target.dim():
-        raise ValueError(f"{name} must have {whose} shape {tuple(target.shape)}, "
+        raise ValueError(f"{name} must have {shape} {tuple(target.shape)}, "
                          f"got {tuple(t.shape)}")
     for a, b in zip(t.shape, target.shape):
-        _value(a == b, f"{name} must have {whose} shape {tuple(target.shape)}, "
+        _value(a == b, f"{name} must have {shape} {tuple(target.shape)}, "
                        f"got {tuple(t.shape)}")
     if t.device != target.device:
-        raise ValueError(f"{name} is on {t.device} but {like} is on {target.device}")
+        raise ValueError(f"{name} is on {t.device} but {like or 'hidden'} is on "
+                         f"{target.device}")
     if t.requires_grad and torch.is_grad_enabled():
         raise ValueError(f"{name} must not require grad: it is not differentiated; "
                          f"pass {name}.detach()")
@@ -82,6 +85,16 @@ def check_temperature_values(temperature):
     with the target check; otherwise such a token's outputs are NaN)."""
     if temperature is not None and not bool((temperature > 0).all()):
         raise ValueError("temperature must be > 0 (and not NaN) everywhere")
+
+
+def check_leading_shape(name, t, hidden, k):
+    """t (*, k) with * hidden's leading shape (a support of k classes a token)."""
+    msg = (f"{name} must have shape (*, {k}) with * hidden's leading shape "
+           f"{tuple(hidden.shape[:-1])}, got {tuple(t.shape)}")
+    if t.dim() < 1 or t.dim() != hidden.dim():
+        raise ValueError(msg)
+    for a, b in zip(t.shape[:-1], hidden.shape[:-1]):
+        _value(a == b, msg)
 
 
 def _check_tensor(name, t):

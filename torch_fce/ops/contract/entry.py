@@ -98,7 +98,8 @@ def temperature_tensor(temperature, target):
             return temperature.expand(target.shape)
         except RuntimeError:
             raise ValueError(f"temperature of shape {tuple(temperature.shape)} does not "
-                             f"broadcast to target's shape {tuple(target.shape)}") from None
+                             f"broadcast to the tokens' shape (hidden's leading shape) "
+                             f"{tuple(target.shape)}") from None
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
         raise TypeError(f"temperature must be a float or a tensor, got "
                         f"{type(temperature).__name__}")

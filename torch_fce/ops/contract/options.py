@@ -13,6 +13,7 @@ the options by position but the record's field order.
 """
 
 import collections
+import numbers
 from typing import Optional, get_type_hints
 
 import torch
@@ -99,6 +100,14 @@ def check_choice(name, x, choices):
 def check_bool(name, x):
     if not isinstance(x, bool):
         raise TypeError(f"{name} must be a bool, got {type(x).__name__}")
+
+
+def integral(x):
+    """x as an int where it is an integral number other than a bool (numpy's integers
+    too); anything else as is, for a record's check to refuse by name."""
+    if isinstance(x, numbers.Integral) and not isinstance(x, bool):
+        return int(x)
+    return x
 
 
 def check_int(name, x):

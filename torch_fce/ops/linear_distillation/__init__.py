@@ -134,8 +134,9 @@ def check_distill_inputs(hidden, weight, teacher_hidden, teacher_weight, target,
         value(teacher_bias.shape[0] == weight.shape[0],
               f"teacher_bias must have shape ({weight.shape[0]},), got "
               f"{tuple(teacher_bias.shape)}")
-    checks.check_per_token("token_weights", token_weights_, tokens)
-    checks.check_temperature(temperature, tokens)
+    like = None if target is None else "target"
+    checks.check_per_token("token_weights", token_weights_, tokens, like)
+    checks.check_temperature(temperature, tokens, like)
 
 
 def forward(hidden, weight, teacher_hidden, teacher_weight, tensors, opts, shard=ONE_DEVICE):

@@ -65,15 +65,13 @@ def check_soft_ce_inputs(hidden, weight, idx, probs, bias, token_weights_, tempe
     if idx.dtype not in checks.TARGET_DTYPES:
         raise TypeError(f"target_indices must be int64 or int32 class indices, got "
                         f"{idx.dtype}")
-    if idx.dim() < 1 or idx.dim() != hidden.dim():
-        raise ValueError(f"target_indices must have shape (*, k) with * hidden's leading "
-                         f"shape {tuple(hidden.shape[:-1])}, got {tuple(idx.shape)}")
+    checks.check_leading_shape("target_indices", idx, hidden, "k")
     tokens = idx[..., 0]  # a view of the tokens' shape for the shared checks
     checks.check_head_inputs(hidden, weight, tokens, bias, None)
     # not differentiated (a teacher's), of target_indices' shape
     checks.check_per_token("target_probs", probs, idx, like="target_indices")
-    checks.check_per_token("token_weights", token_weights_, tokens)
-    checks.check_temperature(temperature, tokens)
+    checks.check_per_token("token_weights", token_weights_, tokens, like=None)
+    checks.check_temperature(temperature, tokens, like=None)
 
 
 def forward(hidden, weight, idx, probs, tensors, opts, shard=ONE_DEVICE):

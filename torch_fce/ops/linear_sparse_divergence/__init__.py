@@ -87,15 +87,13 @@ def check_sparse_div_inputs(hidden, weight, support, teacher, tensors):
         raise TypeError(f"support must be a Tensor, got {type(support).__name__}")
     if support.dtype not in checks.TARGET_DTYPES:
         raise TypeError(f"support must be int64 or int32 class indices, got {support.dtype}")
-    if support.dim() < 1 or support.dim() != hidden.dim():
-        raise ValueError(f"support must have shape (*, K) with * hidden's leading shape "
-                         f"{tuple(hidden.shape[:-1])}, got {tuple(support.shape)}")
+    checks.check_leading_shape("support", support, hidden, "K")
     tokens = support[..., 0]  # a view of the tokens' shape for the shared checks
     checks.check_head_inputs(hidden, weight, tokens, tensors.bias, None)
     # a teacher's, not differentiated, of support's shape
     checks.check_per_token("teacher_logprobs", teacher, support, like="support")
-    checks.check_per_token("token_weights", tensors.token_weights, tokens)
-    checks.check_temperature(tensors.temperature, tokens)
+    checks.check_per_token("token_weights", tensors.token_weights, tokens, like=None)
+    checks.check_temperature(tensors.temperature, tokens, like=None)
 
 
 def forward(hidden, weight, support, teacher, tensors, opts, shard=ONE_DEVICE):

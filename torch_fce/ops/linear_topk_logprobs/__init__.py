@@ -70,7 +70,8 @@ def check_topk_inputs(hidden, weight, tensors, opts, shard=ONE_DEVICE):
     checks.check_head_inputs(hidden, weight, tokens, tensors.bias, None)
     V = shard.vocab(weight)
     value(opts.k <= V, f"k must be at most the vocabulary's {V} classes, got {opts.k}")
-    checks.check_temperature(tensors.temperature, tokens)
+    checks.check_temperature(tensors.temperature, tokens,
+                             like=None if tensors.target is None else "target")
 
 
 def forward(hidden, weight, tensors, opts, shard=ONE_DEVICE):
