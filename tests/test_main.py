@@ -41,7 +41,8 @@ def test_main_job_refuses_sizes_it_cannot_measure():
                         (["--tiny", "--batch", "0"], "--batch"), (["--seq", "1"], "--seq"),
                         (["--tiny", "--dim", "6"], "--dim"), (["--lr", "-1"], "--lr"),
                         (["--lr", "nan"], "--lr"), (["--device", "meta"], "--device"),
-                        (["--out", "/proc/nope/x"], "--out")):
+                        (["--out", "/proc/nope/x"], "--out"),
+                        (["--vocab", "99999999999"], "--vocab")):
         out = subprocess.run([sys.executable, "-m", "torch_fce", *flags], capture_output=True,
                              text=True, timeout=120)
         assert out.returncode == 2 and flag in out.stderr, (flags, out.stderr)

@@ -110,11 +110,29 @@ def _check_sizes(parser, args):
                      f"{args.lr}")
     if torch.device(args.device).type not in ("cpu", "cuda"):
         parser.error(f"--device must be cpu or cuda (a CUDA index allowed), got {args.device}")
+    need, have = _bytes_needed(args), _device_bytes(args.device)
+    if need > have:
+        parser.error(f"--vocab {args.vocab} with --dim {args.dim}, --batch {args.batch} and "
+                     f"--seq {args.seq} needs about {need / 2**30:.1f} GiB (the unfused run's "
+                     f"float32 logits, their gradient and the head with AdamW's state), more "
+                     f"than the {have / 2**30:.1f} GiB of {args.device}")
     try:  # written at the end: found unwritable now, not after the training
         os.makedirs(args.out, exist_ok=True)
         tempfile.TemporaryFile(dir=args.out).close()
     except OSError as e:
         parser.error(f"--out {args.out}: cannot write there ({e.strerror or e})")
+
+
+def _bytes_needed(args):
+    """A lower bound of the unfused run's bytes: the (N, V) float32 logits and their
+    gradient, the embedding and the head with their gradients and AdamW's two states."""
+    return 4 * (2 * args.batch * args.seq * args.vocab + 2 * 4 * args.vocab * args.dim)
+
+
+def _device_bytes(device):
+    if torch.device(device).type == "cuda":
+        return torch.cuda.get_device_properties(torch.device(device)).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def _bar(name):
@@ -207,7 +225,9 @@ def main(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    help="cuda or cpu (default: cuda when available)")
-    p.add_argument("--steps", type=int, default=30, help="training steps per run (default: 30)")
+    p.add_argument("--steps", type=int, default=30,
+                   help="training steps per run, at least 3: the first two compile "
+                        "(default: 30)")
     p.add_argument("--tiny", action="store_true", help="a small model, for a quick check")
     p.add_argument("--vocab", type=int, default=None, help="vocabulary (default: 32000; --tiny 8192)")
     p.add_argument("--dim", type=int, default=None, help="model width (default: 128; --tiny 32)")
