@@ -21,7 +21,8 @@ from ..loop.chunked import (ONE_DEVICE, VocabShard, after_first_gemm, by_vocab,
 from ..machinery import grads
 from ..machinery.dispatch import LIB, kernel
 from . import truncation
-from .rows import TORCH_LOGPROB_ROWS, all_reduce_tile_stats, empty_tile_stats, finish_stats
+from .rows import (TORCH_LOGPROB_ROWS, TileStats, all_reduce_tile_stats, empty_tile_stats,
+                   finish_stats)
 
 
 class LogProbOptions(NamedTuple):
@@ -220,13 +221,15 @@ def fwd(hidden, weight, target, bias, temperature, *args, backend):
         hidden.new_empty(N, _row_stats_width(opts), dtype=mdt)]
     vocab = _cuts_vocab(hidden, weight, opts)[0]
     merged = vocab or (shard.group is not None and truncated is None)
-    total = after_first_gemm(lambda: empty_tile_stats(N, mdt, hidden.device))
+    blocks = {}  # vocabulary tiles: the merged statistics of each block of tokens
     start = shard.vocab_start
 
-    def row_fn(logits, s, e):
-        if vocab:  # classes [s, e) of every token
-            rows.tile_stats(logits, target, inv_t(), opts, opts.entropy, mdt, start + s,
-                            total())
+    def row_fn(logits, s, e, r0=0, r1=None):
+        if vocab:  # classes [s, e) of tokens [r0, r1)
+            if r0 not in blocks:
+                blocks[r0] = empty_tile_stats(r1 - r0, mdt, hidden.device)
+            rows.tile_stats(logits, target[r0:r1], inv_t()[r0:r1], opts, opts.entropy, mdt,
+                            start + s, blocks[r0])
             return (), None
         if truncated is not None:
             return truncation.kept_stats(truncated, logits, target[s:e], inv_t()[s:e], opts,
@@ -250,7 +253,7 @@ def fwd(hidden, weight, target, bias, temperature, *args, backend):
                    (False,) * 3, "fp32", chunk, by_vocab=vocab, logits_dtype=ldt,
                    triton=backend.triton)
     if merged:
-        stats = total() if vocab else parts
+        stats = _joined(blocks, N, mdt, hidden.device) if vocab else parts
         out = finish_stats(all_reduce_tile_stats(stats, shard) if shard.group else stats,
                            target, V, opts.ignore_index, opts.entropy)
     logprob, ent, lse, argmax, row_stats = out
@@ -278,10 +281,11 @@ def bwd(grad_logprob, grad_entropy, row_stats, hidden, weight, target, bias, tem
     vocab = _cuts_vocab(hidden, weight, opts)[1]
     start = shard.vocab_start
 
-    def row_fn(logits, s, e):
-        if vocab:  # classes [s, e) of every token
-            return (), grad(logits, target, inv_t(), opts, *per_token(), mdt, start + s,
-                            hidden.dtype)
+    def row_fn(logits, s, e, r0=0, r1=None):
+        if vocab:  # classes [s, e) of tokens [r0, r1)
+            return (), grad(logits, target[r0:r1], inv_t()[r0:r1], opts,
+                            *(None if t is None else t[r0:r1] for t in per_token()), mdt,
+                            start + s, hidden.dtype)
         g_lp, g_h, stats = (None if t is None else t[s:e] for t in per_token())
         return (), grad(logits, target[s:e], inv_t()[s:e], opts, g_lp, g_h, stats, mdt, start,
                         hidden.dtype)
@@ -295,6 +299,16 @@ def bwd(grad_logprob, grad_entropy, row_stats, hidden, weight, target, bias, tem
                                chunk, by_vocab=vocab, shard=shard, logits_dtype=ldt,
                                triton=backend.triton)
     return grad_outputs(hidden, weight, bias, gradients, keep_f32=False)
+
+
+def _joined(blocks, N, dtype, device):
+    """The TileStats of all N tokens from those of their blocks (one block: itself)."""
+    if len(blocks) == 1:
+        return blocks[0]
+    if not blocks:
+        return empty_tile_stats(N, dtype, device)
+    return TileStats(*(torch.cat(fields) for fields in zip(*(blocks[r] for r in
+                                                           sorted(blocks)))))
 
 
 def _cuts_vocab(hidden, weight, opts):

@@ -45,18 +45,24 @@ class GradAccumulator:
         self.acc = torch.zeros(shape, dtype=self.sum_dtype, device=device) if kahan else None
         self.comp = torch.zeros_like(self.acc) if kahan else None
 
-    def add(self, a, b):
-        """acc += a.T @ b for a (n, V), b (n, D) in the compute dtype."""
+    def add(self, a, b, rows=None):
+        """acc += a.T @ b for a (n, V), b (n, D) in the compute dtype; rows (a slice):
+        into those rows of acc alone (its sum then starts from zeros)."""
         if self.comp is not None:
+            assert rows is None
             return self._kahan_add(a, b)
-        if self.acc is None:
+        if self.acc is None and rows is None:
             self.acc = a.t() @ b if self.sum_dtype == a.dtype else _mm_f32(a.t(), b)
-        elif self.sum_dtype == a.dtype:
-            self.acc.addmm_(a.t(), b)
+            return
+        if self.acc is None:
+            self.acc = torch.zeros(self.shape, dtype=self.sum_dtype, device=self.device)
+        acc = self.acc if rows is None else self.acc[rows]
+        if self.sum_dtype == a.dtype:
+            acc.addmm_(a.t(), b)
         elif a.device.type == "cuda":
-            torch.addmm(self.acc, a.t(), b, out_dtype=torch.float32, out=self.acc)
+            torch.addmm(acc, a.t(), b, out_dtype=torch.float32, out=acc)
         else:
-            self.acc.addmm_(a.t().float(), b.float())
+            acc.addmm_(a.t().float(), b.float())
 
     def _kahan_add(self, a, b):
         if self.triton:

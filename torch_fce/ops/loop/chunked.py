@@ -15,8 +15,9 @@ logits gradient has a few entries a row gives it as a sparse.SparseGrad (sparse=
 the loop then runs no gradient GEMM and forms the gradients from the entries at the end
 (sparse.py). Two layouts ride the same loop:
 - vocabulary tiles (`by_vocab`): the log-probs with fewer tokens than classes cut the
-  same workspace along the vocabulary; row functions then see every token's logits of
-  classes [v0, v1) and merge per-row statistics across tiles; the hidden gradient is a
+  same workspace along the vocabulary; row functions then see the logits of classes
+  [v0, v1) of every token (of a block of tokens, where all of them would not fit the
+  workspace) and merge per-row statistics across tiles; the hidden gradient is a
   float32 sum across tiles;
 - vocabulary shards (`VocabShard`, vocab-parallel): each rank holds rows [vocab_start,
   vocab_start + Vs) of the head. The row functions reduce their shard's logits to
@@ -42,12 +43,13 @@ class RowFn(Protocol):
     which the row function may overwrite (dz is written over it where it can; dz is in
     hidden's dtype, the gradient GEMMs' operand, also when the logits are wider). With
     token chunks, [s, e) are the chunk's tokens and terms the per-token results, each
-    written into the loop's (N,) `outputs`; with vocabulary tiles, [s, e) are the
-    tile's classes, every token's logits are given and terms is () (the row function
-    keeps its own per-row statistics). dz is None when no gradient is wanted, and a
-    sparse.SparseGrad in a loop run with sparse=True."""
+    written into the loop's (N,) `outputs`; with vocabulary tiles, row_fn(logits, s, e,
+    r0, r1): [s, e) are the tile's classes, [r0, r1) its tokens (all of them where they
+    fit the workspace) and terms is () (the row function keeps its own per-row
+    statistics). dz is None when no gradient is wanted, and a sparse.SparseGrad in a
+    loop run with sparse=True."""
 
-    def __call__(self, logits: torch.Tensor, s: int, e: int) -> tuple: ...
+    def __call__(self, logits: torch.Tensor, s: int, e: int, *rows: int) -> tuple: ...
 
 
 class VocabShard(NamedTuple):
@@ -265,17 +267,32 @@ def _run_token_chunks(hidden, weight, row_fn, outputs, needs_grad, accumulator,
     return gh, gw, gb
 
 
-def _run_vocab_tiles(hidden, weight, bias, row_fn, needs_grad, chunk_rows, gemm):
-    N, D = hidden.shape
-    V = weight.shape[0]
-    dtype = hidden.dtype
-    w = gemm.w
+def vocab_tiles(N, V, chunk_rows, cuda):
+    """(rows, cols) of the vocabulary tiles that hold the workspace's chunk_rows x V
+    logits: every token's logits of cols classes, in whole GEMM tiles (off CUDA, whole
+    units of the logits GEMM); where the smallest such tile of all N tokens would not
+    fit, blocks of rows (whole units too) cut it, down to one unit (UNIT_ROWS x
+    UNIT_COLS off CUDA, 128 x 128 on CUDA: the workspace's floor)."""
     cols = max(1, chunk_rows * V // max(1, N))
     if cols >= 128:  # tiles of even width (no thin last one), in whole GEMM tiles
         cols = -(-V // -(-V // cols))
         cols = -(-cols // 128) * 128
-    if hidden.device.type != "cuda":  # off CUDA: whole units of the logits GEMM
+    unit = CUDA_MIN_ROWS if cuda else UNIT_ROWS
+    if not cuda:  # off CUDA: whole units of the logits GEMM
         cols = -(-cols // UNIT_COLS) * UNIT_COLS
+    cols = min(cols, max(1, V))
+    if N * cols <= chunk_rows * V:
+        return max(1, N), cols
+    return max(unit, chunk_rows * V // cols // unit * unit), cols
+
+
+def _run_vocab_tiles(hidden, weight, bias, row_fn, needs_grad, chunk_rows, gemm):
+    N, D = hidden.shape
+    V = weight.shape[0]
+    dtype, mdt = hidden.dtype, math_dtype_for(hidden.dtype)
+    w = gemm.w
+    rows, cols = vocab_tiles(N, V, chunk_rows, hidden.device.type == "cuda")
+    whole = rows >= N  # every token in each tile: its gradients written, not summed
     # The hidden gradient is a sum across tiles: float32 (float64 for float64 inputs).
     gh = GradAccumulator("fp32", (N, D), dtype, dtype, hidden.device) \
         if needs_grad[0] else None
@@ -285,14 +302,29 @@ def _run_vocab_tiles(hidden, weight, bias, row_fn, needs_grad, chunk_rows, gemm)
         if needs_grad[2] else None
     for v0 in range(0, V, cols):
         v1 = min(V, v0 + cols)
-        _, dz = row_fn(gemm(hidden, v0, v1), v0, v1)
-        if gh is not None:
-            gh.add(dz.t(), w[v0:v1])
-        if gw is not None:
-            _mm_f32(dz.t(), hidden, out=gw[v0:v1])
-        if gb is not None:
-            gb[v0:v1] = dz.sum(0, dtype=math_dtype_for(dtype))
-        del dz
+        # blocks of tokens: the tile's weight and bias gradients summed in float32
+        gw_tile = None if whole or gw is None else \
+            GradAccumulator("fp32", (v1 - v0, D), dtype, torch.float32, hidden.device)
+        gb_tile = None if whole or gb is None else hidden.new_zeros(v1 - v0, dtype=mdt)
+        for r0 in range(0, N, rows):
+            r1 = min(N, r0 + rows)
+            h = hidden[r0:r1]
+            _, dz = row_fn(gemm(h, v0, v1), v0, v1, r0, r1)
+            if gh is not None:
+                gh.add(dz.t(), w[v0:v1], rows=None if whole else slice(r0, r1))
+            if gw_tile is not None:
+                gw_tile.add(dz, h)
+            elif gw is not None:
+                _mm_f32(dz.t(), h, out=gw[v0:v1])
+            if gb_tile is not None:
+                gb_tile += dz.sum(0, dtype=mdt)
+            elif gb is not None:
+                gb[v0:v1] = dz.sum(0, dtype=mdt)
+            del dz
+        if gw_tile is not None:
+            gw[v0:v1] = gw_tile.result(gw.dtype)
+        if gb_tile is not None:
+            gb[v0:v1] = gb_tile
     return gh, gw, gb
 
 
