@@ -1,6 +1,8 @@
 """The logits workspace: the CUDA default's rule (checked on any machine, with the GPU's
-memory size stubbed), set_workspace / workspace, and the environment variable."""
+memory size stubbed), set_workspace / workspace, the environment variable, and every
+op's forward and backward held to it."""
 
+import math
 import types
 
 import pytest
@@ -8,6 +10,8 @@ import torch
 
 import torch_fce
 from torch_fce.ops.loop import workspace
+
+from tests.helpers import DEVICE
 
 
 @pytest.fixture
@@ -165,3 +169,68 @@ def test_head_bound_bounds_the_cross_entropy_as_the_log_prob_family(monkeypatch)
     assert asked == [None, False]
     assert torch_fce.linear_cross_entropy(h, w, y) is not None and asked[-1] is None
     assert torch.equal(got, want)
+
+
+def _largest_input(run):
+    """The most elements of any tensor an aten op took while run() ran (torch's
+    profiler sees the ops inside the custom ops too; each op's output is the input of
+    the next one that reads it). Its raw events: the FunctionEvent tree took minutes."""
+    with torch.profiler.profile(record_shapes=True,
+                                activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        run()
+    return max((math.prod(shape) for event in prof.profiler.kineto_results.events()
+                if event.name().startswith("aten::") for shape in event.shapes() if shape),
+               default=0)
+
+
+def _every_op(h, w, t, sup, lp, ht, wt):
+    """Each public op's forward and backward on these inputs."""
+    A = torch.ones(t.shape, device=DEVICE)
+    return {
+        "cross entropy": lambda: torch_fce.linear_cross_entropy(h, w, t),
+        "log-probs": lambda: torch_fce.linear_logprobs(h, w, t, entropy=True).logprob.sum(),
+        "log-probs, top_p": lambda: torch_fce.linear_logprobs(h, w, t, top_p=0.9).logprob
+        .nan_to_num(neginf=0.0).sum(),
+        "policy loss": lambda: torch_fce.linear_policy_loss(h, w, t, A, beta=0.0)[0],
+        "distillation": lambda: torch_fce.linear_distillation_loss(h, w, ht, wt, t)[0],
+        "soft cross entropy": lambda: torch_fce.linear_soft_cross_entropy(
+            h, w, sup, lp.exp()),
+        "sparse divergence": lambda: torch_fce.linear_sparse_divergence(h, w, sup, lp,
+                                                                       tail=True)[0],
+        "top-k": lambda: torch_fce.linear_topk_logprobs(h, w, 8, target=t).logprobs.sum(),
+    }
+
+
+def test_every_op_holds_the_workspace_forward_and_backward():
+    # The N x V logits are never formed whole: with fewer tokens than classes (the
+    # log-probs' vocabulary tiles) and a workspace of 128 rows, no tensor an aten op sees
+    # is larger than the workspace's logits or the smallest unit the loop cuts (off
+    # CUDA a 256 x 4096 GEMM unit; on CUDA 128 rows of the vocabulary); the whole
+    # logits are 4x that unit.
+    from torch_fce.ops.loop.chunked import CUDA_MIN_ROWS, UNIT_COLS, UNIT_ROWS
+
+    N, D, V = 1024, 8, 4096
+    g = torch.Generator().manual_seed(0)
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    h = torch.randn(N, D, generator=g).to(DEVICE, dtype).requires_grad_()
+    w = (torch.randn(V, D, generator=g) / 4).to(DEVICE, dtype).requires_grad_()
+    t = torch.randint(0, V, (N,), generator=g).to(DEVICE)
+    sup = torch.randint(0, V, (N, 4), generator=g).to(DEVICE)
+    lp = torch.randn(N, 4, generator=g).log_softmax(-1).to(DEVICE)
+    ht, wt = torch.randn(N, D, generator=g).to(DEVICE, dtype), w.detach().clone()
+    nbytes = 128 * V * 4
+    unit = CUDA_MIN_ROWS * V if DEVICE == "cuda" else UNIT_ROWS * min(V, UNIT_COLS)
+    bound = max(unit, nbytes // torch.finfo(dtype).bits * 8)
+    assert N * V >= 4 * bound
+    for name, loss in _every_op(h, w, t, sup, lp, ht, wt).items():
+        grads = []
+
+        def run():
+            with torch_fce.workspace(nbytes):
+                out = loss()
+                if out.requires_grad:  # the top-k has no gradient
+                    grads.extend(torch.autograd.grad(out, [h, w], allow_unused=True))
+
+        largest = _largest_input(run)
+        assert largest <= bound, (name, largest, bound)
+        assert all(g is None or g.isfinite().all() for g in grads), name
