@@ -306,7 +306,7 @@ def _run_vocab_tiles(hidden, weight, bias, row_fn, needs_grad, chunk_rows, gemm)
         gw_tile = None if whole or gw is None else \
             GradAccumulator("fp32", (v1 - v0, D), dtype, torch.float32, hidden.device)
         gb_tile = None if whole or gb is None else hidden.new_zeros(v1 - v0, dtype=mdt)
-        for r0 in range(0, N, rows):
+        for r0 in range(0, max(N, 1), rows):  # no tokens: one empty block (zero gradients)
             r1 = min(N, r0 + rows)
             h = hidden[r0:r1]
             _, dz = row_fn(gemm(h, v0, v1), v0, v1, r0, r1)
