@@ -185,15 +185,25 @@ def _assert_outputs_match(got, want):
     assert torch.equal(got[3], want[3])  # argmax
 
 
-@pytest.mark.parametrize("slots", [None, 8])
+def _sorted_rows():
+    """The PyTorch truncation rows with the whole row sorted (no threshold search)."""
+    from torch_fce.ops.linear_logprobs import truncation as rows
+
+    return rows.TORCH_TRUNCATION_ROWS._replace(thresholds=None)
+
+
+@pytest.mark.parametrize("backend, slots", [("torch", None), ("triton", None),
+                                            ("triton", 8)])
 @pytest.mark.parametrize("truncation", [dict(top_p=0.9), dict(top_p=0.5),
                                         dict(top_p=0.5, min_p=0.02),
                                         dict(top_p=0.999), dict(top_p=0.01),
                                         dict(min_p=0.1), dict(top_p=0.7, top_k=5000)])
-def test_triton_threshold_rows_match_the_sorted_rows(monkeypatch, truncation, slots):
-    # top_p / min_p without a top-k on the Triton rows' sweeps (linear_logprobs/
-    # truncation_kernels.py: bisection on the mass, the bracket's sort, the ties) against the
-    # PyTorch rows' sort of the whole row; 8 slots take every row through the bisection
+def test_threshold_rows_match_the_sorted_rows(monkeypatch, truncation, backend, slots):
+    # top_p / min_p without a top-k without a sort of the row, against the sort of the
+    # whole row: the Triton rows' sweeps (linear_logprobs/truncation_kernels.py:
+    # bisection on the mass, the bracket's sort, the ties; 8 slots take every row
+    # through the bisection) and the PyTorch rows' search (truncation.torch_thresholds:
+    # the 256 largest classes of a peaked row, value buckets of a flat one)
     from torch_fce.ops.linear_logprobs import truncation as rows
     from torch_fce.ops.linear_logprobs import truncation_kernels as sweeps
     from torch_fce.ops.linear_logprobs.kernels import TRITON_TRUNCATION_ROWS
@@ -202,23 +212,25 @@ def test_triton_threshold_rows_match_the_sorted_rows(monkeypatch, truncation, sl
         monkeypatch.setattr(sweeps, "_C", slots)
     z, y, inv_t = _threshold_rows_problem()
     opts = room.LogProbOptions(entropy=True, **truncation)
-    want = rows.kept_stats(rows.TORCH_TRUNCATION_ROWS, z, y, inv_t, opts, torch.float32)
-    got = rows.kept_stats(TRITON_TRUNCATION_ROWS, z, y, inv_t, opts, torch.float32)
+    searched = TRITON_TRUNCATION_ROWS if backend == "triton" else rows.TORCH_TRUNCATION_ROWS
+    want = rows.kept_stats(_sorted_rows(), z, y, inv_t, opts, torch.float32)
+    got = rows.kept_stats(searched, z, y, inv_t, opts, torch.float32)
     _assert_outputs_match(got, want)
     stats, ref = got[4], want[4]
     cols = [0, 1, 2, 5, 6] if "top_p" not in truncation else list(range(7))
     ok = torch.isfinite(ref[:, cols])
     assert torch.equal(ok, torch.isfinite(stats[:, cols]))
     assert ((stats[:, cols] - ref[:, cols]).abs()[ok] <= 1e-5 * (1 + ref[:, cols].abs()[ok])).all()
-    if "top_p" not in truncation:  # min_p alone: K = {z >= thr}, (thr, V) for (v, c)
+    if "top_p" not in truncation and backend == "triton":  # min_p alone: K = {z >= thr},
+        # (thr, V) for (v, c)
         thr = ref[:, 0] + math.log(truncation["min_p"])
         assert torch.equal(stats[:, 3], thr) and (stats[:, 4] == 3000).all()
     nan_row = z.clone()
     nan_row[2, 17] = float("nan")
-    got = rows.kept_stats(TRITON_TRUNCATION_ROWS, nan_row, y, inv_t, opts, torch.float32)
+    got = rows.kept_stats(searched, nan_row, y, inv_t, opts, torch.float32)
     assert got[1][2].isnan() and got[2][2].isnan()
     assert torch.equal(got[1][torch.arange(13) != 2].cpu(),
-                       rows.kept_stats(TRITON_TRUNCATION_ROWS, z, y, inv_t, opts,
+                       rows.kept_stats(searched, z, y, inv_t, opts,
                                        torch.float32)[1][torch.arange(13) != 2].cpu())
 
 
@@ -236,7 +248,7 @@ def test_value_search_matches_the_sorted_rows(truncation):
     z, y, inv_t = (t.cpu() for t in _threshold_rows_problem())
     opts = room.LogProbOptions(entropy=True, **truncation)
     one_rank = VocabShard(vocab_size=z.shape[1])
-    want = rows.kept_stats(rows.TORCH_TRUNCATION_ROWS, z, y, inv_t, opts, torch.float32)
+    want = rows.kept_stats(_sorted_rows(), z, y, inv_t, opts, torch.float32)
     got = rows.sharded_kept_stats(z.clone(), y, inv_t, opts, torch.float32, one_rank)
     _assert_outputs_match(got, want)
     # (v, c) the same class where the sort's rows end K (min_p alone: the smallest kept

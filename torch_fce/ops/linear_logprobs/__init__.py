@@ -248,7 +248,7 @@ def fwd(hidden, weight, target, bias, temperature, *args, backend):
         ldt = logits_dtype_for(hidden, opts)
         chunk = chunk_rows_for(hidden, weight, shard, ldt, log_prob_tiles=vocab,
                                per_logit=truncation.per_logit(truncated, ldt, hidden.dtype,
-                                                              opts, V))
+                                                              opts, V, shard))
         run_chunks(hidden, weight, bias, row_fn, () if vocab else (parts or out),
                    (False,) * 3, "fp32", chunk, by_vocab=vocab, logits_dtype=ldt,
                    triton=backend.triton)
@@ -293,7 +293,7 @@ def bwd(grad_logprob, grad_entropy, row_stats, hidden, weight, target, bias, tem
     ldt = logits_dtype_for(hidden, opts)  # the forward's: the same logits, bit for bit
     chunk = chunk_rows_for(hidden, weight, shard, ldt, log_prob_tiles=vocab,
                            per_logit=truncation.per_logit(truncated, ldt, hidden.dtype, opts,
-                                                          V))
+                                                          V, shard))
     with no_autocast(hidden):
         gradients = run_chunks(hidden, weight, bias, row_fn, (), needs, opts.accumulator,
                                chunk, by_vocab=vocab, shard=shard, logits_dtype=ldt,

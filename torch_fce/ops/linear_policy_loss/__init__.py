@@ -319,7 +319,7 @@ def fwd(hidden, weight, target, advantages, bias, old_logprobs, ref_logprobs,
                                               log_prob_tiles=False,
                                               per_logit=truncation.per_logit(
                                                   truncated, ldt, hidden.dtype, opts,
-                                                  shard.vocab(weight))), shard=shard,
+                                                  shard.vocab(weight), shard)), shard=shard,
                                logits_dtype=ldt, triton=backend.triton)
     loss_t, *stats = out
     return (loss_t.sum(), *grad_outputs(hidden, weight, bias, gradients,
