@@ -1,6 +1,7 @@
 """The main job's fast path, as a user runs it (its own process: the resident-set peak
 it measures on CPU is only meaningful in a fresh process)."""
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -9,8 +10,13 @@ import pytest
 
 
 def test_main_job_tiny(tmp_path):
-    subprocess.run([sys.executable, "-m", "torch_fce", "--steps", "3", "--tiny",
-                    "--out", str(tmp_path)], check=True, timeout=600)
+    out = subprocess.run([sys.executable, "-m", "torch_fce", "--steps", "3", "--tiny",
+                          "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    # the PNG where matplotlib is installed, and the job says which it wrote
+    has_png = (tmp_path / "main.png").exists()
+    assert has_png == (importlib.util.find_spec("matplotlib") is not None)
+    assert ("and main.png" in out.stdout) == has_png
     record = json.loads((tmp_path / "main.json").read_text())
     runs = record["runs"]
     assert runs["torch_fce"]["fused"] == 1

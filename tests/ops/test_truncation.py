@@ -192,12 +192,15 @@ def _sorted_rows():
     return rows.TORCH_TRUNCATION_ROWS._replace(thresholds=None)
 
 
-@pytest.mark.parametrize("backend, slots", [("torch", None), ("triton", None),
-                                            ("triton", 8)])
-@pytest.mark.parametrize("truncation", [dict(top_p=0.9), dict(top_p=0.5),
-                                        dict(top_p=0.5, min_p=0.02),
-                                        dict(top_p=0.999), dict(top_p=0.01),
-                                        dict(min_p=0.1), dict(top_p=0.7, top_k=5000)])
+_TRUNCATIONS = [dict(top_p=0.9), dict(top_p=0.5), dict(top_p=0.5, min_p=0.02),
+                dict(top_p=0.999), dict(top_p=0.01), dict(min_p=0.1),
+                dict(top_p=0.7, top_k=5000)]
+
+
+# the kernel's own slots on four cases (10 s each in the interpreter), 8 on all
+@pytest.mark.parametrize("truncation, backend, slots", [
+    *((t, "torch", None) for t in _TRUNCATIONS), *((t, "triton", 8) for t in _TRUNCATIONS),
+    *((t, "triton", None) for t in _TRUNCATIONS[0:6:2] + _TRUNCATIONS[5:6])])
 def test_threshold_rows_match_the_sorted_rows(monkeypatch, truncation, backend, slots):
     # top_p / min_p without a top-k without a sort of the row, against the sort of the
     # whole row: the Triton rows' sweeps (linear_logprobs/truncation_kernels.py:
