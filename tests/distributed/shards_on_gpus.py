@@ -6,6 +6,7 @@ gradients (its rows of the weight's and bias's) with the whole head's, within th
 tolerances of the gloo tests (tests/distributed/test_vocab_parallel.py)."""
 
 import math
+import sys
 
 import torch
 import torch.utils._pytree as pytree
@@ -82,15 +83,20 @@ def _compare(name, one, parallel, leaves, bounds, rank, tol):
 
 def check_every_family(rank, world):
     """Every family's vocab-parallel op on this rank's shard of cuda's head, against the
-    whole head in this process; equal and uneven shards."""
+    whole head in this process; equal and uneven shards. Each check is named on stderr
+    before it runs (a rank that crashes in a collective leaves no traceback)."""
+    checks = []
     for uneven in (False, True):
         bounds = shard_bounds(world, uneven)
-        for family in CE_FAMILIES if not uneven else CE_FAMILIES[1:2]:
-            _check_cross_entropy(rank, bounds, dict(family))
-        _check_logprobs(rank, bounds)
-        _check_distillation(rank, bounds)
-        _check_sparse(rank, bounds)
-    _check_dtensor_and_fsdp2(rank, world)
+        checks += [(f"cross entropy {f}", _check_cross_entropy, (rank, bounds, dict(f)))
+                   for f in (CE_FAMILIES if not uneven else CE_FAMILIES[1:2])]
+        checks += [(fn.__name__, fn, (rank, bounds))
+                   for fn in (_check_logprobs, _check_distillation, _check_sparse)]
+    checks.append(("DTensor and FSDP2", _check_dtensor_and_fsdp2, (rank, world)))
+    for name, check, args in checks:
+        print(f"rank {rank}: {name}, uneven {args[1] != shard_bounds(world, False)}",
+              file=sys.stderr, flush=True)
+        check(*args)
 
 
 def _check_cross_entropy(rank, bounds, family):

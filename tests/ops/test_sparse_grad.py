@@ -69,7 +69,9 @@ def test_products_of_some_gradients_and_of_no_tokens(impl):
     assert gh.shape == (0, D) and not gw.any() and not gb.any()
 
 
-@pytest.mark.parametrize("impl", ["torch", "triton"])
+# on CUDA the loop runs the Triton products whatever the rows (float64 too:
+# dispatch.Backend.sums); torch's index_add there uses atomics
+@pytest.mark.parametrize("impl", ["triton"] + (["torch"] if DEVICE != "cuda" else []))
 def test_identical_calls_give_identical_bits(impl):
     N, K, V, D = 64, 8, 7, 24  # every class named by many entries, in token order
     cols, vals = _entries(N, K, V, 4, torch.float32)

@@ -294,7 +294,7 @@ def _chunks(hidden, weight, target, bias, class_weight, opts, shard, needs, scal
     rows = chunk_rows_for(hidden, weight, shard, ldt,
                           log_prob_tiles=False if opts.head_bound else None)
     gradients = run_chunks(hidden, weight, bias, row_fn, terms, needs, opts.accumulator,
-                           rows, shard=shard, logits_dtype=ldt, triton=backend.triton)
+                           rows, shard=shard, logits_dtype=ldt, triton=backend.sums)
     return CETerms(*terms) if stats else CETerms(*terms, None, None), gradients
 
 
@@ -332,6 +332,7 @@ def _shard_row_fn(hidden, weight, target, class_weight, opts, shard, scales, bac
         ce_scale, z_scale = (t[s:e] for t in scales())
         coeffs = grad_coefficients(ce_scale * p_y, z_scale, w_y[s:e], lse, W, V,
                                    opts.label_smoothing)
-        return (lse, nll, smooth), _rows(backend).shard_grad(logits, col[s:e], cw, lse, *coeffs,
-                                                            opts, mdt, hidden.dtype)
+        dz = _rows(backend).shard_grad(logits, col[s:e], cw, lse, *coeffs, opts, mdt,
+                                       hidden.dtype)
+        return (lse, nll, smooth), dz
     return row_fn

@@ -257,7 +257,7 @@ def fwd(hidden, weight, teacher_hidden, teacher_weight, target, bias, teacher_bi
         chunk = chunk_rows_for(hidden, weight, shard, per_logit=per_logit,
                                scale=_WORKSPACE_SCALE)
         gradients = run_chunks(hidden, weight, bias, row_fn, out, needs, opts.accumulator,
-                               chunk, shard=shard, logits_dtype=ldt, triton=backend.triton)
+                               chunk, shard=shard, logits_dtype=ldt, triton=backend.sums)
     loss_t, div, ent = out
     return (loss_t.sum(), *grad_outputs(hidden, weight, bias, gradients,
                                         opts.accumulator == "fp32", shard.group is not None),

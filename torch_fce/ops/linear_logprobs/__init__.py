@@ -251,7 +251,7 @@ def fwd(hidden, weight, target, bias, temperature, *args, backend):
                                                               opts, V, shard))
         run_chunks(hidden, weight, bias, row_fn, () if vocab else (parts or out),
                    (False,) * 3, "fp32", chunk, by_vocab=vocab, logits_dtype=ldt,
-                   triton=backend.triton)
+                   triton=backend.sums)
     if merged:
         stats = _joined(blocks, N, mdt, hidden.device) if vocab else parts
         out = finish_stats(all_reduce_tile_stats(stats, shard) if shard.group else stats,
@@ -297,7 +297,7 @@ def bwd(grad_logprob, grad_entropy, row_stats, hidden, weight, target, bias, tem
     with no_autocast(hidden):
         gradients = run_chunks(hidden, weight, bias, row_fn, (), needs, opts.accumulator,
                                chunk, by_vocab=vocab, shard=shard, logits_dtype=ldt,
-                               triton=backend.triton)
+                               triton=backend.sums)
     return grad_outputs(hidden, weight, bias, gradients, keep_f32=False)
 
 

@@ -320,7 +320,7 @@ def fwd(hidden, weight, target, advantages, bias, old_logprobs, ref_logprobs,
                                               per_logit=truncation.per_logit(
                                                   truncated, ldt, hidden.dtype, opts,
                                                   shard.vocab(weight), shard)), shard=shard,
-                               logits_dtype=ldt, triton=backend.triton)
+                               logits_dtype=ldt, triton=backend.sums)
     loss_t, *stats = out
     return (loss_t.sum(), *grad_outputs(hidden, weight, bias, gradients,
                                         opts.accumulator == "fp32", shard.group is not None),

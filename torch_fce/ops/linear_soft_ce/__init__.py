@@ -162,6 +162,6 @@ def fwd(hidden, weight, idx, probs, bias, token_weights_, temperature, *args, ba
                                per_logit=sparse.per_logit(ldt, hidden.dtype))
         gradients = run_chunks(hidden, weight, bias, row_fn, [loss_t], needs,
                                opts.accumulator, chunk, shard=shard, logits_dtype=ldt,
-                               triton=backend.triton)
+                               triton=backend.sums)
     return (loss_t.sum(), *grad_outputs(hidden, weight, bias, gradients,
                                         opts.accumulator == "fp32", shard.group is not None))

@@ -200,7 +200,7 @@ def fwd(hidden, weight, support, teacher, bias, token_weights_, temperature, *ar
                                               per_logit=rows.per_logit(ldt, hidden.dtype),
                                               scale=_WORKSPACE_SCALE),
                                shard=shard, logits_dtype=ldt, sparse=not opts.tail,
-                               triton=backend.triton)
+                               triton=backend.sums)
     divergence = out.divergence.masked_fill(per_token()[4], math.nan)
     return (out.loss.sum(), *grad_outputs(hidden, weight, bias, gradients,
                                           opts.accumulator == "fp32", shard.group is not None),

@@ -145,5 +145,5 @@ def fwd(hidden, weight, bias, target, temperature, *args, backend):
         run_chunks(hidden, weight, bias, row_fn, out, (False,) * 3, "fp32",
                    chunk_rows_for(hidden, weight, shard, per_logit=per_logit,
                                   scale=_WORKSPACE_SCALE, weight_grad=False),
-                   shard=shard, logits_dtype=ldt, triton=backend.triton)
+                   shard=shard, logits_dtype=ldt, triton=backend.sums)
     return out
