@@ -14,6 +14,7 @@ from hypothesis import given, strategies as st
 
 import torch_fce
 from torch_fce.ops import linear_logprobs as room
+from torch_fce.ops.linear_logprobs.truncation_rows import TORCH_TRUNCATION_ROWS
 from torch_fce.ops.loop.chunked import ONE_DEVICE
 
 from tests.helpers import DEVICE, TORCH, TRITON, chunks
@@ -187,9 +188,7 @@ def _assert_outputs_match(got, want):
 
 def _sorted_rows():
     """The PyTorch truncation rows with the whole row sorted (no threshold search)."""
-    from torch_fce.ops.linear_logprobs import truncation as rows
-
-    return rows.TORCH_TRUNCATION_ROWS._replace(thresholds=None)
+    return TORCH_TRUNCATION_ROWS._replace(thresholds=None)
 
 
 _TRUNCATIONS = [dict(top_p=0.9), dict(top_p=0.5), dict(top_p=0.5, min_p=0.02),
@@ -205,7 +204,7 @@ def test_threshold_rows_match_the_sorted_rows(monkeypatch, truncation, backend, 
     # top_p / min_p without a top-k without a sort of the row, against the sort of the
     # whole row: the Triton rows' sweeps (linear_logprobs/truncation_kernels.py:
     # bisection on the mass, the bracket's sort, the ties; 8 slots take every row
-    # through the bisection) and the PyTorch rows' search (truncation.torch_thresholds:
+    # through the bisection) and the PyTorch rows' search (truncation_rows.torch_thresholds:
     # the 256 largest classes of a peaked row, value buckets of a flat one)
     from torch_fce.ops.linear_logprobs import truncation as rows
     from torch_fce.ops.linear_logprobs import truncation_kernels as sweeps
@@ -215,7 +214,7 @@ def test_threshold_rows_match_the_sorted_rows(monkeypatch, truncation, backend, 
         monkeypatch.setattr(sweeps, "_C", slots)
     z, y, inv_t = _threshold_rows_problem()
     opts = room.LogProbOptions(entropy=True, **truncation)
-    searched = TRITON_TRUNCATION_ROWS if backend == "triton" else rows.TORCH_TRUNCATION_ROWS
+    searched = TRITON_TRUNCATION_ROWS if backend == "triton" else TORCH_TRUNCATION_ROWS
     want = rows.kept_stats(_sorted_rows(), z, y, inv_t, opts, torch.float32)
     got = rows.kept_stats(searched, z, y, inv_t, opts, torch.float32)
     _assert_outputs_match(got, want)

@@ -21,6 +21,7 @@ from ..loop.chunked import (ONE_DEVICE, VocabShard, after_first_gemm, by_vocab,
 from ..machinery import grads
 from ..machinery.dispatch import LIB, kernel
 from . import truncation
+from .truncation_rows import TORCH_TRUNCATION_ROWS
 from .rows import (TORCH_LOGPROB_ROWS, TileStats, all_reduce_tile_stats, empty_tile_stats,
                    finish_stats)
 
@@ -188,13 +189,15 @@ def logprob_rows(backend):
 
 
 def truncation_rows(backend, opts, shard, vocab_size):
-    """The sampler's truncation rows on the backend (truncation.rows_for picks among
-    them and the PyTorch ones; the policy loss's too)."""
+    """The sampler's truncation rows (the policy loss's too), None where the options
+    truncate nothing: the backend's where they serve, else the PyTorch ones."""
+    if not truncation.truncating(opts):
+        return None
     if backend.triton:
         from .kernels import TRITON_TRUNCATION_ROWS as rows
     else:
-        rows = truncation.TORCH_TRUNCATION_ROWS
-    return truncation.rows_for(rows, opts, shard, vocab_size)
+        rows = TORCH_TRUNCATION_ROWS
+    return rows if truncation.serves(rows, opts, shard, vocab_size) else TORCH_TRUNCATION_ROWS
 
 
 @kernel("linear_logprobs_fwd")
