@@ -166,10 +166,9 @@ def bias_dtypes(hidden, weight):
     return tuple(dict.fromkeys((hidden.dtype, weight.dtype, torch.float32)))
 
 
-def check_log_probs(values, entries, name):
-    """Raises ValueError for values (log-probabilities called `name`) that are NaN, +inf
-    or above 0 where entries is True (syncs)."""
-    bad = entries & ~(values <= 0)
+def check_log_probs(values, bad, name):
+    """Raises ValueError where bad marks values (log-probabilities called `name`) that
+    cannot be ones: NaN, +inf or above 0 (syncs)."""
     if bad.any():
         raise ValueError(f"{name} must be log-probabilities (<= 0, not NaN) where the "
                          f"support is not ignore_index; got {float(values[bad][0])}")

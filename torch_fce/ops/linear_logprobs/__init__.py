@@ -256,7 +256,7 @@ def fwd(hidden, weight, target, bias, temperature, *args, backend):
                    (False,) * 3, "fp32", chunk, by_vocab=vocab, logits_dtype=ldt,
                    triton=backend.sums)
     if merged:
-        stats = _joined(blocks, N, mdt, hidden.device) if vocab else parts
+        stats = _joined(blocks) if vocab else parts
         out = finish_stats(all_reduce_tile_stats(stats, shard) if shard.group else stats,
                            target, V, opts.ignore_index, opts.entropy)
     logprob, ent, lse, argmax, row_stats = out
@@ -304,14 +304,12 @@ def bwd(grad_logprob, grad_entropy, row_stats, hidden, weight, target, bias, tem
     return grad_outputs(hidden, weight, bias, gradients, keep_f32=False)
 
 
-def _joined(blocks, N, dtype, device):
-    """The TileStats of all N tokens from those of their blocks (one block: itself)."""
+def _joined(blocks):
+    """The TileStats of all tokens from those of their blocks, made in the tokens'
+    order by the first tile (the loop runs at least one, also for no tokens)."""
     if len(blocks) == 1:
         return blocks[0]
-    if not blocks:
-        return empty_tile_stats(N, dtype, device)
-    return TileStats(*(torch.cat(fields) for fields in zip(*(blocks[r] for r in
-                                                           sorted(blocks)))))
+    return TileStats(*(torch.cat(fields) for fields in zip(*blocks.values())))
 
 
 def _cuts_vocab(hidden, weight, opts):

@@ -18,8 +18,9 @@ gradient), H_K = log s_K - d_K, and the gradient the untruncated one's with q_K 
 The candidates are the first k classes (the top-k rows, k <= MAX_CANDIDATES) or,
 with a larger top_k, the whole row sorted on one device. Without a top-k (top_p and
 min_p only) the rows find K without a sort of the row: the Triton rows by sweeps of it
-(truncation_kernels.py: bisection on top_p's mass), the PyTorch rows from its largest
-classes (truncation_rows.torch_thresholds). A vocabulary shard
+(truncation_kernels.py: bisection on top_p's mass), the PyTorch rows on the CPU from
+its largest classes or value buckets (truncation_rows.torch_thresholds; off the CPU
+they sort it). A vocabulary shard
 without top-k candidates finds (v, c) by a search of values (sharded_kept_stats: each
 rank sorts its classes once, the group's counts and masses above a value are
 all-reduced). A TruncationRows family gives them and the gradient on one backend: the
@@ -84,11 +85,13 @@ class TruncationRows(NamedTuple):
           them (a dz buffer of its own, for logits wider than dz, is counted apart)
       thresholds(logits, target, inv_t, opts, math_dtype) -> kept_stats' outputs
           without a top-k (top_p, min_p) and without candidates (None: the whole row
-          sorted instead)"""
+          sorted instead)
+      thresholds_per_logit: the bytes per logit thresholds holds beyond per_logit"""
     candidates: Callable
     grad: Callable
     per_logit: int
     thresholds: Optional[Callable] = None
+    thresholds_per_logit: int = 0
 
 
 def _processed(logits, opts, inv_t, math_dtype):
@@ -189,8 +192,12 @@ def per_logit(rows, logits_dtype, dz_dtype, opts, vocab_size, shard=ONE_DEVICE):
     masses) where the candidates are that."""
     if rows is None:
         return None
-    sort = 24 if whole_row_sort(opts, vocab_size) and not _by_thresholds(
-        rows, opts, vocab_size, shard) else 0
+    if not whole_row_sort(opts, vocab_size):
+        sort = 0
+    elif _by_thresholds(rows, opts, vocab_size, shard):
+        sort = rows.thresholds_per_logit
+    else:
+        sort = 24
     return logits_bytes(logits_dtype, dz_dtype) + rows.per_logit + sort
 
 

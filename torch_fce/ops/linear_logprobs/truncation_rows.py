@@ -50,15 +50,12 @@ def torch_kept_grad(logits, target, inv_t, opts, g_lp, g_h, row_stats, math_dtyp
 
 
 def torch_thresholds(logits, target, inv_t, opts, math_dtype):
-    """TruncationRows.thresholds in PyTorch, with no sort of the row. min_p alone: K is
-    every class at or above max z + log(min_p). top_p: its cut from the row's 256
-    largest classes where K ends above the last one's value (then no class beyond them
-    can be in K or tie its last: a peaked row), else from the classes of the value
-    bucket where the mass from the top reaches top_p (_bucket_cut: a flat row; on the
-    CPU, where that choice per row costs no device sync; elsewhere every row so). Each
-    row's (v, c) is exact and found alike in any batch; K's sums are then over the
-    whole row in class order: the same bits however K was found (a sort of the whole
-    row took 6x the untruncated forward at 2048 x 256 x 32000 on a 2-core CPU)."""
+    """TruncationRows.thresholds in PyTorch. min_p alone: K is every class at or above
+    max z + log(min_p). top_p (_top_p_cut): on the CPU without a sort of the row (a
+    sort took 6x the untruncated forward at 2048 x 256 x 32000 on a 2-core CPU), off it
+    by the whole row sorted. Each row's (v, c) is exact and found alike in any batch;
+    K's sums are then over the whole row in class order: the same bits however K was
+    found."""
     z, _ = _processed(logits, opts, inv_t, math_dtype)
     n, V = z.shape
     read = (target != opts.ignore_index) & (target >= 0) & (target < V)
@@ -90,23 +87,24 @@ _PEAKED = 256  # the largest classes that settle a peaked row's top_p cut
 
 
 def _top_p_cut(z, top, mass, kept_mass, floor, opts):
-    """((n, 1) v, c): top_p's last class (min_p's test within _kept) from the row's
-    largest classes where they settle it, else (on the CPU: those rows alone) from
-    _bucket_cut's. top (n, 1) the rows' max, mass (n, V) exp(z - m) where min_p keeps
-    the class (else 0), kept_mass its row sums, floor min_p's value (or None)."""
-    values, classes = _ordered(*torch.topk(z, min(_PEAKED, z.shape[1]), dim=-1))
+    """((n, 1) v, c): top_p's last class (min_p's test within _kept). On the CPU from
+    the row's 256 largest classes where K ends above the last one's value (then no
+    class beyond them can be in K or tie its last: a peaked row), else from
+    _bucket_cut's (a flat row; choosing those rows costs no device sync there); off
+    the CPU from the whole row sorted. top (n, 1) the rows' max, mass (n, V) exp(z - m)
+    where min_p keeps the class (else 0), kept_mass its row sums, floor min_p's value
+    (or None)."""
+    cpu = z.device.type == "cpu"
+    values, classes = _ordered(*torch.topk(z, min(_PEAKED, z.shape[1]), dim=-1)) if cpu \
+        else torch.sort(z, dim=-1, descending=True, stable=True)
     last = _kept(values, opts, kept_mass).sum(-1, keepdim=True) - 1
     v, c = values.gather(1, last), classes.gather(1, last)
     flat = (v <= values[:, -1:])[:, 0] & (values.shape[1] < z.shape[1])
-    if z.device.type == "cpu":
-        if not bool(flat.any()):
-            return v, c
+    if cpu and bool(flat.any()):
         rows = flat.nonzero()[:, 0]
         v[rows], c[rows] = _bucket_cut(z[rows], top[rows], mass[rows], kept_mass[rows],
                                        None if floor is None else floor[rows], opts)
-        return v, c
-    bv, bc = _bucket_cut(z, top, mass, kept_mass, floor, opts)
-    return torch.where(flat[:, None], bv, v), torch.where(flat[:, None], bc, c)
+    return v, c
 
 
 _BUCKETS, _SPAN = 2048, 64.0  # value buckets of z within _SPAN below the max
@@ -140,6 +138,6 @@ def _bucket_cut(z, top, mass, kept_mass, floor, opts):
 
 
 # the processed logits' copy, a few float32 / bool temporaries of the chunk's shape and
-# dz (never written over the logits here)
+# dz (never written over the logits here); the threshold search's sort off the CPU
 TORCH_TRUNCATION_ROWS = TruncationRows(torch_candidates, torch_kept_grad, 16,
-                                       torch_thresholds)
+                                       torch_thresholds, thresholds_per_logit=24)

@@ -169,7 +169,8 @@ def fwd(hidden, weight, support, teacher, bias, token_weights_, temperature, *ar
     if backend.check_values:
         checks.check_target_range(support, V, opts.ignore_index, "support")
         checks.check_temperature_values(temperature)
-        checks.check_log_probs(teacher, support != opts.ignore_index, "teacher_logprobs")
+        impossible = impossible_entries(support, teacher, opts.ignore_index)
+        checks.check_log_probs(teacher, impossible, "teacher_logprobs")
     N, mdt = hidden.shape[0], math_dtype_for(hidden.dtype)
     rows = _rows(backend)
     out = _Outputs(*(hidden.new_empty(N, dtype=mdt) for _ in _Outputs._fields))
