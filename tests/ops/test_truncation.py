@@ -383,6 +383,27 @@ def test_a_row_of_nan_gives_nan_and_leaves_the_others(rows):
         assert torch.equal(a[keep], b[keep])
 
 
+@pytest.mark.parametrize("rows", ["torch_rows", "triton_rows"])
+@pytest.mark.parametrize("top_k", [300, 305])
+def test_a_top_k_of_every_class_alone_is_the_untruncated_op(rows, top_k):
+    # V past the top-k rows' candidates: the threshold rows find K with neither top_p
+    # nor min_p (they once raised a TypeError there), and K is every class
+    from tests.helpers import BACKENDS
+
+    g = torch.Generator().manual_seed(3)
+    h = torch.randn(6, 8, generator=g).to(DEVICE)
+    w = (torch.randn(300, 8, generator=g) * 2).to(DEVICE)
+    y = torch.randint(0, 300, (6,), generator=g).to(DEVICE)
+    T = torch.full((6,), 0.7, device=DEVICE)
+    untruncated, got = (room.fwd(h, w, y, None, T, *opts, *ONE_DEVICE,
+                                 backend=BACKENDS[rows])
+                        for opts in (room.LogProbOptions(entropy=True),
+                                     room.LogProbOptions(entropy=True, top_k=top_k)))
+    for a, b in zip(got[:3], untruncated[:3]):
+        assert (a - b).abs().max() <= 1e-5 * (1 + b.abs().max())
+    assert torch.equal(got[3], untruncated[3])
+
+
 def test_gradcheck_float64_on_kept_targets():
     g = torch.Generator().manual_seed(5)
     h = torch.randn(5, 4, generator=g, dtype=torch.float64, requires_grad=True)

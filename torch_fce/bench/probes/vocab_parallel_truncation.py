@@ -12,7 +12,9 @@ log-prob difference where both keep it.
 
     python -m torch_fce.bench.probes.vocab_parallel_truncation [N:D:V] [--world W]
     (two CUDA GPUs by default; --world 1: a group of one, the shard path's own cost on
-    one GPU without another rank's latency; --device cpu: gloo on the CPU, a smoke run)
+    one GPU without another rank's latency; --one-gpu: the ranks share cuda:0 over gloo,
+    the shards' own kernels where one GPU is all there is; --device cpu: gloo on the CPU,
+    a smoke run)
 """
 
 import os
@@ -31,13 +33,14 @@ TRUNCATIONS = [dict(), dict(top_k=50, top_p=0.95), dict(top_p=0.95), dict(min_p=
                dict(top_k=1000)]
 
 
-def _worker(rank, world, path, N, D, V, device):
+def _worker(rank, world, path, N, D, V, device, one_gpu):
     cuda = device == "cuda"
+    gpu = 0 if one_gpu else rank
     if cuda:
-        torch.cuda.set_device(rank)
-    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{path}",
-                            rank=rank, world_size=world)
-    dev = torch.device("cuda", rank) if cuda else torch.device("cpu")
+        torch.cuda.set_device(gpu)
+    dist.init_process_group("nccl" if cuda and not one_gpu else "gloo",
+                            init_method=f"file://{path}", rank=rank, world_size=world)
+    dev = torch.device("cuda", gpu) if cuda else torch.device("cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
     g = torch.Generator().manual_seed(0)
     h = torch.randn(N, D, generator=g).to(dev, dtype)
@@ -71,14 +74,16 @@ def _worker(rank, world, path, N, D, V, device):
 def main():
     args = sys.argv[1:]
     device = "cpu" if "--device" in args and "cpu" in args else "cuda"
+    one_gpu = "--one-gpu" in args
     world = int(args[args.index("--world") + 1]) if "--world" in args else 2
     shape = [a for a in args if ":" in a]
     N, D, V = (int(x) for x in (shape[0] if shape else "16384:1536:151936").split(":"))
     if device == "cuda":
-        print(f"{torch.cuda.get_device_name()} x {world}, torch {torch.__version__}; "
+        where = f"{world} ranks on one (gloo)" if one_gpu else f"x {world} (NCCL)"
+        print(f"{torch.cuda.get_device_name()} {where}, torch {torch.__version__}; "
               f"N={N} D={D} V={V}, bf16, temperature 0.7", flush=True)
     with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_worker, args=(world, os.path.join(d, "store"), N, D, V, device),
+        mp.spawn(_worker, args=(world, os.path.join(d, "store"), N, D, V, device, one_gpu),
                  nprocs=world, join=True)
 
 

@@ -7,7 +7,8 @@ One program per token row, z = softcap(l) / T as the log-probs' gradient sweep f
            and the count of finite classes; z at the target.
   min_p    one sweep: the mass S0 of the classes at or above m + log(min_p) (without
            min_p every finite class: S0 = s), and its sum of exp(z - m) (z - m).
-           Without top_p, K is those classes (ties all kept).
+           Without top_p, K is those classes (ties all kept); with neither (a top_k >= V
+           alone) every finite class, its sums from the same sweep.
   top_p    K is the shortest prefix (z desc, class asc) of those classes whose mass
            reaches T = top_p S0: a class is kept while the mass before it is < T. With
            f(x) the mass of the classes above x, K's last value v is the smallest value
@@ -123,6 +124,7 @@ def _threshold_kernel(
     if HAS_MIN_P:
         v = m + log_min_p  # K without top_p: z >= v, ties all kept (c = V)
         lo = _below(v)
+    if HAS_MIN_P or not HAS_TOP_P:  # (neither: a top_k >= V alone, K every class)
         f = tl.zeros([BLOCK_V], tl.float32)
         g = tl.zeros([BLOCK_V], tl.float32)
         n = tl.zeros([BLOCK_V], tl.int32)

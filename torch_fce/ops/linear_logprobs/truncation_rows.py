@@ -68,8 +68,9 @@ def torch_thresholds(logits, target, inv_t, opts, math_dtype):
     cols = torch.arange(V, device=z.device)
     min_p = opts.min_p not in (None, 0.0)
     floor = top + math.log(opts.min_p) if min_p else None  # _kept's test, on its max
-    if opts.top_p in (None, 1.0):  # min_p alone: ties all kept, the last the largest class
-        v = torch.where(z >= floor, z, math.inf).amin(-1, keepdim=True)
+    if opts.top_p in (None, 1.0):  # min_p alone (or a top_k >= V alone: every class):
+        # ties all kept, the last the largest class
+        v = torch.where(z >= floor if min_p else z == z, z, math.inf).amin(-1, keepdim=True)
         c = torch.where(z == v, cols, -1).amax(-1, keepdim=True)
     else:
         mass = e if not min_p else torch.where(z >= floor, e, 0.0)
