@@ -5,6 +5,7 @@ processes on one GPU over gloo) both run. Each rank compares its shard's outputs
 gradients (its rows of the weight's and bias's) with the whole head's, within the
 tolerances of the gloo tests (tests/distributed/test_vocab_parallel.py)."""
 
+import gc
 import math
 import sys
 
@@ -97,6 +98,13 @@ def check_every_family(rank, world):
         print(f"rank {rank}: {name}, uneven {args[1] != shard_bounds(world, False)}",
               file=sys.stderr, flush=True)
         check(*args)
+        # the ranks may share one GPU (the gloo test): each hands back its cache, and
+        # says its peak
+        gc.collect()
+        torch.cuda.empty_cache()
+        print(f"rank {rank}: passed, peak {torch.cuda.max_memory_allocated() / 2**30:.1f} "
+              "GiB", file=sys.stderr, flush=True)
+        torch.cuda.reset_peak_memory_stats()
 
 
 def _check_cross_entropy(rank, bounds, family):
