@@ -1,8 +1,9 @@
 """The Triton kernels this machine runs only in the interpreter also compile for CUDA:
 Triton's code generator (ttir to cubin, for sm_90, no GPU needed) on the sparse
 divergence's row kernels in each of their variants (with the tail and without, one
-device and a vocabulary shard's), the sparse rows' logsumexp kernel and the loop's
-sparse-gradient kernels; the row kernels' registers (cuobjdump's count of the cubin) no
+device and a vocabulary shard's), the sparse rows' logsumexp kernel, the loop's
+sparse-gradient kernels and the log-probs' threshold kernel (top_p / min_p without a
+top-k); the row kernels' registers (cuobjdump's count of the cubin) no
 more than before they were split.
 The interpreter runs Python, so what only the code generator refuses (a loop-carried
 variable changing shape, say) shows here first. In a process of its own: the tests'
@@ -24,6 +25,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from torch_fce.ops.linear_sparse_divergence import kernels as divergence
+from torch_fce.ops.linear_logprobs import truncation_kernels as truncation
 from torch_fce.ops.loop import sparse_kernels
 from torch_fce.ops.rowmath import sparse_rows_kernels as sparse_rows
 
@@ -81,6 +83,14 @@ for weights, bias in [(True, True), (True, False), (False, True)]:
            "gw_ptr": "*fp32", "gb_ptr": "*fp32", "K": "i32", "D": "i32", "stride_x": "i32",
            "stride_w": "i32"},
           dict(HAS_W=weights, HAS_B=bias, BLOCK_E=32, BLOCK_D=128), 4)
+for top_p, min_p in [(True, False), (True, True), (False, True)]:
+    build(truncation._threshold_kernel,
+          {"logits_ptr": "*fp32", "target_ptr": "*i64", "inv_t_ptr": "*fp32",
+           "buf_ptr": "*i64", "out_ptr": "*fp32", "V": "i32", "ignore_index": "i32",
+           "top_p": "fp32", "log_min_p": "fp32", "softcap": "fp32", "stride_ln": "i32"},
+          dict(HAS_SOFTCAP=False, HAS_TOP_P=top_p, HAS_MIN_P=min_p, BLOCK_V=truncation._BLOCK,
+               C=truncation._C, VALUE_STEPS=truncation._VALUE_STEPS,
+               STAGES=truncation._STAGES, BINS=truncation._BINS), truncation._WARPS)
 '''
 
 # The sparse divergence's row kernels' registers at sm_90 (8 warps), as measured before
@@ -103,7 +113,7 @@ def test_kernels_compile_for_cuda():
                          text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
     lines = run.stdout.splitlines()
-    assert sum(line.startswith("compiled") for line in lines) == 36
+    assert sum(line.startswith("compiled") for line in lines) == 39
     regs = {}
     for line in lines:
         name, rest = line.split(" ", 2)[1:]

@@ -46,7 +46,8 @@ _STAGES = 3  # the sweeps' loads in flight
 _BLOCK, _WARPS = 2048, 8  # a sweep's classes a step, the warps: eight lanewise sums
 _VALUE_STEPS = 24  # sweeps at quarters of the values, then of their int32 images
 _STATS = 8
-_BINS, _SPAN = 2048, 64.0  # the guiding histogram's buckets, over at most m - 64 .. m
+_BINS = 2048  # the guiding histogram's buckets, over at most m - _SPAN .. m
+_SPAN = tl.constexpr(64.0)
 
 
 @triton.jit
