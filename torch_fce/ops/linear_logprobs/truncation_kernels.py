@@ -160,7 +160,8 @@ def _threshold_kernel(
         go = (target_mass > 0.0) & (s == s) & (n_in > 0)
         ties = n_in < 0  # int1 tensors: loop-carried values
         step = n_in * 0
-        lane_n = finite  # each lane's classes in the bracket: the scratch's slots
+        lane_n = finite  # each lane's classes in the bracket (the scratch's slots), kept
+        # exact by every sweep that draws the bracket in
         # a histogram of the bracket's values below m, its masses estimated from the
         # counts, draws the first sweep's points about the estimated cut (the sweep
         # tests them exactly: a poor guess costs sweeps, never a wrong K)
@@ -217,7 +218,6 @@ def _threshold_kernel(
                 f1 = tl.zeros([BLOCK_V], tl.float32)
                 f2 = tl.zeros([BLOCK_V], tl.float32)
                 f3 = tl.zeros([BLOCK_V], tl.float32)
-                n0 = tl.zeros([BLOCK_V], tl.int32)
                 n1 = tl.zeros([BLOCK_V], tl.int32)
                 n2 = tl.zeros([BLOCK_V], tl.int32)
                 n3 = tl.zeros([BLOCK_V], tl.int32)
@@ -234,7 +234,6 @@ def _threshold_kernel(
                     n2 += ((r > q2) & inside).to(tl.int32)
                     n3 += ((r > q3) & inside).to(tl.int32)
                     inside = inside & (r > lo)
-                    n0 += inside.to(tl.int32)
                     b_lo = tl.minimum(b_lo, tl.where(inside, r, float("inf")))
                     b_hi = tl.maximum(b_hi, tl.where(inside, r, float("-inf")))
                 f1 = tl.sum(f1, axis=0)
@@ -251,7 +250,7 @@ def _threshold_kernel(
                     if f1 < target_mass:
                         hi = q1
                         f_hi = f1
-                        lane_n = n0 - n1
+                        lane_n = lane_n - n1
                     elif f2 < target_mass:
                         lo = q1
                         hi = q2
