@@ -170,7 +170,7 @@ def _threshold_kernel(
         hq2 = lo
         hq3 = lo
         if guided:
-            span = tl.minimum(m - lo, _SPAN)
+            span = tl.maximum(tl.minimum(m - lo, _SPAN), 1e-30)  # BINS / span finite
             bins = tl.arange(0, BINS)
             cnt = tl.zeros([BINS], tl.int32)
             for v0 in tl.range(0, V, BLOCK_V, num_stages=STAGES):
@@ -280,7 +280,7 @@ def _threshold_kernel(
                 offs = v0 + cols
                 _, r = _z(row_ptr, offs, V, inv_t, softcap, HAS_SOFTCAP)
                 hit = (r > lo) & (r <= hi)
-                tl.store(buf + slot, _sort_key(r, offs), mask=hit & (slot < C))
+                tl.store(buf + slot, _sort_key(r, offs), mask=hit & (slot >= 0) & (slot < C))
                 slot += hit.to(tl.int32)
                 e = tl.where(r > hi, tl.exp(r - m), 0.0)
                 g += tl.where(e > 0.0, e * (r - m), 0.0)
