@@ -26,6 +26,16 @@ def test_main_job_tiny(tmp_path):
     assert record["ratios"]["peak"] == runs["torch_fce"]["peak_mib"] / runs["unfused"]["peak_mib"]
     q1, q3 = runs["torch_fce"]["step_ms_quartiles"]
     assert q1 <= runs["torch_fce"]["step_ms"] <= q3
+    # Inductor's own chunker (torch >= 2.10) trains the same loss in less than the
+    # unfused step's memory, and the job sets torch_fce against it too
+    chunked = runs["auto_chunker"]
+    assert chunked["fused"] == 0 and len(chunked["losses"]) == 3
+    assert max(abs(x - y) / abs(x) for x, y in zip(runs["unfused"]["losses"],
+                                                   chunked["losses"])) <= 1e-5
+    assert 0 < chunked["peak_mib"] < runs["unfused"]["peak_mib"]
+    assert record["ratios_vs_auto_chunker"]["peak"] == \
+        runs["torch_fce"]["peak_mib"] / chunked["peak_mib"]
+    assert "against Inductor's auto_chunker" in out.stdout
 
 
 def test_main_job_at_the_smallest_sizes_a_quick_try_uses(tmp_path):

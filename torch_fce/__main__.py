@@ -1,10 +1,12 @@
-"""python -m torch_fce: the main job — train a small causal LM twice, unfused and fused.
+"""python -m torch_fce: the main job — train a small causal LM unfused and fused.
 
 A TinyLM (torch_fce/bench/tiny_lm.py, loss written the unfused way transformers writes it) is
 trained with AdamW on text shipped in the package (its own docstrings, as word tokens
-hashed into a large vocabulary), compiled with torch.compile, once as is and once with
-torch_fce.lowering, which rewrites its loss into fce::linear_ce. Prints the loss of both
-per step, their agreement, peak memory and step time; writes a JSON record and, with
+hashed into a large vocabulary), compiled with torch.compile: as is; with Inductor's own
+chunker (torch._inductor.config.auto_chunker, torch >= 2.10: what a user who compiles
+already has, which chunks the unfused loss inside the compiled graph); and with
+torch_fce.lowering, which rewrites its loss into fce::linear_ce. Prints the losses per
+step, their agreement, peak memory and step time; writes a JSON record and, with
 matplotlib installed (the "plot" extra), a PNG.
 
 The step time is the median of TIMED_STEPS further steps after the training steps (the
@@ -59,7 +61,25 @@ def batches(ids, batch, seq, steps, seed=0):
         yield torch.stack([ids[s:s + seq] for s in starts.tolist()])
 
 
-def train(args, ids, fused, progress):
+RUNS = ("unfused", "auto_chunker", "torch_fce")
+
+
+def _has_auto_chunker():
+    import torch._inductor.config as inductor_config
+    return hasattr(inductor_config, "auto_chunker")
+
+
+def _compile_mode(name, accumulator):
+    """The context a run trains in: torch_fce's lowering, Inductor's chunker, or neither."""
+    if name == "torch_fce":
+        return lowering.auto_fuse(accumulator)
+    if name == "auto_chunker":
+        import torch._inductor.config as inductor_config
+        return inductor_config.patch({"auto_chunker.enable": True})
+    return contextlib.nullcontext()
+
+
+def train(args, ids, name, progress):
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = TinyLM(args.vocab, dim=args.dim, layers=args.layers, heads=4,
@@ -76,8 +96,7 @@ def train(args, ids, fused, progress):
         opt.zero_grad(set_to_none=True)
         return loss
 
-    with lowering.fresh_compiles(), \
-            lowering.auto_fuse(args.accumulator) if fused else contextlib.nullcontext():
+    with lowering.fresh_compiles(), _compile_mode(name, args.accumulator):
         for i, x in enumerate(batches(ids, args.batch, args.seq, args.steps)):
             losses.append(step(x.to(args.device)).item())
             progress(i + 1, args.steps, losses[-1])
@@ -149,31 +168,32 @@ def _bar(name):
     return progress
 
 
-def _ratios(runs):
+def _ratios(runs, base="unfused"):
     """torch_fce's peak memory (None where a peak is below the resolution) and step
-    time as multiples of the unfused step's."""
-    a, b = runs["unfused"], runs["torch_fce"]
+    time as multiples of the base run's."""
+    a, b = runs[base], runs["torch_fce"]
     peak = None if None in (a["peak_mib"], b["peak_mib"]) else b["peak_mib"] / a["peak_mib"]
     return dict(peak=peak, time=b["step_ms"] / a["step_ms"])
 
 
-def _verdict(runs, ratio, cpu):
+def _verdict(runs, ratio, cpu, base="unfused"):
     """What the step times say: within their spread of each other, or which is faster,
     and why, as this device works."""
-    a, b = runs["unfused"], runs["torch_fce"]
+    a, b = runs[base], runs["torch_fce"]
     if b["step_ms_quartiles"][0] <= a["step_ms_quartiles"][1] and \
             a["step_ms_quartiles"][0] <= b["step_ms_quartiles"][1]:
-        return ("The two step times are within each other's quartiles: no measurable "
-                "difference." + (" On a CPU torch_fce's gain is memory." if cpu else ""))
+        return (f"torch_fce's and the {base} step times are within each other's quartiles: "
+                "no measurable difference."
+                + (" On a CPU torch_fce's gain is memory." if cpu else ""))
     if ratio < 1:
-        return f"torch_fce's step is faster: {ratio:.2f}x the unfused one."
+        return f"torch_fce's step is faster: {ratio:.2f}x the {base} one."
     why = ("On a CPU its row math runs as plain PyTorch passes over each logits chunk, "
            "which Inductor cannot fuse into the softmax as it does for the unfused step: "
            "the gain there is memory." if cpu else
            "On a GPU a model this small is launch-bound (each chunk's GEMMs and row kernel "
            "are separate launches); at real sizes torch_fce is faster and smaller "
            "(docs/benchmarks.md).")
-    return f"torch_fce's step is slower: {ratio:.2f}x the unfused one. {why}"
+    return f"torch_fce's step is slower: {ratio:.2f}x the {base} one. {why}"
 
 
 def plot(record, path):
@@ -186,13 +206,13 @@ def plot(record, path):
 
     runs, args, env = record["runs"], record["args"], record["environment"]
     names = list(runs)
-    fig, axes = plt.subplots(1, 4, figsize=(17, 4))
+    fig, axes = plt.subplots(1, 4, figsize=(19, 4))
     steps = range(1, len(runs[names[0]]["losses"]) + 1)  # as the printed table: 1..N
-    for name, style in zip(names, ("-", "--")):
+    for name, style in zip(names, ("-", ":", "--")):
         axes[0].plot(steps, runs[name]["losses"], style, label=name)
     axes[0].set(xlabel="step", ylabel="loss", title="training loss (the curves overlap)")
     axes[0].legend()
-    a, b = (runs[n]["losses"] for n in names)
+    a, b = (runs[n]["losses"] for n in ("unfused", "torch_fce"))
     # Equal losses (a difference of 0) are drawn at the floor of the axis.
     axes[1].plot(steps, [max(abs(y - x) / abs(x), 1e-9) for x, y in zip(a, b)], "o-",
                  color="C2")
@@ -209,9 +229,9 @@ def plot(record, path):
             ax.text(0.5, 0.5, "too small to measure", ha="center", transform=ax.transAxes)
             ax.set(title=title)
             continue
-        bars = ax.bar(names, vals, color=["C0", "C1"])
+        bars = ax.bar(names, vals, color=["C0", "C1", "C2"][:len(names)])
         ax.bar_label(bars, [f"{v:.1f} {unit}" for v in vals])
-        ax.set(ylabel=unit, title=f"{title}: torch_fce {ratio:.2f}x")
+        ax.set(ylabel=unit, title=f"{title}: torch_fce {ratio:.2f}x unfused")
         ax.set_ylim(0, max(vals) * 1.2)
     fig.suptitle(f"TinyLM vocab {args['vocab']}, dim {args['dim']}, {args['layers']} layers, "
                  f"batch {args['batch']}x{args['seq']}, {args['steps']} steps, accumulator "
@@ -256,18 +276,22 @@ def main(argv=None):
     print(f"TinyLM vocab={args.vocab} dim={args.dim} layers={args.layers}, batch "
           f"{args.batch}x{args.seq} (fp32 logits {N * args.vocab * 4 / 2**20:.0f} MiB), "
           f"{len(ids)} corpus tokens, {args.steps} steps on {args.device}")
-    runs = {name: train(args, ids, name == "torch_fce", _bar(name))
-            for name in ("unfused", "torch_fce")}
+    names = [n for n in RUNS if n != "auto_chunker" or _has_auto_chunker()]
+    if "auto_chunker" not in names:
+        print(f"no auto_chunker run: torch {torch.__version__}'s Inductor has no "
+              "auto_chunker (torch >= 2.10)")
+    runs = {name: train(args, ids, name, _bar(name)) for name in names}
     a, b = runs["unfused"]["losses"], runs["torch_fce"]["losses"]
     for i in range(0, len(a), max(1, len(a) // 10)):
-        print(f"step {i + 1:3d}  unfused {a[i]:.6f}  torch_fce {b[i]:.6f}  "
-              f"rel diff {abs(a[i] - b[i]) / abs(a[i]):.1e}")
+        print(f"step {i + 1:3d}  " + "  ".join(f"{n} {runs[n]['losses'][i]:.6f}"
+                                             for n in names)
+              + f"  torch_fce rel diff {abs(a[i] - b[i]) / abs(a[i]):.1e}")
     worst = max(abs(x - y) / abs(x) for x, y in zip(a, b))
     for name, run in runs.items():
         peak = "too small to measure" if run["peak_mib"] is None \
             else f"{run['peak_mib']:.1f} MiB"
         q1, q3 = run["step_ms_quartiles"]
-        print(f"{name:10} peak {peak:>20}  step {run['step_ms']:8.1f} ms (quartiles "
+        print(f"{name:12} peak {peak:>20}  step {run['step_ms']:8.1f} ms (quartiles "
               f"{q1:.1f}-{q3:.1f})  final loss {run['losses'][-1]:.6f}")
     cpu = torch.device(args.device).type == "cpu"
     print("peak memory: what one training step allocates beyond what is live before it ("
@@ -283,6 +307,13 @@ def main(argv=None):
     print(_verdict(runs, ratios["time"], cpu))
     record = dict(environment=env, args=vars(args), runs=runs, max_rel_loss_diff=worst,
                   ratios=ratios)
+    if "auto_chunker" in runs:
+        chunked = _ratios(runs, "auto_chunker")
+        print("against Inductor's auto_chunker: torch_fce's peak memory "
+              + ("too small to measure at this size" if chunked["peak"] is None
+                 else f"{chunked['peak']:.2f} x") + f"; step time {chunked['time']:.2f} x")
+        print(_verdict(runs, chunked["time"], cpu, "auto_chunker"))
+        record["ratios_vs_auto_chunker"] = chunked
     with open(os.path.join(args.out, "main.json"), "w") as f:
         json.dump(record, f, indent=1)
     png = os.path.join(args.out, "main.png")
