@@ -70,6 +70,19 @@ def test_bench_shapes_tiny_writes_its_rows(tmp_path):
     assert out.stdout.startswith("# ") and "{" not in out.stdout.splitlines()[0]
 
 
+def test_bench_shapes_runs_inductors_chunker(tmp_path):
+    # the peer a user who compiles already has: the unfused loss under Inductor's
+    # auto_chunker, chunked in the compiled graph (a fraction of eager's memory), exact
+    out = _run("torch_fce.bench", "shapes", "--shapes", "1024:64:8192", "--reps", "1",
+               "--compile", "--methods", "torch,torch.compile-chunker", "--json",
+               str(tmp_path / "rows.json"))
+    assert out.returncode == 0, out.stderr
+    rows = {r["method"]: r for r in json.loads((tmp_path / "rows.json").read_text())["rows"]}
+    chunked = rows["torch.compile-chunker"]
+    assert chunked["extra_mib"] < rows["torch"]["extra_mib"] / 4
+    assert max(chunked["loss_err"], chunked["dE_err"], chunked["dW_err"]) <= 1e-5
+
+
 _PATCHED_STEP = """
 import torch, transformers
 from torch_fce.integrations import transformers as fce_hf

@@ -33,6 +33,21 @@ def with_workspace(fn, mib):
     return run
 
 
+def compiled(fn):
+    """torch.compile of an unfused loss, as is ("torch.compile") and under Inductor's own
+    chunker ("torch.compile-chunker": torch._inductor.config.auto_chunker, torch >= 2.10,
+    which chunks the loss inside the compiled graph), each with a compile cache of its own."""
+    import torch._inductor.config as inductor_config
+
+    out = {"torch.compile": torch.compile(fn, fullgraph=True)}
+    if hasattr(inductor_config, "auto_chunker"):
+        def chunked(*args):  # a code object of its own: Dynamo caches by code
+            return fn(*args)
+        out["torch.compile-chunker"] = torch.compile(chunked, fullgraph=True,
+                                                     options={"auto_chunker.enable": True})
+    return out
+
+
 def add_device_option(parser):
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         help="cuda or cpu (default: cuda when available)")

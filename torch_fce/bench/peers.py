@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 import torch_fce
 from torch_fce.bench import rl
-from torch_fce.bench.measure import with_workspace
+from torch_fce.bench.measure import compiled, with_workspace
 
 
 def _torch_unfused(h, w, t):
@@ -71,7 +71,7 @@ def methods(device, with_compile, sweep=()):
     """
     out = {"torch": _torch_unfused}
     if with_compile:
-        out["torch.compile"] = torch.compile(_torch_unfused, fullgraph=True)
+        out.update(compiled(_torch_unfused))
     if device == "cuda":
         for name, make in _peers().items():
             try:

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 import torch_fce
-from torch_fce.bench.measure import with_workspace
+from torch_fce.bench.measure import compiled, with_workspace
 
 TEMPERATURE = 0.7
 EPSILON_LOW, EPSILON_HIGH, BETA = 0.2, 0.28, 0.04
@@ -148,7 +148,7 @@ def methods(objective, device, with_compile, sweep=()):
     unfused = logprobs_unfused if objective == "logprobs" else policy_unfused
     out = {"torch": unfused}
     if with_compile:
-        out["torch.compile"] = torch.compile(unfused, fullgraph=True)
+        out.update(compiled(unfused))
     if device == "cuda":
         peers = {"trl-head": lambda: _trl(objective)}
         if objective == "policy":

@@ -143,7 +143,7 @@ def print_table(rows):
     print("-" * len(head))
     for r in rows:
         spread = f"{r.ms_min:.2f}-{r.ms_max:.2f}"
-        print(f"{r.shape:6} {r.method:14} {r.ms:9.2f} {spread:>17} {r.x_mm:6.2f} "
+        print(f"{r.shape:6} {r.method:21} {r.ms:9.2f} {spread:>17} {r.x_mm:6.2f} "
               f"{r.extra_mib:10.1f} {r.loss_err:9.2e} {r.dE_err:8.2e} {r.dW_err:8.2e}")
 
 
@@ -159,7 +159,7 @@ def _isolated(args, shapes, names):
                    "--shapes", ",".join(shapes), "--methods", name, "--reps",
                    str(args.reps), "--json", f.name]
             cmd += ["--dtype", args.dtype] if args.dtype else []
-            cmd += ["--compile"] if name == "torch.compile" else []
+            cmd += ["--compile"] if name.startswith("torch.compile") else []
             cmd += ["--sweep", ",".join(map(str, args.sweep))] if args.sweep else []
             cmd += ["--objective", args.objective]
             if subprocess.run(cmd, stdout=subprocess.DEVNULL).returncode != 0:
@@ -177,12 +177,14 @@ def main(argv=None):
                         "CUDA, cpu on CPU)" % ",".join(SHAPES))
     p.add_argument("--dtype", default=None, help="bfloat16 (CUDA default) or float32 (CPU)")
     p.add_argument("--methods", default=None,
-                   help="comma-separated subset of: torch, torch.compile (with --compile), "
+                   help="comma-separated subset of: torch, torch.compile and "
+                        "torch.compile-chunker (Inductor's auto_chunker; with --compile), "
                         "liger, cce, cce-exact, quack-{base,fused}-{4096,8192} (CUDA, where "
                         "installed), fce-{fp32,kahan,input}, fce-f32logits "
                         "(logits_dtype=torch.float32), fce-fp32@MiB (with --sweep) "
                         "(default: all available)")
-    p.add_argument("--compile", action="store_true", help="include torch.compile")
+    p.add_argument("--compile", action="store_true",
+                   help="include torch.compile, as is and with Inductor's auto_chunker")
     p.add_argument("--objective", choices=("ce", "logprobs", "policy"), default="ce",
                    help="ce: the mean cross entropy; logprobs: sum of random per-token "
                         "weights times log-probs and entropies at temperature %s (fce: "
@@ -242,7 +244,7 @@ def main(argv=None):
     acc_rows = []
     if args.accuracy:
         Ns = [int(n) for n in args.accuracy.split(",")]
-        acc_fns = {k: v for k, v in fns.items() if k != "torch.compile"}
+        acc_fns = {k: v for k, v in fns.items() if not k.startswith("torch.compile")}
         total += len(Ns) * len(acc_fns)
         acc_rows = accuracy(acc_fns, args.device, Ns, progress=progress)
     print(f"# {describe(env)}")
