@@ -1,4 +1,4 @@
-"""The host staging of the functional all-gathers (gloo_cuda.py, what the one-GPU test's
+"""The host staging of the functional all-gathers (torch_fce/bench/gloo_cuda.py, what the one-GPU test's
 ranks install for CUDA tensors) here on the CPU key, two gloo ranks: every caller the
 vocab-parallel checks have (funcol, a DTensor's full_tensor, a VocabShard's all_gather,
 the vocab-parallel top-k) goes through it and gets what torch's own kernel gives."""
@@ -16,7 +16,7 @@ import torch_fce
 from torch_fce.distributed import vocab_parallel_linear_topk_logprobs
 from torch_fce.ops.machinery.shards import make_shard
 from torch_fce.testing import make_inputs
-from tests.distributed import gloo_cuda
+from torch_fce.bench import gloo_cuda
 
 V = 37
 

@@ -3,7 +3,7 @@ each holding a shard of the head, over a gloo group of CUDA tensors (NCCL refuse
 ranks on one GPU), at a real size, against one process on the same GPU
 (shards_on_gpus.py, the body the two-GPU NCCL test runs too). What gloo cannot carry
 for CUDA tensors, its functional all-gathers (a SIGSEGV on its worker thread), the
-ranks stage through the host (gloo_cuda.py); its other collectives of CUDA tensors
+ranks stage through the host (torch_fce/bench/gloo_cuda.py); its other collectives of CUDA tensors
 stage themselves. A rank that crashes all the same prints every thread's Python stack
 (faulthandler)."""
 
@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tests.distributed.gloo_cuda import stage_all_gathers
+from torch_fce.bench.gloo_cuda import stage_all_gathers
 from tests.distributed.shards_on_gpus import check_every_family
 
 pytestmark = [pytest.mark.cuda,

@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import torch_fce
+from torch_fce.bench.gloo_cuda import stage_all_gathers
 from torch_fce.bench.measure import median_time
 from torch_fce.distributed import vocab_parallel_linear_logprobs
 
@@ -38,6 +39,8 @@ def _worker(rank, world, path, N, D, V, device, one_gpu):
     gpu = 0 if one_gpu else rank
     if cuda:
         torch.cuda.set_device(gpu)
+    if cuda and one_gpu:  # gloo's functional all-gather of CUDA tensors: on the host
+        stage_all_gathers("cuda")
     dist.init_process_group("nccl" if cuda and not one_gpu else "gloo",
                             init_method=f"file://{path}", rank=rank, world_size=world)
     dev = torch.device("cuda", gpu) if cuda else torch.device("cpu")

@@ -177,8 +177,9 @@ def _threshold_kernel(
                 _, r = _z(row_ptr, v0 + cols, V, inv_t, softcap, HAS_SOFTCAP)
                 b = tl.minimum((m - r) * (BINS / span), BINS - 1.0).to(tl.int32)
                 cnt += tl.histogram(b, BINS, mask=r > lo)
-            # a bucket's classes at its middle value: each one's mass is off by at most
-            # a factor e^(width / 2), the estimate's error well within delta
+            # a bucket's classes at its middle value: each class's mass off by a factor
+            # within e^(+-width / 2), about width / sqrt(12) of it on average; delta is
+            # some 3.5 such deviations of the sum, and at least one class's worst case
             width = span / BINS
             e_mid = tl.exp(-(bins + 0.5) * width)
             est = tl.cumsum(cnt.to(tl.float32) * e_mid, axis=0)

@@ -16,8 +16,10 @@ host themselves and are left to it.
 C++ one, which is registered for CompositeExplicitAutograd): each input copied to the
 host, all-gathered there over the group (`dist.all_gather_into_tensor`, gloo's CPU
 path) and copied back. Outputs as the op's: dim 0 times the group's size, rank order.
-Process-wide and for the process's life; the one-GPU test's ranks install it (the
-two-GPU NCCL test does not). The CPU key serves the CPU test of this staging."""
+Process-wide and for the process's life; the ranks of the one-GPU test
+(tests/distributed/test_vocab_parallel_one_gpu.py) and of `vocab_parallel_truncation
+--one-gpu` install it (the two-GPU NCCL runs do not). The CPU key serves the CPU test of
+this staging (tests/distributed/test_gloo_cuda.py)."""
 
 import torch
 import torch.distributed as dist
