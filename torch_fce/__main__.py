@@ -38,7 +38,8 @@ from torch._dynamo.utils import counters
 import torch_fce
 import torch_fce.lowering as lowering
 from torch_fce.bench.env import describe, environment
-from torch_fce.bench.measure import check_device, measured, peak_extra_bytes, prepare
+from torch_fce.bench.measure import (AUTO_CHUNKER, check_device, has_auto_chunker, measured,
+                                     peak_extra_bytes, prepare)
 from torch_fce.bench.tiny_lm import TinyLM
 
 
@@ -64,18 +65,13 @@ def batches(ids, batch, seq, steps, seed=0):
 RUNS = ("unfused", "auto_chunker", "torch_fce")
 
 
-def _has_auto_chunker():
-    import torch._inductor.config as inductor_config
-    return hasattr(inductor_config, "auto_chunker")
-
-
 def _compile_mode(name, accumulator):
     """The context a run trains in: torch_fce's lowering, Inductor's chunker, or neither."""
     if name == "torch_fce":
         return lowering.auto_fuse(accumulator)
     if name == "auto_chunker":
         import torch._inductor.config as inductor_config
-        return inductor_config.patch({"auto_chunker.enable": True})
+        return inductor_config.patch(AUTO_CHUNKER)
     return contextlib.nullcontext()
 
 
@@ -276,7 +272,7 @@ def main(argv=None):
     print(f"TinyLM vocab={args.vocab} dim={args.dim} layers={args.layers}, batch "
           f"{args.batch}x{args.seq} (fp32 logits {N * args.vocab * 4 / 2**20:.0f} MiB), "
           f"{len(ids)} corpus tokens, {args.steps} steps on {args.device}")
-    names = [n for n in RUNS if n != "auto_chunker" or _has_auto_chunker()]
+    names = [n for n in RUNS if n != "auto_chunker" or has_auto_chunker()]
     if "auto_chunker" not in names:
         print(f"no auto_chunker run: torch {torch.__version__}'s Inductor has no "
               "auto_chunker (torch >= 2.10)")

@@ -33,18 +33,26 @@ def with_workspace(fn, mib):
     return run
 
 
+# Inductor's own chunker (torch >= 2.10), which chunks an unfused loss inside the
+# compiled graph: the Inductor options that turn it on
+AUTO_CHUNKER = {"auto_chunker.enable": True}
+
+
+def has_auto_chunker():
+    import torch._inductor.config as inductor_config
+    return hasattr(inductor_config, "auto_chunker")
+
+
 def compiled(fn):
     """torch.compile of an unfused loss, as is ("torch.compile") and under Inductor's own
-    chunker ("torch.compile-chunker": torch._inductor.config.auto_chunker, torch >= 2.10,
-    which chunks the loss inside the compiled graph), each with a compile cache of its own."""
-    import torch._inductor.config as inductor_config
-
+    chunker ("torch.compile-chunker", where torch has it), each with a compile cache of
+    its own."""
     out = {"torch.compile": torch.compile(fn, fullgraph=True)}
-    if hasattr(inductor_config, "auto_chunker"):
+    if has_auto_chunker():
         def chunked(*args):  # a code object of its own: Dynamo caches by code
             return fn(*args)
         out["torch.compile-chunker"] = torch.compile(chunked, fullgraph=True,
-                                                     options={"auto_chunker.enable": True})
+                                                     options=AUTO_CHUNKER)
     return out
 
 

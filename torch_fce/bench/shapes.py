@@ -137,7 +137,7 @@ def bench_shape(shape, dtype, device, fns, reps, progress, objective="ce", faile
 
 
 def print_table(rows):
-    head = f"{'shape':6} {'method':14} {'ms':>9} {'min-max ms':>17} {'x mm':>6} " \
+    head = f"{'shape':6} {'method':21} {'ms':>9} {'min-max ms':>17} {'x mm':>6} " \
            f"{'extra MiB':>10} {'loss err':>9} {'dE err':>8} {'dW err':>8}"
     print(head)
     print("-" * len(head))
