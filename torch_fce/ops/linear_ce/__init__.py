@@ -19,12 +19,14 @@ from ..contract import checks
 from ..contract.entry import (autocast_operands, flat, int64_if_needed, needs_grad,
                              refuse_transforms, token_rows)
 from ..contract.options import as_float, check_bool, check_choice, got, schema_args, take
+from ..loop import exp_gemms
 from ..loop.chunked import (ONE_DEVICE, VocabShard, after_first_gemm, chunk_rows_for,
                            grad_outputs, logits_dtype_for, math_dtype_for, no_autocast,
-                           run_chunks)
+                           run_chunks, run_exp_chunks)
 from ..loop.tokens import counted_target_weights, grad_scales, reduce_loss, z_loss_term
 from ..machinery import grads
 from ..machinery.dispatch import LIB, kernel
+from . import exp_rows
 from .rows import TORCH_CE_ROWS, CETerms, dft_weight, grad_coefficients
 
 REDUCTIONS = ("mean", "sum", "none")
@@ -273,6 +275,10 @@ def _chunks(hidden, weight, target, bias, class_weight, opts, shard, needs, scal
     stats), and the gradients; scales() gives (ce_scale, z_scale), or scales is None
     without gradients."""
     N, mdt = hidden.shape[0], math_dtype_for(hidden.dtype)
+    if backend.exp and shard.group is None and not stats and exp_rows.serves(
+            hidden, weight, bias, opts):
+        return _exp_chunks(hidden, weight, target, class_weight, opts, needs, scales,
+                           backend)
     terms = [hidden.new_empty(N, dtype=mdt) for _ in range(3)] + (
         [hidden.new_empty(N, dtype=torch.int64), hidden.new_empty(N, dtype=mdt)]
         if stats else [])
@@ -296,6 +302,33 @@ def _chunks(hidden, weight, target, bias, class_weight, opts, shard, needs, scal
     gradients = run_chunks(hidden, weight, bias, row_fn, terms, needs, opts.accumulator,
                            rows, shard=shard, logits_dtype=ldt, triton=backend.sums)
     return CETerms(*terms) if stats else CETerms(*terms, None, None), gradients
+
+
+def _exp_chunks(hidden, weight, target, class_weight, opts, needs, scales, backend):
+    """The cross entropy on the exp-GEMM pipeline (loop/exp_gemms.py, exp_rows.py)."""
+    N, V = hidden.shape[0], weight.shape[0]
+    terms = [hidden.new_empty(N, dtype=torch.float32) for _ in range(3)]
+    valid = target != opts.ignore_index
+    smoothing = opts.label_smoothing > 0.0
+
+    def row_fn(tile, s, e, m, zsum):
+        t = target.new_full((m,), opts.ignore_index)
+        t[:e - s] = target[s:e]
+        sc = None
+        if scales is not None:
+            sc = tuple(torch.cat([x[s:e], x.new_zeros(m - (e - s))]) for x in scales())
+        out, g = exp_rows.exp_rows(tile, t, class_weight, sc, opts, V, zsum)
+        return out[:3], g
+
+    w = (torch.ones(V, device=hidden.device) if class_weight is None else class_weight) \
+        if smoothing and scales is not None else None
+    rows = chunk_rows_for(hidden, weight, logits_dtype=hidden.dtype,
+                          per_logit=exp_gemms.BYTES_PER_LOGIT,
+                          log_prob_tiles=False if opts.head_bound else None)
+    gradients = run_exp_chunks(hidden, weight, row_fn, terms, needs, rows,
+                               torch.where(valid, target, -1).long(), valid, w,
+                               backend.sums)
+    return CETerms(*terms, None, None), gradients
 
 
 def _shard_row_fn(hidden, weight, target, class_weight, opts, shard, scales, backend):

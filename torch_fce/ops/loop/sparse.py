@@ -48,6 +48,18 @@ def products(grad, hidden, w, needs, gh=None, gw_dtype=None, triton=False):
     return gh, gw, gb
 
 
+def scatter_add(grad, hidden, gw, triton=False):
+    """gw[c] += the sum over grad's entries naming class c of vals * hidden[token], in
+    place (gw float32; a class without entries is not touched), in the fixed order of
+    products' scatter."""
+    cols, vals = grad.cols.contiguous(), grad.vals.contiguous()
+    if triton:
+        from .sparse_kernels import scatter
+        return scatter(cols, vals, hidden, gw, None, add=True)
+    for k in range(cols.shape[1]):
+        gw.index_add_(0, cols[:, k], _terms(vals[:, k, None], hidden))
+
+
 def _terms(vals, rows):
     """vals (n, 1) times rows (n, D) in vals' dtype; 0 where the value is 0, whatever the
     row holds (an entry without gradient adds nothing, as in the kernels)."""

@@ -48,7 +48,7 @@ def gather(cols, vals, w, out):
 
 @triton.jit
 def _scatter_kernel(starts_ptr, order_ptr, vals_ptr, x_ptr, gw_ptr, gb_ptr, K, D, stride_x,
-                    stride_w, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+                    stride_w, HAS_W: tl.constexpr, HAS_B: tl.constexpr, ADD: tl.constexpr,
                     BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr):
     cls = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -68,15 +68,20 @@ def _scatter_kernel(starts_ptr, order_ptr, vals_ptr, x_ptr, gw_ptr, gb_ptr, K, D
             acc += tl.sum(v[:, None] * x.to(v.dtype), axis=0)
         if HAS_B:
             bsum += tl.sum(v, axis=0)
-    if HAS_W:
+    if ADD:  # into the row as it is; a class without entries is left untouched
+        if end > start:
+            row = gw_ptr + cls * stride_w + d
+            tl.store(row, tl.load(row, mask=dmask, other=0.0) + acc, mask=dmask)
+    elif HAS_W:
         tl.store(gw_ptr + cls * stride_w + d, acc.to(gw_ptr.dtype.element_ty), mask=dmask)
     if HAS_B:
         if tl.program_id(1) == 0:
             tl.store(gb_ptr + cls, bsum)
 
 
-def scatter(cols, vals, hidden, gw, gb):
-    """gw[c], gb[c]: the sums over the entries naming class c (sparse._scatter_rows)."""
+def scatter(cols, vals, hidden, gw, gb, add=False):
+    """gw[c], gb[c]: the sums over the entries naming class c (sparse._scatter_rows);
+    add: gw[c] += its sum (float32 gw, no gb; sparse.scatter_add)."""
     N, K = cols.shape
     V = (gw if gw is not None else gb).shape[0]
     D = hidden.shape[1]
@@ -91,4 +96,4 @@ def scatter(cols, vals, hidden, gw, gb):
         starts, order, vals, hidden, gw if gw is not None else vals,
         gb if gb is not None else vals, K, D, hidden.stride(0),
         gw.stride(0) if gw is not None else 0, HAS_W=gw is not None, HAS_B=gb is not None,
-        BLOCK_E=_BLOCK_E, BLOCK_D=_BLOCK_D)
+        ADD=add, BLOCK_E=_BLOCK_E, BLOCK_D=_BLOCK_D)

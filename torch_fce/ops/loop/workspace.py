@@ -125,6 +125,7 @@ def chunk_rows(N, V, D, dtype, device, per_logit=None, held=None, scale=1.0,
         rows = min(nbytes // (V * per_logit), -(-N // _MIN_CHUNKS))
     else:
         rows = max(_OTHER_DEVICE_ELEMS * itemsize // (V * per_logit), _OTHER_DEVICE_ROWS)
+    rows = int(rows)  # per_logit may be fractional (exp_gemms.BYTES_PER_LOGIT)
     if cuda and rows >= 128:
         rows = rows // 128 * 128
     rows = max(1, rows)

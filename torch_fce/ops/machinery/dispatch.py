@@ -6,10 +6,15 @@ inputs: CUDA tensors run the Triton row kernels (when Triton is installed; float
 the PyTorch rows, the kernels' math is float32), every other device the PyTorch rows.
 Each op picks its own row function from `backend.triton` at one call site (its `_rows`);
 the loop's Triton kernels (the Kahan sums, a sparse gradient's products) run where
-`backend.sums` says. The GEMMs are torch's on every device.
+`backend.sums` says. The GEMMs are torch's on every device, except on the exp-GEMM
+pipeline (loop/exp_gemms.py), which an op that has it (the cross entropy) runs where
+`backend.exp` says and its options are served: opted into with TORCH_FCE_BACKEND=exp
+(on CUDA it needs an sm_90 GPU and quack-kernels; elsewhere its PyTorch twin runs).
 """
 
+import functools
 import importlib.util
+import os
 from typing import NamedTuple, Optional
 
 import torch
@@ -32,6 +37,7 @@ class Backend(NamedTuple):
     triton: bool
     check_values: bool
     loop_triton: Optional[bool] = None
+    exp: bool = False  # the exp-GEMM pipeline, where the op serves the call
 
     @property
     def sums(self):
@@ -39,12 +45,32 @@ class Backend(NamedTuple):
         return self.triton if self.loop_triton is None else self.loop_triton
 
 
+BACKENDS = ("triton", "exp")  # TORCH_FCE_BACKEND's values ("triton": the rows, default)
+
+
+def _chosen():
+    name = os.environ.get("TORCH_FCE_BACKEND", "triton")
+    if name not in BACKENDS:
+        raise ValueError(f"TORCH_FCE_BACKEND must be one of {BACKENDS}, got {name!r}")
+    return name
+
+
+@functools.cache
+def _exp_on_cuda(index):
+    """Whether CUDA device `index` runs the exp-GEMM pipeline's CuTe kernels: sm_90 with
+    quack-kernels (and its cutlass-dsl) importable."""
+    return torch.cuda.get_device_capability(index) == (9, 0) and \
+        importlib.util.find_spec("quack") is not None
+
+
 def backend_for(hidden):
     """The backend for hidden's device and dtype."""
     cuda = hidden.device.type == "cuda" and HAS_TRITON
+    exp = _chosen() == "exp" and (hidden.device.type == "cpu" or (
+        hidden.device.type == "cuda" and _exp_on_cuda(hidden.device.index or 0)))
     return Backend(triton=cuda and hidden.dtype != torch.float64,
                    check_values=hidden.device.type == "cpu" or checks.CHECK_TARGETS,
-                   loop_triton=cuda)
+                   loop_triton=cuda, exp=exp)
 
 
 def kernel(name, hidden=0):

@@ -1,0 +1,157 @@
+"""Issue 56's pipeline on the GPU: the exp-GEMM backend (TORCH_FCE_BACKEND=exp, loop/exp_gemms.py)
+against its PyTorch twin, float64, today's rows and quack's default pipeline.
+
+Per shape (bench/shapes.py, bf16):
+ 1. pieces: each CuTe GEMM (exp_gemms_cute) against the torch twin (exp_gemms) on one
+    chunk of 256 rows (two tiles), the same inputs: E, sum_exp, k, z_y; dx; dW first + add.
+ 2. errors: the mean cross entropy's loss, dx and dW on N_ERR rows against float64, for
+    both backends (the exp pipeline and today's rows).
+ 3. time: forward + backward of the mean cross entropy on the shape's N, median of 10,
+    the two backends and quack's default pipeline alternating in one process.
+
+    source .peers/setup.sh && python -m torch_fce.bench.probes.exp_pipeline [D E Q1024 A]
+"""
+
+import os
+import sys
+import time
+import traceback
+
+import torch
+
+from torch_fce import linear_cross_entropy
+from torch_fce.bench.measure import median_time
+from torch_fce.bench.shapes import SHAPES
+from torch_fce.ops.linear_ce import CEOptions, exp_rows
+from torch_fce.ops.loop import exp_gemms
+
+N_ERR = 2048
+
+
+def rel(a, e):
+    a, e = a.double(), e.double()
+    return ((a - e).norm() / e.norm().clamp_min(1e-300)).item()
+
+
+def inputs(N, D, V, seed=0, dev="cuda"):
+    g = torch.Generator(device=dev).manual_seed(seed)
+    x = torch.randn(N, D, device=dev, generator=g).bfloat16()
+    w = (torch.randn(V, D, device=dev, generator=g) * (2.0 / D ** 0.5)).bfloat16()
+    t = torch.randint(0, V, (N,), device=dev, generator=g)
+    return x, w, t
+
+
+def pieces(D, V):
+    from torch_fce.ops.loop import exp_gemms_cute as cute
+    M, tile_n = 256, exp_gemms.tile_n_for(V)
+    x, w, t = inputs(M, D, V, 1)
+    t[7] = -1  # a row with no selected column
+    a, b = exp_gemms.logits(x, w, t, tile_n), cute.logits(x, w, t, tile_n)
+    torch.cuda.synchronize()
+    here = t >= 0
+    print(f"  logits: E rel {rel(b.E, a.E):.2e} (ulps differ "
+          f"{(b.E != a.E).float().mean().item():.3%}), k differ {(b.k != a.k).sum().item()}, "
+          f"sum_exp rel {rel(b.sum_exp, a.sum_exp):.2e}, zy rel "
+          f"{rel(b.zy[here], a.zy[here]):.2e}", flush=True)
+    opts = CEOptions(reduction="sum")
+    sc = (torch.ones(M, device="cuda"), torch.zeros(M, device="cuda"))
+    _, g = exp_rows.exp_rows(a, t, None, sc, opts, V, None)
+    r = torch.zeros(D, device="cuda")
+    o1, o2 = x.new_empty(M, D), x.new_empty(M, D)
+    exp_gemms.dx(g, w, r, o1)
+    cute.dx(g, w, r, o2)
+    d1, d2 = torch.empty(V, D, device="cuda"), torch.empty(V, D, device="cuda")
+    exp_gemms.dw_add(g, x, d1, True)
+    cute.dw_add(g, x, d2, True)
+    f1 = rel(d2, d1)
+    exp_gemms.dw_add(g, x, d1, False)
+    cute.dw_add(g, x, d2, False)
+    torch.cuda.synchronize()
+    print(f"  dx rel {rel(o2, o1):.2e}; dW first rel {f1:.2e}, after add {rel(d2, d1):.2e}",
+          flush=True)
+
+
+def step(x, w, t, fn=None):
+    def run():
+        h, W = x.detach().requires_grad_(), w.detach().requires_grad_()
+        loss = (fn or linear_cross_entropy)(h, W, t)
+        loss.backward()
+        return loss, h.grad, W.grad
+    return run
+
+
+def with_backend(name, fn):
+    def run():
+        os.environ["TORCH_FCE_BACKEND"] = name
+        try:
+            return fn()
+        finally:
+            os.environ.pop("TORCH_FCE_BACKEND", None)
+    return run
+
+
+def errors(D, V):
+    x, w, t = inputs(N_ERR, D, V, 2)
+    t[::17] = -100
+    h, W = x.double().requires_grad_(), w.double().requires_grad_()
+    loss = torch.nn.functional.cross_entropy(h @ W.T, t, ignore_index=-100)
+    loss.backward()
+    for name in ("triton", "exp"):
+        l, gx, gw = with_backend(name, step(x, w, t))()
+        print(f"  {name:6s} loss {abs(l.item() - loss.item()) / loss.item():.2e} "
+              f"dx {rel(gx, h.grad):.2e} dW {rel(gw, W.grad):.2e}", flush=True)
+
+
+def timing(shape):
+    from torch_fce.bench.peers import _quack
+    x, w, t = inputs(shape.N, shape.D, shape.V, 3)
+    fns = {"fce-rows": with_backend("triton", step(x, w, t)),
+           "fce-exp": with_backend("exp", step(x, w, t))}
+    try:
+        fns["quack-fused-8192"] = step(x, w, t, _quack(8192, True))
+    except Exception as e:  # noqa: BLE001
+        print(f"  quack unavailable: {e}")
+    for f in fns.values():  # warm up (JIT, autotune)
+        f()
+    res = {k: [] for k in fns}
+    for _ in range(3):
+        for k, f in fns.items():
+            res[k].append(median_time(f, "cuda", reps=10, warmup=1) * 1e3)
+    mm = median_time(lambda: x @ w.T, "cuda", reps=10, warmup=2) * 1e3
+    for k, v in res.items():
+        ms = sorted(v)[1]
+        print(f"  {k:18s} {ms:8.2f} ms  ({ms / mm:.2f}x mm)  runs {['%.2f' % a for a in v]}",
+              flush=True)
+    base = sorted(res["fce-exp"])[1]
+    for k, v in res.items():
+        print(f"  fce-exp / {k}: {base / sorted(v)[1]:.3f}")
+    print(f"  peak {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB", flush=True)
+
+
+def section(title, fn, *a):
+    t0 = time.perf_counter()
+    try:
+        fn(*a)
+    except Exception as e:  # noqa: BLE001 (a probe: report and go on)
+        print(f"  [{title}] FAILED: {type(e).__name__}: {e}")
+        traceback.print_exc(limit=-6, file=sys.stdout)
+    print(f"  [{title}] {time.perf_counter() - t0:.1f} s", flush=True)
+
+
+def main(argv):
+    names = [a for a in argv if not a.startswith("-")] or ["D", "E", "Q1024", "A"]
+    print(torch.cuda.get_device_name(), torch.__version__, flush=True)
+    for n in names:
+        s = SHAPES[n]
+        print(f"{n}: N {s.N} D {s.D} V {s.V} (tile_n {exp_gemms.tile_n_for(s.V)})", flush=True)
+        if "--no-pieces" not in argv:
+            section("pieces", pieces, s.D, s.V)
+        if "--no-errors" not in argv:
+            section("errors", errors, s.D, s.V)
+        if "--no-time" not in argv:
+            section("time", timing, s)
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

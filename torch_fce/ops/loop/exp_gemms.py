@@ -1,0 +1,145 @@
+"""The exp-GEMM pipeline: a chunk's softmax carried by its GEMMs, no sweep of its logits.
+
+Per chunk of M token rows x (M, D) against the head W (V, D), bf16 (docs/design.md):
+- logits GEMM, whose epilogue stores, from the float32 sums z, E = bf16(2^(z log2e - k))
+  with k = rne(max z log2e) per (row, n-tile of tile_n classes), and writes per (row,
+  n-tile) sum_exp (the float32 e's sum) and k, and per row z at a selected column (the
+  target's): an `ExpTile`. The logits themselves are never stored.
+- an op's row math (its glue, on (M, T) partials: ops/<op>/exp_rows.py) merges them into
+  lse = k_r ln2 + log sum_t sum_exp 2^(k_t - k_r) (k_r = max_t k) and its per-token terms,
+  and writes its logits gradient as an `ExpGrad`: dz[i, c] = v_i (E u)[i, c] - b_i [c ==
+  col_i] - cs_i w_c, u = 2^(k_t - k_r) per (row, 64 classes) (an exact power of two).
+- dx GEMM: dx = v (E u) W - b W[col] - cs r (r = sum_c w_c W_c), E read through an operand
+  transform (times the u strip), v, b, cs and r in its float32 epilogue: rounded once.
+- dW GEMM: dW += (E bf16(u v))^T x in float32 (v varies along this GEMM's K, the tokens,
+  so it is folded into the strip: one bf16 rounding of the per-row factor, x unrounded);
+  the one-hot and smoothing terms are added once at the end in float32 (exp_tail).
+Against float64 this is more exact than the chunk loop's bf16 logits and their gradient
+(bench/probes/fused_pipeline_numerics.py): E's target entry keeps p_y's form, and the
+one-hot term is added exactly (quack-kernels' pipeline, whose pieces these are, rounds
+(p_y - 1) e^(L - k ln2) into E instead, and rounds x times v again for dW).
+
+Two twins of one signature: `cute` (quack-kernels' CuTe DSL GEMMs, sm_90, exp_gemms_cute)
+and `torch` (this file: the same roundings in PyTorch, the reference the kernels are held
+to and what CPU tests run). The op picks the pipeline (`served`), the loop the twin.
+"""
+
+import math
+from typing import NamedTuple
+
+import torch
+
+LOG2E, LN2 = 1.0 / math.log(2.0), math.log(2.0)
+STRIP = 64  # classes per strip entry (the dW transform's m64 groups)
+ROWS = 128  # chunks run in whole GEMM tiles of rows (the last zero-padded)
+# A chunk's bytes per logit: E, the two strips, sum_exp and k at the smallest n-tile
+BYTES_PER_LOGIT = 2 + 2 * 2 / STRIP + 8 / 64
+
+
+class ExpTile(NamedTuple):
+    """The logits GEMM's output for a chunk of M rows (M a multiple of ROWS): E (M, V)
+    bf16, sum_exp and k (M, T) float32 (T = V / tile_n n-tiles), zy (M,) float32: z at
+    each row's selected column (unwritten where it has none)."""
+    E: torch.Tensor
+    sum_exp: torch.Tensor
+    k: torch.Tensor
+    zy: torch.Tensor
+
+
+class ExpGrad(NamedTuple):
+    """A chunk's logits gradient, dz = v (E u) - b onehot(col) - cs w (module doc): u and
+    uv (V / STRIP, M) bf16 strips (u an exact power of two, uv = bf16(u v)); v, b, cs (M,)
+    float32 (cs zeros without smoothing); col (M,) int64, -1 where b is 0."""
+    E: torch.Tensor
+    u: torch.Tensor
+    uv: torch.Tensor
+    v: torch.Tensor
+    b: torch.Tensor
+    col: torch.Tensor
+    cs: torch.Tensor
+
+
+def tile_n_for(V):
+    """The logits GEMM's n-tile, k's granularity: a divisor of V and multiple of STRIP
+    (quack's rule: 192 measured best at Llama's vocabulary), None if there is none."""
+    return next((n for n in (192, 256, 128, 64) if V % n == 0), None)
+
+
+def served(hidden, weight):
+    """Whether the pipeline can run these operands: bf16 both, V a multiple of 128 (the
+    dW GEMM's M tiles) with an n-tile, D a multiple of 8 (16-byte rows)."""
+    V, D = weight.shape
+    return (hidden.dtype == weight.dtype == torch.bfloat16 and V % 128 == 0
+            and tile_n_for(V) is not None and D % 8 == 0)
+
+
+def strips(k, v, tile_n):
+    """(u, uv) (V / STRIP, M) bf16 of a chunk's k (M, T) and v (M,): u = 2^(k - k_r), exact,
+    and uv = bf16(u v)."""
+    u = torch.exp2(k - k.amax(1, keepdim=True))
+    rep = tile_n // STRIP
+    uv = (u * v[:, None]).t().repeat_interleave(rep, 0).bfloat16()
+    return u.t().repeat_interleave(rep, 0).bfloat16(), uv
+
+
+def lse_of(tile):
+    """(lse, k_r) (M,) float32 of an ExpTile's partials."""
+    k_r = tile.k.amax(1)
+    return k_r * LN2 + torch.log((tile.sum_exp * torch.exp2(tile.k - k_r[:, None])).sum(1)), k_r
+
+
+# ---- the PyTorch twin -------------------------------------------------------------
+
+def logits(x, w, col, tile_n):
+    """ExpTile of x (M, D) against w (V, D), bf16; col (M,) the selected columns."""
+    M, V = x.shape[0], w.shape[0]
+    z = x.float() @ w.float().t()  # the float32 sums of bf16 products
+    zt = z.view(M, V // tile_n, tile_n)
+    k = torch.round(zt.amax(2) * LOG2E)
+    e = torch.exp2(zt * LOG2E - k[:, :, None])
+    here = (col >= 0) & (col < V)
+    zy = torch.where(here, z.gather(1, col.clamp(0, V - 1)[:, None])[:, 0], 0.0)
+    return ExpTile(e.view(M, V).bfloat16(), e.sum(2), k, zy)
+
+
+def dx(g, w, r, out):
+    """out (M, D) = dx of ExpGrad g (module doc), rounded once into out's dtype; r (D,)
+    float32 sum_c w_c W_c (zeros without smoothing)."""
+    M, V = g.E.shape
+    u = g.u.t().repeat_interleave(STRIP, 1).float()  # (M, V)
+    acc = (g.E.float() * u).bfloat16().float() @ w.float()  # the transform's bf16 operand
+    wy = w[g.col.clamp_min(0)].float()
+    out.copy_(acc * g.v[:, None] - g.b[:, None] * wy - g.cs[:, None] * r[None, :])
+
+
+def dw_add(g, x, dw, first):
+    """dw (V, D) float32 = (first: ) / += (E uv)^T x."""
+    uv = g.uv.t().repeat_interleave(STRIP, 1).float()  # (M, V)
+    a = (g.E.float() * uv).bfloat16().float()
+    if first:
+        torch.mm(a.t(), x.float(), out=dw)
+    else:
+        dw.addmm_(a.t(), x.float())
+
+
+def exp_tail(dw, col, b, x, s=None, cw=None, triton=False):
+    """The one-hot and smoothing terms of dW over all N tokens x (N, D), in place and in
+    float32: dw[col_i] -= b_i x_i (each class's sum in token order, sparse.scatter_add;
+    rows with col -1 add nothing) and, with smoothing, dw -= outer(w, s), s = sum_i cs_i
+    x_i (D,) float32 and w the class weights or ones."""
+    from .sparse import SparseGrad, scatter_add
+    grad = SparseGrad(col.clamp_min(0)[:, None], torch.where(col >= 0, -b, 0.0)[:, None])
+    scatter_add(grad, x, dw, triton)
+    if s is not None:
+        w = torch.ones(dw.shape[0], device=dw.device) if cw is None else cw.float()
+        dw.addr_(w, s, alpha=-1.0)
+
+
+def twin(device):
+    """The pipeline's GEMMs for tensors on device: (logits, dx, dw_add)."""
+    if device.type == "cuda":
+        from . import exp_gemms_cute as cute
+        return cute.logits, cute.dx, cute.dw_add
+    return logits, dx, dw_add
+
+
