@@ -45,10 +45,11 @@ def pieces(D, V):
     from torch_fce.ops.loop import exp_gemms_cute as cute
     M, tile_n = 256, exp_gemms.tile_n_for(V)
     x, w, t = inputs(M, D, V, 1)
-    t[7] = -1  # a row with no selected column
-    a, b = exp_gemms.logits(x, w, t, tile_n), cute.logits(x, w, t, tile_n)
-    torch.cuda.synchronize()
+    t[7] = -100  # an ignored row: no selected column
     here = t >= 0
+    col = torch.where(here, t, -1)
+    a, b = exp_gemms.logits(x, w, col, tile_n), cute.logits(x, w, col, tile_n)
+    torch.cuda.synchronize()
     print(f"  logits: E rel {rel(b.E, a.E):.2e} (ulps differ "
           f"{(b.E != a.E).float().mean().item():.3%}), k differ {(b.k != a.k).sum().item()}, "
           f"sum_exp rel {rel(b.sum_exp, a.sum_exp):.2e}, zy rel "
@@ -128,6 +129,83 @@ def timing(shape):
     print(f"  peak {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB", flush=True)
 
 
+def profile(shape):
+    """Per-kernel CUDA time of one forward + backward of each backend and quack's."""
+    from torch.profiler import ProfilerActivity, profile as prof
+    from torch_fce.bench.peers import _quack
+    x, w, t = inputs(shape.N, shape.D, shape.V, 3)
+    fns = {"fce-exp": with_backend("exp", step(x, w, t)),
+           "fce-rows": with_backend("triton", step(x, w, t)),
+           "quack-fused-8192": step(x, w, t, _quack(8192, True))}
+    for k, f in fns.items():
+        f(), f()
+        torch.cuda.synchronize()
+        with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+            for _ in range(3):
+                f()
+            torch.cuda.synchronize()
+        print(f"  {k} (3 steps):")
+        print(p.key_averages().table(sort_by="self_cuda_time_total", row_limit=14,
+                                     max_name_column_width=70), flush=True)
+
+
+def dx_variants(shape):
+    """The dx GEMM alone at several chunk rows M: this pipeline's epilogue (C = W[col], v,
+    b, cs, r) and quack's (v only), at tile_N 128 / 256 / 192 (where it divides D)."""
+    import quack.linear_cross_entropy as qlce
+    from quack.operand_transform.host import transform_a_operand
+    from torch_fce.ops.loop import exp_gemms_cute as cute
+    D, V = shape.D, shape.V
+    for M in (2048, 2816, 4096, 8192):
+        x, w, t = inputs(M, D, V, 4)
+        tile = cute.logits(x, w, t, exp_gemms.tile_n_for(V))
+        _, g = exp_rows.exp_rows(tile, t, None, (torch.ones(M, device="cuda"),
+                                                 torch.zeros(M, device="cuda")),
+                                 CEOptions(reduction="sum"), V, None)
+        out, r, wy = x.new_empty(M, D), torch.zeros(D, device="cuda"), w[t]
+        mm = median_time(lambda: torch.mm(tile.E, w), "cuda", reps=10, warmup=2) * 1e3
+        line = [f"M {M}: cuBLAS E@W {mm:.3f} ms"]
+        for tn in (128, 192, 256):
+            if D % tn and tn != 256:
+                continue
+            bundle = transform_a_operand(cute._dx_scale, g.E, {"u": g.u}, 128, 64)
+
+            def ours(tn=tn, bundle=bundle):
+                cute._dx_epi.gemm(bundle, w.mT, out, wy,
+                                  epi_args=dict(v=g.v, b=g.b, cs=g.cs, r=r),
+                                  transform_a=cute._dx_scale, tile_M=128, tile_N=tn,
+                                  tile_K=64, cluster_M=2, cluster_N=1)
+
+            def theirs(tn=tn, bundle=bundle):
+                qlce._lce_vscale_epi.gemm(bundle, w.mT, out, epi_args=dict(v=g.v.unsqueeze(0)),
+                                          transform_a=cute._dx_scale, tile_M=128, tile_N=tn,
+                                          tile_K=64, cluster_M=2, cluster_N=1)
+            for label, f in (("C+v,b,cs,r", ours), ("v only", theirs)):
+                f()
+                line.append(f"tN {tn} {label} {median_time(f, 'cuda', reps=10, warmup=2) * 1e3 / mm:.2f}x")
+        print("  " + "; ".join(line), flush=True)
+
+
+def workspaces(shape, mibs):
+    """fce-exp and fce-rows forward + backward at several workspaces, alternating."""
+    from torch_fce.ops.loop.workspace import set_workspace
+    x, w, t = inputs(shape.N, shape.D, shape.V, 3)
+    out = {}
+    for mib in mibs:
+        for name in ("exp", "triton"):
+            prev = set_workspace(mib << 20)
+            try:
+                f = with_backend(name, step(x, w, t))
+                f()
+                torch.cuda.reset_peak_memory_stats()
+                ms = median_time(f, "cuda", reps=10, warmup=1) * 1e3
+                out[(mib, name)] = (ms, torch.cuda.max_memory_allocated() / 2**30)
+            finally:
+                set_workspace(prev)
+    for (mib, name), (ms, peak) in out.items():
+        print(f"  {mib:5d} MiB {name:6s} {ms:7.2f} ms peak {peak:.2f} GiB", flush=True)
+
+
 def section(title, fn, *a):
     t0 = time.perf_counter()
     try:
@@ -150,6 +228,13 @@ def main(argv):
             section("errors", errors, s.D, s.V)
         if "--no-time" not in argv:
             section("time", timing, s)
+        if "--dx" in argv:
+            section("dx variants", dx_variants, s)
+        ws = [a for a in argv if a.startswith("--ws=")]
+        if ws:
+            section("workspaces", workspaces, s, [int(v) for v in ws[0][5:].split(",")])
+        if "--profile" in argv:
+            section("profile", profile, s)
         torch.cuda.empty_cache()
 
 
