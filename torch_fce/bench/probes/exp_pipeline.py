@@ -7,7 +7,9 @@ Per shape (bench/shapes.py, bf16):
  2. errors: the mean cross entropy's loss, dx and dW on N_ERR rows against float64, for
     both backends (the exp pipeline and today's rows).
  3. time: forward + backward of the mean cross entropy on the shape's N, median of 10,
-    the two backends and quack's default pipeline alternating in one process.
+    the two backends and quack's default pipeline alternating in one process, with peaks.
+ 4. --plans: the exp pipeline at its chunk plan (exp_gemms.wave_plan) and at others.
+ 5. --ws=MiB,...: both backends at several workspaces. 6. --profile: per-kernel times.
 
     source .peers/setup.sh && python -m torch_fce.bench.probes.exp_pipeline [D E Q1024 A]
 """
@@ -48,7 +50,8 @@ def pieces(D, V):
     t[7] = -100  # an ignored row: no selected column
     here = t >= 0
     col = torch.where(here, t, -1)
-    a, b = exp_gemms.logits(x, w, col, tile_n), cute.logits(x, w, col, tile_n)
+    a = exp_gemms.logits(x, w, col, tile_n, x.new_empty(M, V))
+    b = cute.logits(x, w, col, tile_n, x.new_empty(M, V))
     torch.cuda.synchronize()
     print(f"  logits: E rel {rel(b.E, a.E):.2e} (ulps differ "
           f"{(b.E != a.E).float().mean().item():.3%}), k differ {(b.k != a.k).sum().item()}, "
@@ -60,7 +63,7 @@ def pieces(D, V):
     r = torch.zeros(D, device="cuda")
     o1, o2 = x.new_empty(M, D), x.new_empty(M, D)
     exp_gemms.dx(g, w, r, o1)
-    cute.dx(g, w, r, o2)
+    cute.dx(g, w, r, o2, 128)
     d1, d2 = torch.empty(V, D, device="cuda"), torch.empty(V, D, device="cuda")
     exp_gemms.dw_add(g, x, d1, True)
     cute.dw_add(g, x, d2, True)
@@ -115,18 +118,20 @@ def timing(shape):
     for f in fns.values():  # warm up (JIT, autotune)
         f()
     res = {k: [] for k in fns}
+    peaks = {}
     for _ in range(3):
         for k, f in fns.items():
+            torch.cuda.reset_peak_memory_stats()
             res[k].append(median_time(f, "cuda", reps=10, warmup=1) * 1e3)
+            peaks[k] = torch.cuda.max_memory_allocated() / 2**30
     mm = median_time(lambda: x @ w.T, "cuda", reps=10, warmup=2) * 1e3
     for k, v in res.items():
         ms = sorted(v)[1]
-        print(f"  {k:18s} {ms:8.2f} ms  ({ms / mm:.2f}x mm)  runs {['%.2f' % a for a in v]}",
-              flush=True)
+        print(f"  {k:18s} {ms:8.2f} ms  ({ms / mm:.2f}x mm)  peak {peaks[k]:.2f} GiB  "
+              f"runs {['%.2f' % a for a in v]}", flush=True)
     base = sorted(res["fce-exp"])[1]
     for k, v in res.items():
         print(f"  fce-exp / {k}: {base / sorted(v)[1]:.3f}")
-    print(f"  peak {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB", flush=True)
 
 
 def profile(shape):
@@ -149,41 +154,40 @@ def profile(shape):
                                      max_name_column_width=70), flush=True)
 
 
-def dx_variants(shape):
-    """The dx GEMM alone at several chunk rows M: this pipeline's epilogue (C = W[col], v,
-    b, cs, r) and quack's (v only), at tile_N 128 / 256 / 192 (where it divides D)."""
-    import quack.linear_cross_entropy as qlce
-    from quack.operand_transform.host import transform_a_operand
+def plans(shape):
+    """fce-exp forward + backward at its plan (exp_gemms.wave_plan) and at others: the
+    workspace's chunk at quack's dx tile (the plan before wave_plan), and the model's
+    next best; alternating, with each one's peak memory."""
     from torch_fce.ops.loop import exp_gemms_cute as cute
-    D, V = shape.D, shape.V
-    for M in (2048, 2816, 4096, 8192):
-        x, w, t = inputs(M, D, V, 4)
-        tile = cute.logits(x, w, t, exp_gemms.tile_n_for(V))
-        _, g = exp_rows.exp_rows(tile, t, None, (torch.ones(M, device="cuda"),
-                                                 torch.zeros(M, device="cuda")),
-                                 CEOptions(reduction="sum"), V, None)
-        out, r, wy = x.new_empty(M, D), torch.zeros(D, device="cuda"), w[t]
-        mm = median_time(lambda: torch.mm(tile.E, w), "cuda", reps=10, warmup=2) * 1e3
-        line = [f"M {M}: cuBLAS E@W {mm:.3f} ms"]
-        for tn in (128, 192, 256):
-            if D % tn and tn != 256:
-                continue
-            bundle = transform_a_operand(cute._dx_scale, g.E, {"u": g.u}, 128, 64)
-
-            def ours(tn=tn, bundle=bundle):
-                cute._dx_epi.gemm(bundle, w.mT, out, wy,
-                                  epi_args=dict(v=g.v, b=g.b, cs=g.cs, r=r),
-                                  transform_a=cute._dx_scale, tile_M=128, tile_N=tn,
-                                  tile_K=64, cluster_M=2, cluster_N=1)
-
-            def theirs(tn=tn, bundle=bundle):
-                qlce._lce_vscale_epi.gemm(bundle, w.mT, out, epi_args=dict(v=g.v.unsqueeze(0)),
-                                          transform_a=cute._dx_scale, tile_M=128, tile_N=tn,
-                                          tile_K=64, cluster_M=2, cluster_N=1)
-            for label, f in (("C+v,b,cs,r", ours), ("v only", theirs)):
+    from torch_fce.ops.loop.workspace import chunk_rows
+    N, D, V = shape.N, shape.D, shape.V
+    x, w, t = inputs(N, D, V, 3)
+    cap = chunk_rows(N, V, D, torch.bfloat16, "cuda", per_logit=exp_gemms.BYTES_PER_LOGIT)
+    sms = cute._sms(torch.cuda.current_device())
+    best = exp_gemms.wave_plan(N, D, V, cap, sms)
+    ranked = sorted({(m, tn) for m in range(256, cap + 1, 128) for tn in (128, 192, 256)},
+                    key=lambda o: exp_gemms._chunk_cost(o[0], N, D, V, o[1], sms))
+    old = (-(-cap // 128) * 128, cute._grad_tile_n(D))
+    variants = [best, old] + [o for o in ranked if o not in (best, old)][:2]
+    real = cute.plan
+    res = {o: [] for o in variants}
+    peaks = {}
+    try:
+        for _ in range(2):
+            for o in variants:
+                cute.plan = lambda *a, o=o: o
+                f = with_backend("exp", step(x, w, t))
                 f()
-                line.append(f"tN {tn} {label} {median_time(f, 'cuda', reps=10, warmup=2) * 1e3 / mm:.2f}x")
-        print("  " + "; ".join(line), flush=True)
+                torch.cuda.reset_peak_memory_stats()
+                res[o].append(median_time(f, "cuda", reps=10, warmup=1) * 1e3)
+                peaks[o] = torch.cuda.max_memory_allocated() / 2**30
+    finally:
+        cute.plan = real
+    for o in variants:
+        tag = "plan" if o == best else "old" if o == old else "alt"
+        cost = exp_gemms._chunk_cost(o[0], N, D, V, o[1], sms) * 1e3
+        print(f"  {tag:4s} rows {o[0]:5d} dx tile_N {o[1]}: {min(res[o]):7.2f} ms "
+              f"(model {cost:.2f} ms) peak {peaks[o]:.2f} GiB", flush=True)
 
 
 def workspaces(shape, mibs):
@@ -228,8 +232,8 @@ def main(argv):
             section("errors", errors, s.D, s.V)
         if "--no-time" not in argv:
             section("time", timing, s)
-        if "--dx" in argv:
-            section("dx variants", dx_variants, s)
+        if "--plans" in argv:
+            section("plans", plans, s)
         ws = [a for a in argv if a.startswith("--ws=")]
         if ws:
             section("workspaces", workspaces, s, [int(v) for v in ws[0][5:].split(",")])

@@ -22,7 +22,7 @@ from ..contract.options import as_float, check_bool, check_choice, got, schema_a
 from ..loop import exp_gemms
 from ..loop.chunked import (ONE_DEVICE, VocabShard, after_first_gemm, chunk_rows_for,
                            grad_outputs, logits_dtype_for, math_dtype_for, no_autocast,
-                           run_chunks, run_exp_chunks)
+                           run_chunks)
 from ..loop.tokens import counted_target_weights, grad_scales, reduce_loss, z_loss_term
 from ..machinery import grads
 from ..machinery.dispatch import LIB, kernel
@@ -325,7 +325,7 @@ def _exp_chunks(hidden, weight, target, class_weight, opts, needs, scales, backe
     rows = chunk_rows_for(hidden, weight, logits_dtype=hidden.dtype,
                           per_logit=exp_gemms.BYTES_PER_LOGIT,
                           log_prob_tiles=False if opts.head_bound else None)
-    gradients = run_exp_chunks(hidden, weight, row_fn, terms, needs, rows,
+    gradients = exp_gemms.run_exp_chunks(hidden, weight, row_fn, terms, needs, rows,
                                torch.where(valid, target, -1).long(), valid, w,
                                backend.sums)
     return CETerms(*terms, None, None), gradients

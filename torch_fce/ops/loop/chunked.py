@@ -33,7 +33,6 @@ import torch
 import torch.nn.functional as F
 
 from ..contract.entry import autocast_enabled
-from . import exp_gemms
 from .accumulate import GradAccumulator, _mm_f32
 from .sparse import SparseGrad, products as sparse_products
 from .workspace import chunk_rows as _workspace_rows
@@ -266,67 +265,6 @@ def _run_token_chunks(hidden, weight, row_fn, outputs, needs_grad, accumulator,
         return sparse_products(grad, hidden, w, needs_grad, gh,
                                grad_dtype(weight.dtype, accumulator == "fp32"), triton)
     return gh, gw, gb
-
-
-def run_exp_chunks(hidden, weight, row_fn, outputs, needs_grad, chunk_rows, select, keep,
-                   smoothing_w=None, triton=False):
-    """The token-chunk loop on the exp-GEMM pipeline (exp_gemms.py: no logits, no dz).
-    Each chunk's rows are staged into whole GEMM tiles, those not `keep` (N,) bool (no
-    loss term, no gradient: ignored tokens) and the padding zeroed, so what their hidden
-    states hold reaches nothing. row_fn(tile, s, e, m) gets the chunk's ExpTile (m rows,
-    the chunk's e - s first) and zsum, sum_c w_c z_c of each row with a smoothing term
-    (else None), and returns (terms, ExpGrad or None), each term (m,).
-    select (N,): the column of each row whose logit the GEMM gathers (-1: none).
-    smoothing_w: None, or the (V,) class weights (ones) of a smoothing term in the
-    gradient (its r = W^T w feeds dx, its rank-1 term dW). Returns (grad_hidden in
-    hidden's dtype, grad_weight float32, None), each None unless flagged."""
-    logits, dx, dw_add = exp_gemms.twin(hidden.device)
-    N, D = hidden.shape
-    V = weight.shape[0]
-    tile_n = exp_gemms.tile_n_for(V)
-    w = weight.to(hidden.dtype)
-    f32 = dict(dtype=torch.float32, device=hidden.device)
-    rows = -(-max(1, min(chunk_rows, N)) // exp_gemms.ROWS) * exp_gemms.ROWS
-    gh = hidden.new_empty(N, D) if needs_grad[0] else None
-    gw = torch.empty(V, D, **f32) if needs_grad[1] else None
-    smooth = smoothing_w is not None
-    r = smoothing_w.float() @ w.float() if smooth else torch.zeros(D, **f32)
-    s_vec = torch.zeros(D, **f32) if smooth else None  # sum_i cs_i x_i
-    stage = hidden.new_zeros(rows, D)
-    cols, bs = [], []
-    for s in range(0, N, chunk_rows):
-        e = min(N, s + chunk_rows)
-        n, m = e - s, -(-(e - s) // exp_gemms.ROWS) * exp_gemms.ROWS
-        x = stage[:m]
-        x[:n] = torch.where(keep[s:e, None], hidden[s:e], 0.0)
-        x[n:] = 0
-        col = select.new_full((m,), -1)
-        col[:n] = select[s:e]
-        zsum = x.float() @ r if smooth else None
-        terms, g = row_fn(logits(x, w, col, tile_n), s, e, m, zsum)
-        for out, term in zip(outputs, terms):
-            out[s:e] = term[:n]
-        if g is None:
-            continue
-        if gh is not None:
-            if m == n:
-                dx(g, w, r, gh[s:e])
-            else:
-                part = hidden.new_empty(m, D)
-                dx(g, w, r, part)
-                gh[s:e] = part[:n]
-        if gw is not None:
-            dw_add(g, x, gw, first=s == 0)
-            if smooth:
-                s_vec += g.cs @ x.float()
-        cols.append(g.col[:n])
-        bs.append(g.b[:n])
-    if gw is not None and cols:
-        exp_gemms.exp_tail(gw, torch.cat(cols), torch.cat(bs), hidden, s_vec,
-                           smoothing_w, triton)
-    elif gw is not None:  # no tokens
-        gw.zero_()
-    return gh, gw, None
 
 
 def vocab_tiles(N, V, chunk_rows, cuda):

@@ -21,7 +21,8 @@ one-hot term is added exactly (quack-kernels' pipeline, whose pieces these are, 
 
 Two twins of one signature: `cute` (quack-kernels' CuTe DSL GEMMs, sm_90, exp_gemms_cute)
 and `torch` (this file: the same roundings in PyTorch, the reference the kernels are held
-to and what CPU tests run). The op picks the pipeline (`served`), the loop the twin.
+to and what CPU tests run). The op picks the pipeline (`served`), `run_exp_chunks` (the
+pipeline's token-chunk loop, at the end) the twin.
 """
 
 import math
@@ -90,8 +91,9 @@ def lse_of(tile):
 
 # ---- the PyTorch twin -------------------------------------------------------------
 
-def logits(x, w, col, tile_n):
-    """ExpTile of x (M, D) against w (V, D), bf16; col (M,) the selected columns."""
+def logits(x, w, col, tile_n, E):
+    """ExpTile of x (M, D) against w (V, D), bf16, its E written into E (M, V) bf16; col
+    (M,) the selected columns."""
     M, V = x.shape[0], w.shape[0]
     z = x.float() @ w.float().t()  # the float32 sums of bf16 products
     zt = z.view(M, V // tile_n, tile_n)
@@ -99,12 +101,51 @@ def logits(x, w, col, tile_n):
     e = torch.exp2(zt * LOG2E - k[:, :, None])
     here = (col >= 0) & (col < V)
     zy = torch.where(here, z.gather(1, col.clamp(0, V - 1)[:, None])[:, 0], 0.0)
-    return ExpTile(e.view(M, V).bfloat16(), e.sum(2), k, zy)
+    E.copy_(e.view(M, V))
+    return ExpTile(E, e.sum(2), k, zy)
 
 
-def dx(g, w, r, out):
+def plan(N, D, V, rows, device):
+    """(rows, tile_n) of the chunk loop: rows whole tiles of ROWS within the workspace's
+    (rows), one tile at the least; tile_n the dx GEMM's (None: the twin has none)."""
+    return max(ROWS, min(rows, N) // ROWS * ROWS), None
+
+
+# wave_plan's cost model, in seconds: a dx tile's time (2 x 128 x tile_N x V FLOP at an
+# SM's share of a Hopper GPU's bf16 rate) per wave, and a chunk's fixed cost (its dW
+# GEMM's reduce-add reads and writes the float32 sum, 8 V D bytes, at about HBM speed).
+_SM_FLOPS = 5.0e12
+_HBM_BYTES = 3.5e12
+_DX_TILES_N = (256, 192, 128)  # ties go to the wider tile (fewer, denser MMAs)
+
+
+def _chunk_cost(m, N, D, V, tile_n, sms):
+    """Modelled seconds of N rows in chunks of m (a multiple of ROWS) at dx tile_n."""
+    waves = 0
+    for s in range(0, N, m):
+        tiles_m = -(-min(m, N - s) // ROWS)
+        clusters = -(-tiles_m // 2) * -(-D // tile_n)  # cluster_M 2: pairs of row tiles
+        waves += -(-clusters // (sms // 2))
+    return waves * 2 * ROWS * tile_n * V / _SM_FLOPS + -(-N // m) * 8 * V * D / _HBM_BYTES
+
+
+def wave_plan(N, D, V, rows, sms):
+    """The CUDA twin's plan on a GPU of sms SMs. The dx GEMM's output is only chunk x D,
+    so its tiles are few and each runs the whole V: a chunk whose tiles spill a few past
+    a wave of the SMs costs a second wave (measured on an H100 at D 896: a 2816-row
+    chunk's dx 1.49x cuBLAS's E @ W, a 2048-row one's 1.07x). Of the balanced chunkings
+    within the workspace (up to 8 more chunks than it needs) and the dx tiles, the one
+    the cost model above finds fastest."""
+    cap = max(ROWS, min(rows, N) // ROWS * ROWS)
+    N, first = max(N, 1), -(-max(N, 1) // cap)
+    sizes = {-(-(-(-N // n)) // ROWS) * ROWS for n in range(first, first + 9)}
+    return min(((m, tn) for m in sorted(sizes, reverse=True) if m <= cap
+                for tn in _DX_TILES_N), key=lambda o: _chunk_cost(o[0], N, D, V, o[1], sms))
+
+
+def dx(g, w, r, out, tile_n=None):
     """out (M, D) = dx of ExpGrad g (module doc), rounded once into out's dtype; r (D,)
-    float32 sum_c w_c W_c (zeros without smoothing)."""
+    float32 sum_c w_c W_c (zeros without smoothing); tile_n: the CUDA twin's."""
     M, V = g.E.shape
     u = g.u.t().repeat_interleave(STRIP, 1).float()  # (M, V)
     acc = (g.E.float() * u).bfloat16().float() @ w.float()  # the transform's bf16 operand
@@ -136,10 +177,72 @@ def exp_tail(dw, col, b, x, s=None, cw=None, triton=False):
 
 
 def twin(device):
-    """The pipeline's GEMMs for tensors on device: (logits, dx, dw_add)."""
+    """The pipeline's pieces for tensors on device: (plan, logits, dx, dw_add)."""
     if device.type == "cuda":
         from . import exp_gemms_cute as cute
-        return cute.logits, cute.dx, cute.dw_add
-    return logits, dx, dw_add
+        return cute.plan, cute.logits, cute.dx, cute.dw_add
+    return plan, logits, dx, dw_add
+
+
+def run_exp_chunks(hidden, weight, row_fn, outputs, needs_grad, chunk_rows, select, keep,
+                   smoothing_w=None, triton=False):
+    """The token-chunk loop on the exp-GEMM pipeline (no logits, no dz), in chunks of at
+    most about the workspace's chunk_rows (the twin's plan). Each chunk's rows are staged
+    into whole GEMM tiles, those not `keep` (N,) bool (no loss term, no gradient: ignored
+    tokens) and the padding zeroed, so what their hidden states hold reaches nothing; one
+    E buffer serves every chunk. row_fn(tile, s, e, m, zsum) gets the chunk's ExpTile (m
+    rows, the chunk's e - s first) and zsum, sum_c w_c z_c of each row with a smoothing
+    term (else None), and returns (terms, ExpGrad or None), each term (m,).
+    select (N,): the column of each row whose logit the GEMM gathers (-1: none).
+    smoothing_w: None, or the (V,) class weights (ones) of a smoothing term in the
+    gradient (its r = W^T w feeds dx, its rank-1 term dW). Returns (grad_hidden in
+    hidden's dtype, grad_weight float32, None), each None unless flagged."""
+    plan_of, logits_of, dx_of, dw_add_of = twin(hidden.device)
+    N, D = hidden.shape
+    V = weight.shape[0]
+    rows, dx_tile = plan_of(N, D, V, chunk_rows, hidden.device)
+    tile_n = tile_n_for(V)
+    w = weight.to(hidden.dtype)
+    f32 = dict(dtype=torch.float32, device=hidden.device)
+    gh = hidden.new_empty(N, D) if needs_grad[0] else None
+    gw = torch.empty(V, D, **f32) if needs_grad[1] else None
+    smooth = smoothing_w is not None
+    r = smoothing_w.float() @ w.float() if smooth else torch.zeros(D, **f32)
+    s_vec = torch.zeros(D, **f32) if smooth else None  # sum_i cs_i x_i
+    stage = hidden.new_zeros(rows, D)
+    E = hidden.new_empty(rows, V)
+    cols, bs = [], []
+    for s in range(0, N, rows):
+        e = min(N, s + rows)
+        n, m = e - s, -(-(e - s) // ROWS) * ROWS
+        x = stage[:m]
+        x[:n] = torch.where(keep[s:e, None], hidden[s:e], 0.0)
+        x[n:] = 0
+        col = select.new_full((m,), -1)
+        col[:n] = select[s:e]
+        zsum = x.float() @ r if smooth else None
+        terms, g = row_fn(logits_of(x, w, col, tile_n, E[:m]), s, e, m, zsum)
+        for out, term in zip(outputs, terms):
+            out[s:e] = term[:n]
+        if g is None:
+            continue
+        if gh is not None:
+            if m == n:
+                dx_of(g, w, r, gh[s:e], dx_tile)
+            else:  # the ragged last chunk's padding rows have nowhere to go in gh
+                part = hidden.new_empty(m, D)
+                dx_of(g, w, r, part, dx_tile)
+                gh[s:e] = part[:n]
+        if gw is not None:
+            dw_add_of(g, x, gw, first=s == 0)
+            if smooth:
+                s_vec += g.cs @ x.float()
+        cols.append(g.col[:n])
+        bs.append(g.b[:n])
+    if gw is not None and cols:
+        exp_tail(gw, torch.cat(cols), torch.cat(bs), hidden, s_vec, smoothing_w, triton)
+    elif gw is not None:  # no tokens
+        gw.zero_()
+    return gh, gw, None
 
 

@@ -4,9 +4,12 @@ The logits GEMM is quack's scaled_exp_target_epi as its own pipeline runs it
 (quack/linear_cross_entropy.py); the gradient GEMMs read E through quack's A-operand
 transforms (a per-(row, 64 classes) strip for dx, per-(64 classes, row) for dW). The dx
 epilogue is this file's: v times the accumulator minus the one-hot and smoothing terms,
-in float32, rounded once. Tile shapes are fixed (no autotuning), so a row's sums do not
-depend on the batch: the per-token outputs stay batch-invariant.
+in float32, rounded once. The logits GEMM's tiles are fixed (no autotuning), so a row's
+sums do not depend on the batch: the per-token outputs stay batch-invariant. The dx
+GEMM's tile_N and the chunk's rows are planned for the GPU's SMs (exp_gemms.wave_plan).
 """
+
+import functools
 
 import torch
 from quack.epilogue.frontend import gemm_epilogue
@@ -16,9 +19,7 @@ from quack.epilogue.scaled_exp import scaled_exp_target_epi
 from quack.operand_transform import a_transform
 from quack.operand_transform.host import transform_a_operand
 
-from .exp_gemms import ExpTile
-
-LAUNCH = True  # False: trace and compile only (tests/ops/test_cute_compiles.py, no GPU)
+from .exp_gemms import ExpTile, wave_plan
 
 
 @a_transform(vec_size=8, args={"u": "colvec_ktile"})
@@ -42,28 +43,37 @@ def _grad_tile_n(D):
     return 192 if D % 192 == 0 else 256  # quack's dx / dW tile_N over D
 
 
-def logits(x, w, col, tile_n):
+@functools.cache
+def _sms(index):
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def plan(N, D, V, rows, device):
+    """exp_gemms.plan on the GPU: exp_gemms.wave_plan for its SMs."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return wave_plan(N, D, V, rows, _sms(index))
+
+
+def logits(x, w, col, tile_n, E):
     """exp_gemms.logits on the GPU."""
     M, V = x.shape[0], w.shape[0]
     T = V // tile_n
-    E = x.new_empty(M, V)
     sum_exp, k = (x.new_empty(M, T, dtype=torch.float32) for _ in range(2))
     zy = x.new_zeros(M, dtype=torch.float32)
     scaled_exp_target_epi.gemm(
         x, w, E, epi_args=dict(max_log2=tile_n, sum_exp=sum_exp, max_log2_out=k, target=col,
                                target_logit=zy),
-        tile_M=128, tile_N=tile_n, cluster_M=2, cluster_N=1, pingpong=tile_n <= 208,
-        _launch=LAUNCH)
+        tile_M=128, tile_N=tile_n, cluster_M=2, cluster_N=1, pingpong=tile_n <= 208)
     return ExpTile(E, sum_exp, k, zy)
 
 
-def dx(g, w, r, out):
-    """exp_gemms.dx on the GPU."""
+def dx(g, w, r, out, tile_n):
+    """exp_gemms.dx on the GPU, at the plan's tile_n."""
     bundle = transform_a_operand(_dx_scale, g.E, {"u": g.u}, 128, 64)
     wy = w[g.col.clamp_min(0)]
     _dx_epi.gemm(bundle, w.mT, out, wy, epi_args=dict(v=g.v, b=g.b, cs=g.cs, r=r),
-                 transform_a=_dx_scale, tile_M=128, tile_N=_grad_tile_n(w.shape[1]),
-                 tile_K=64, cluster_M=2, cluster_N=1, _launch=LAUNCH)
+                 transform_a=_dx_scale, tile_M=128, tile_N=tile_n,
+                 tile_K=64, cluster_M=2, cluster_N=1)
 
 
 def dw_add(g, x, dw, first):
@@ -71,4 +81,4 @@ def dw_add(g, x, dw, first):
     bundle = transform_a_operand(_dw_scale, g.E.t(), {"u": g.uv}, 128, 64)
     identity_epi.gemm(bundle, x.mT, dw, epi_args={}, transform_a=_dw_scale,
                       add_to_output=not first, tile_M=128, tile_N=_grad_tile_n(x.shape[1]),
-                      tile_K=64, cluster_M=1, cluster_N=2, _launch=LAUNCH)
+                      tile_K=64, cluster_M=1, cluster_N=2)

@@ -54,8 +54,8 @@ def scatter_add(grad, hidden, gw, triton=False):
     products' scatter."""
     cols, vals = grad.cols.contiguous(), grad.vals.contiguous()
     if triton:
-        from .sparse_kernels import scatter
-        return scatter(cols, vals, hidden, gw, None, add=True)
+        from .sparse_kernels import scatter_add
+        return scatter_add(cols, vals, hidden, gw)
     for k in range(cols.shape[1]):
         gw.index_add_(0, cols[:, k], _terms(vals[:, k, None], hidden))
 

@@ -7,6 +7,10 @@ class's first entry found by searchsorted, so each class's row of the weight gra
 is one program's sum over its entries in token order, written once (a class without
 entries: zeros); no atomics. A class named by every token is one program's loop over
 the batch (N / 32 steps): the longest program.
+scatter_add: the same sums added into a float32 gradient (the exp pipeline's one-hot
+term, loop/exp_gemms.exp_tail): one program a sorted entry, which works only where a
+class's run of entries starts, so the grid is the entries' count, not V (most classes
+have none: at V 151936 a grid over classes was 1M near-empty programs).
 """
 
 import torch
@@ -48,7 +52,7 @@ def gather(cols, vals, w, out):
 
 @triton.jit
 def _scatter_kernel(starts_ptr, order_ptr, vals_ptr, x_ptr, gw_ptr, gb_ptr, K, D, stride_x,
-                    stride_w, HAS_W: tl.constexpr, HAS_B: tl.constexpr, ADD: tl.constexpr,
+                    stride_w, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
                     BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr):
     cls = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -68,27 +72,27 @@ def _scatter_kernel(starts_ptr, order_ptr, vals_ptr, x_ptr, gw_ptr, gb_ptr, K, D
             acc += tl.sum(v[:, None] * x.to(v.dtype), axis=0)
         if HAS_B:
             bsum += tl.sum(v, axis=0)
-    if ADD:  # into the row as it is; a class without entries is left untouched
-        if end > start:
-            row = gw_ptr + cls * stride_w + d
-            tl.store(row, tl.load(row, mask=dmask, other=0.0) + acc, mask=dmask)
-    elif HAS_W:
+    if HAS_W:
         tl.store(gw_ptr + cls * stride_w + d, acc.to(gw_ptr.dtype.element_ty), mask=dmask)
     if HAS_B:
         if tl.program_id(1) == 0:
             tl.store(gb_ptr + cls, bsum)
 
 
-def scatter(cols, vals, hidden, gw, gb, add=False):
-    """gw[c], gb[c]: the sums over the entries naming class c (sparse._scatter_rows);
-    add: gw[c] += its sum (float32 gw, no gb; sparse.scatter_add)."""
+def _by_class(cols, vals, V):
+    """(keys, order): the entries' classes stably sorted, those without gradient (a token
+    not counted, padding) as V, past the last class: no program sums them (at class 0 they
+    would make one program's work the batch's)."""
+    keys = torch.where(vals.flatten() != 0, cols.flatten(), V)
+    return torch.sort(keys, stable=True)
+
+
+def scatter(cols, vals, hidden, gw, gb):
+    """gw[c], gb[c]: the sums over the entries naming class c (sparse._scatter_rows)."""
     N, K = cols.shape
     V = (gw if gw is not None else gb).shape[0]
     D = hidden.shape[1]
-    # entries without gradient (a token not counted, padding) sort past the last class:
-    # no program sums them (at class 0 they would make one program's work the batch's)
-    keys = torch.where(vals.flatten() != 0, cols.flatten(), V)
-    keys, order = torch.sort(keys, stable=True)
+    keys, order = _by_class(cols, vals, V)
     starts = torch.searchsorted(keys, torch.arange(V + 1, device=keys.device))
     assert hidden.stride(1) == 1 and (gw is None or gw.stride(1) == 1)
     blocks = triton.cdiv(D, _BLOCK_D) if gw is not None else 1
@@ -96,4 +100,41 @@ def scatter(cols, vals, hidden, gw, gb, add=False):
         starts, order, vals, hidden, gw if gw is not None else vals,
         gb if gb is not None else vals, K, D, hidden.stride(0),
         gw.stride(0) if gw is not None else 0, HAS_W=gw is not None, HAS_B=gb is not None,
-        ADD=add, BLOCK_E=_BLOCK_E, BLOCK_D=_BLOCK_D)
+        BLOCK_E=_BLOCK_E, BLOCK_D=_BLOCK_D)
+
+
+@triton.jit
+def _scatter_add_kernel(keys_ptr, ends_ptr, order_ptr, vals_ptr, x_ptr, gw_ptr, K, D, V,
+                        stride_x, stride_w, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr):
+    p = tl.program_id(0).to(tl.int64)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    dmask = d < D
+    cls = tl.load(keys_ptr + p)
+    prev = tl.load(keys_ptr + p - 1, mask=p > 0, other=-1)
+    if (cls != prev) & (cls < V):  # the first entry of its class's run
+        end = tl.load(ends_ptr + p)
+        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+        for e0 in range(p, end, BLOCK_E):
+            es = e0 + tl.arange(0, BLOCK_E)
+            emask = es < end
+            entry = tl.load(order_ptr + es, mask=emask, other=0)  # t * K + k
+            v = tl.load(vals_ptr + entry, mask=emask, other=0.0)
+            x = tl.load(x_ptr + (entry // K)[:, None] * stride_x + d[None, :],
+                        mask=emask[:, None] & dmask[None, :], other=0.0)
+            acc += tl.sum(v[:, None] * x.to(tl.float32), axis=0)
+        row = gw_ptr + cls * stride_w + d
+        tl.store(row, tl.load(row, mask=dmask, other=0.0) + acc, mask=dmask)
+
+
+def scatter_add(cols, vals, hidden, gw):
+    """gw[c] += the sum over the entries naming class c (gw, vals float32;
+    sparse.scatter_add): a class without entries is not touched."""
+    N, K = cols.shape
+    V, D = gw.shape
+    keys, order = _by_class(cols, vals, V)
+    ends = torch.searchsorted(keys, keys, right=True)
+    assert hidden.stride(1) == 1 and gw.stride(1) == 1
+    if N * K:
+        _scatter_add_kernel[(N * K, triton.cdiv(D, _BLOCK_D))](
+            keys, ends, order, vals, hidden, gw, K, D, V, hidden.stride(0), gw.stride(0),
+            BLOCK_E=_BLOCK_E, BLOCK_D=_BLOCK_D)

@@ -1,0 +1,248 @@
+"""The exp-GEMM pipeline (TORCH_FCE_BACKEND=exp, loop/exp_gemms.py): its PyTorch twin
+against float64 on every option the cross entropy serves there, its fallbacks, its plan,
+its one-hot scatter; on an sm_90 GPU with quack-kernels, the CuTe twin against the
+PyTorch one and float64, batch invariance and no host sync."""
+
+import importlib.util
+
+import pytest
+import torch
+
+import torch_fce
+from tests.helpers import confident_inputs
+from tests.references import logits_ce_reference
+from torch_fce.ops.linear_ce import CEOptions, exp_rows
+from torch_fce.ops.loop import exp_gemms, sparse
+from torch_fce.ops.machinery.dispatch import backend_for
+from torch_fce.testing import make_inputs, rel_err
+
+OPTION_SETS = [
+    dict(reduction="mean"),
+    dict(reduction="sum", z_loss=1e-3),
+    dict(reduction="none", ignore_index=5),
+    dict(reduction="mean", label_smoothing=0.1),
+    dict(reduction="sum", label_smoothing=0.2, class_weight=True, z_loss=1e-4),
+]
+
+
+def _leaves(x):
+    return x["hidden"].detach().clone().requires_grad_(), \
+        x["weight"].detach().clone().requires_grad_()
+
+
+def _run(x, backend, monkeypatch, **options):
+    """Loss and (hidden, weight) gradients for a fixed upstream gradient, on a backend."""
+    monkeypatch.setenv("TORCH_FCE_BACKEND", backend)
+    h, w = _leaves(x)
+    loss = torch_fce.linear_cross_entropy(h, w, x["target"], None, x["class_weight"],
+                                          **options)
+    g = torch.randn(loss.shape, generator=torch.Generator().manual_seed(1)).to(loss.device)
+    loss.backward(g)
+    return loss.detach(), h.grad, w.grad, g
+
+
+def _float64(x, g, **options):
+    """The float64 composition on the bf16 operands' exact logits (the pipeline's GEMM
+    keeps its float32 sums: nothing is rounded to bf16 before the softmax)."""
+    h, w = (t.detach().double().requires_grad_() for t in (x["hidden"], x["weight"]))
+    loss = logits_ce_reference(h @ w.T, x["target"], x["class_weight"], **options)
+    loss.backward(g.double())
+    return loss.detach(), h.grad, w.grad
+
+
+def _errors(x, backend, monkeypatch, **options):
+    loss, gh, gw, g = _run(x, backend, monkeypatch, **options)
+    ref = _float64(x, g, **options)
+    return [rel_err(a, e) for a, e in zip((loss, gh, gw), ref)]
+
+
+def _inputs(N, D, V, class_weight=False, seed=0, device="cpu", ignore_index=-100):
+    x = make_inputs(N, D, V, torch.bfloat16, class_weight=class_weight, seed=seed,
+                    ignore_frac=0.2, device=device)
+    x["target"][x["target"] == -100] = ignore_index
+    return x
+
+
+@pytest.mark.parametrize("options", OPTION_SETS)
+@pytest.mark.parametrize("V", [256, 384, 640])  # n-tiles of 256, 192 and 128
+def test_exp_twin_matches_float64(options, V, monkeypatch):
+    options = dict(options)
+    x = _inputs(300, 24, V, options.pop("class_weight", False),
+                ignore_index=options.get("ignore_index", -100))
+    with torch_fce.workspace(128 * V * 3):  # chunks of 128 rows: a ragged third
+        loss, gh, gw = _errors(x, "exp", monkeypatch, **options)
+        rows = _errors(x, "triton", monkeypatch, **options)
+    assert loss <= 1e-5
+    # no less exact than the chunk loop (bf16 logits and dz), within bf16's rounding
+    assert gh <= max(1.1 * rows[1], 1e-3) and gh <= 2 ** -7
+    assert gw <= max(1.1 * rows[2], 1e-3) and gw <= 2 ** -7
+
+
+def test_exp_twin_confident_rows(monkeypatch):
+    h, w, t = confident_inputs(256, 16, 384, offset=30.0, spread=30.0)
+    x = dict(hidden=h.bfloat16(), weight=w.bfloat16(), target=t, class_weight=None)
+    loss, gh, gw = _errors(x, "exp", monkeypatch, reduction="sum", label_smoothing=0.1)
+    rows = _errors(x, "triton", monkeypatch, reduction="sum", label_smoothing=0.1)
+    assert loss <= max(1.1 * rows[0], 1e-5)
+    assert gh <= max(1.1 * rows[1], 1e-3) and gw <= max(1.1 * rows[2], 1e-3)
+
+
+def test_exp_twin_dft_as_float32_logits(monkeypatch):
+    """dft (no float64 reference here): as the chunk loop on the float32 logits."""
+    x = _inputs(200, 24, 384)
+    a = _run(x, "exp", monkeypatch, dft=True)
+    b = _run(x, "triton", monkeypatch, dft=True, logits_dtype=torch.float32)
+    assert rel_err(a[0], b[0]) <= 1e-6
+    assert rel_err(a[1], b[1]) <= 2 ** -8 and rel_err(a[2], b[2]) <= 2 ** -8
+
+
+def test_exp_ignored_rows_reach_nothing(monkeypatch):
+    """An ignored token's hidden state (NaN here) touches no output or gradient."""
+    x = _inputs(130, 16, 256)
+    x["target"][[3, 129]] = -100
+    x["hidden"][[3, 129]] = float("nan")
+    loss, gh, gw, _ = _run(x, "exp", monkeypatch, reduction="none")
+    assert loss[[3, 129]].eq(0).all() and loss.isfinite().all()
+    assert gh[[3, 129]].eq(0).all() and gh.isfinite().all() and gw.isfinite().all()
+
+
+@pytest.mark.parametrize("case", ["bias", "odd_V", "float32", "softcap", "kahan",
+                                  "master_weight"])
+def test_exp_not_served_runs_the_rows(case, monkeypatch):
+    """What the pipeline does not serve runs the chunk loop: bitwise today's result."""
+    V = 300 if case == "odd_V" else 256
+    x = make_inputs(64, 16, V, torch.float32 if case == "float32" else torch.bfloat16,
+                    bias=case == "bias", weight_dtype=torch.float32
+                    if case == "master_weight" else None)
+    options = dict(softcap=20.0) if case == "softcap" else \
+        dict(accumulator="kahan") if case == "kahan" else {}
+    h, w = x["hidden"], x["weight"]
+    assert not (x["bias"] is None and case not in ("softcap", "kahan")
+                and exp_gemms.served(h, w))
+    out = []
+    for backend in ("exp", "triton"):
+        monkeypatch.setenv("TORCH_FCE_BACKEND", backend)
+        leaves = [t.detach().clone().requires_grad_() for t in (h, w)]
+        loss = torch_fce.linear_cross_entropy(*leaves, x["target"], x["bias"], **options)
+        loss.backward()
+        out.append([loss, leaves[0].grad, leaves[1].grad])
+    for a, b in zip(*out):
+        assert torch.equal(a, b)
+
+
+def test_backend_variable_refused(monkeypatch):
+    monkeypatch.setenv("TORCH_FCE_BACKEND", "cutlass")
+    x = _inputs(4, 8, 128)
+    with pytest.raises(ValueError, match="TORCH_FCE_BACKEND"):
+        torch_fce.linear_cross_entropy(x["hidden"], x["weight"], x["target"])
+    monkeypatch.setenv("TORCH_FCE_BACKEND", "exp")
+    assert backend_for(x["hidden"]).exp
+    monkeypatch.delenv("TORCH_FCE_BACKEND")
+    assert not backend_for(x["hidden"]).exp
+
+
+def test_one_hot_scatter_triton_as_torch():
+    """exp_tail's dW one-hot term: the Triton kernel (interpreter) as PyTorch's index_add_,
+    a class named by many tokens, entries of value 0, classes without entries untouched."""
+    g = torch.Generator().manual_seed(0)
+    N, V, D = 90, 13, 150  # D over one block of 128
+    x = torch.randn(N, D, generator=g).half()
+    cols = torch.randint(0, V, (N, 1), generator=g)
+    cols[:40] = 3
+    cols[cols == 7] = 8  # class 7: no entries
+    vals = torch.randn(N, 1, generator=g)
+    vals[5] = 0
+    base = torch.randn(V, D, generator=g)
+    a, b = base.clone(), base.clone()
+    sparse.scatter_add(sparse.SparseGrad(cols, vals), x, a, triton=False)
+    sparse.scatter_add(sparse.SparseGrad(cols, vals), x, b, triton=True)
+    assert torch.equal(b[7], base[7])
+    assert rel_err(b, a) <= 1e-6
+    assert rel_err(b - base, a - base) <= 1e-6
+
+
+SHAPES = {"D": (896, 151936), "E": (1536, 151936), "Q1024": (1024, 151936),
+          "A": (4096, 128256)}
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_wave_plan(shape):
+    """The dx GEMM's waves: the plan's rows are whole tiles within the workspace, and
+    its modelled cost no more than the workspace's chunk at quack's dx tile (at D 896
+    that one spills 2816 rows' 154 tiles past 132 SMs: measured 1.49x cuBLAS's dx)."""
+    D, V = SHAPES[shape]
+    N = 16384
+    cap = int((1 << 30) // (V * exp_gemms.BYTES_PER_LOGIT))
+    rows, tile_n = exp_gemms.wave_plan(N, D, V, cap, 132)
+    assert rows % exp_gemms.ROWS == 0 and rows <= cap and tile_n in (128, 192, 256)
+    old = -(-(-(-N // -(-N // cap))) // 128) * 128, 192 if D % 192 == 0 else 256
+    cost = exp_gemms._chunk_cost(rows, N, D, V, tile_n, 132)
+    assert cost <= exp_gemms._chunk_cost(*old[:1], N, D, V, old[1], 132)
+    if shape == "D":
+        assert exp_gemms._chunk_cost(2816, N, D, V, 256, 132) >= 1.3 * cost
+    assert exp_gemms.wave_plan(100, D, V, cap, 132)[0] == 128  # one tile of few tokens
+
+
+# ---- the CuTe twin, on an sm_90 GPU with quack-kernels ----------------------------
+
+_CUTE = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0) \
+    and importlib.util.find_spec("quack") is not None
+cute_only = pytest.mark.skipif(not _CUTE, reason="needs an sm_90 GPU and quack-kernels")
+
+
+@cute_only
+@pytest.mark.parametrize("V", [1024 + 128, 32768 + 192 * 3])  # n-tiles of 128, 192
+def test_cute_pieces_as_twin(V):
+    from torch_fce.ops.loop import exp_gemms_cute as cute
+    M, D = 256, 136
+    x = _inputs(M, D, V, device="cuda", seed=2)
+    h, w, t = x["hidden"], x["weight"], x["target"]
+    col = torch.where(t >= 0, t, -1)
+    tile_n = exp_gemms.tile_n_for(V)
+    a = exp_gemms.logits(h, w, col, tile_n, h.new_empty(M, V))
+    b = cute.logits(h, w, col, tile_n, h.new_empty(M, V))
+    assert rel_err(b.E, a.E) <= 2e-3 and rel_err(b.sum_exp, a.sum_exp) <= 2e-3
+    assert rel_err(b.zy[t >= 0], a.zy[t >= 0]) <= 1e-5
+    sc = (torch.ones(M, device="cuda"), torch.zeros(M, device="cuda"))
+    _, g = exp_rows.exp_rows(a, torch.where(t >= 0, t, -100), None, sc,
+                             CEOptions(reduction="sum"), V, None)
+    r = torch.randn(D, device="cuda")
+    o1, o2 = h.new_empty(M, D), h.new_empty(M, D)
+    exp_gemms.dx(g, w, r, o1)
+    for tile in (128, 256):
+        cute.dx(g, w, r, o2, tile)
+        assert rel_err(o2, o1) <= 2e-3
+    d1, d2 = (torch.empty(V, D, device="cuda") for _ in range(2))
+    for first in (True, False):
+        exp_gemms.dw_add(g, h, d1, first)
+        cute.dw_add(g, h, d2, first)
+        assert rel_err(d2, d1) <= 1e-5
+
+
+@cute_only
+@pytest.mark.parametrize("options", OPTION_SETS)
+def test_cute_matches_float64(options, monkeypatch):
+    """At least as exact as the Triton rows, V an odd multiple of 128, a ragged last
+    chunk, ignored rows."""
+    options = dict(options)
+    x = _inputs(2000, 256, 128 * 97, options.pop("class_weight", False), device="cuda",
+                ignore_index=options.get("ignore_index", -100))
+    with torch_fce.workspace(1024 * 128 * 97 * 3):
+        loss, gh, gw = _errors(x, "exp", monkeypatch, **options)
+        rows = _errors(x, "triton", monkeypatch, **options)
+    assert loss <= max(1.1 * rows[0], 1e-5)
+    assert gh <= 1.1 * rows[1] and gw <= 1.1 * rows[2]
+
+
+@cute_only
+def test_cute_batch_invariant_no_host_sync(monkeypatch):
+    from tests.helpers import no_host_sync
+    monkeypatch.setenv("TORCH_FCE_BACKEND", "exp")
+    x = _inputs(1500, 128, 128 * 33, device="cuda", seed=3)
+    h, w, t = x["hidden"], x["weight"], x["target"]
+    whole = torch_fce.linear_cross_entropy(h, w, t, reduction="none")
+    part = torch_fce.linear_cross_entropy(h[1000:1300], w, t[1000:1300], reduction="none")
+    assert torch.equal(part, whole[1000:1300])
+    leaves = _leaves(x)
+    with no_host_sync():
+        torch_fce.linear_cross_entropy(*leaves, t).backward()
