@@ -8,9 +8,11 @@ reused unseen, so CPU figures are meant for fresh processes (the benchmarks and 
 job) and are not resolved below about a MiB (`CPU_RESOLUTION`).
 """
 
+import contextlib
 import ctypes
 import functools
 import gc
+import os
 import statistics
 import time
 
@@ -23,14 +25,34 @@ _M_MMAP_THRESHOLD = -3
 CPU_RESOLUTION = 1 << 20
 
 
-def with_workspace(fn, mib):
-    """fn for the time-memory sweep: its .workspace() context sets torch_fce's logits
-    workspace to mib MiB, around the forward and the backward (whose recomputation must
-    cut the logits as the forward did)."""
+def with_context(fn, context):
+    """fn for a benchmark step whose forward and backward both run inside context()
+    (peers.run_step): the backward's backend and workspace are chosen when it runs."""
     def run(*args):
         return fn(*args)
-    run.workspace = lambda: torch_fce.workspace(mib << 20)
+    run.context = context
     return run
+
+
+def with_workspace(fn, mib):
+    """fn for the time-memory sweep, torch_fce's logits workspace at mib MiB around the
+    forward and the backward (whose recomputation must cut the logits as the forward
+    did)."""
+    return with_context(fn, lambda: torch_fce.workspace(mib << 20))
+
+
+@contextlib.contextmanager
+def backend(name):
+    """TORCH_FCE_BACKEND=name (docs/api.md) for the block only."""
+    previous = os.environ.get("TORCH_FCE_BACKEND")
+    os.environ["TORCH_FCE_BACKEND"] = name
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("TORCH_FCE_BACKEND")
+        else:
+            os.environ["TORCH_FCE_BACKEND"] = previous
 
 
 # Inductor's own chunker (torch >= 2.10), which chunks an unfused loss inside the

@@ -9,7 +9,8 @@ import torch.nn.functional as F
 
 import torch_fce
 from torch_fce.bench import rl
-from torch_fce.bench.measure import compiled, with_workspace
+from torch_fce.bench.measure import backend, compiled, with_context, with_workspace
+from torch_fce.ops.machinery.dispatch import exp_on_cuda
 
 
 def _torch_unfused(h, w, t):
@@ -67,7 +68,8 @@ def methods(device, with_compile, sweep=()):
     Peers (CUDA, where installed): Liger, CCE (default and cce_exact) and quack (base and
     fused pipelines at each chunk of QUACK_CHUNKS). sweep (workspaces in MiB) adds
     torch_fce fp32 at each ("fce-fp32@MiB"). "fce-f32logits": fp32 with
-    logits_dtype=torch.float32.
+    logits_dtype=torch.float32. "fce-exp": the exp-GEMM pipeline (TORCH_FCE_BACKEND=exp,
+    docs/api.md), where it runs: an sm_90 GPU with quack-kernels.
     """
     out = {"torch": _torch_unfused}
     if with_compile:
@@ -81,6 +83,8 @@ def methods(device, with_compile, sweep=()):
     for acc in ("fp32", "kahan", "input"):
         out[f"fce-{acc}"] = _fce(acc)
     out["fce-f32logits"] = _fce("fp32", torch.float32)
+    if device == "cuda" and exp_on_cuda(torch.cuda.current_device()):
+        out["fce-exp"] = with_context(_fce("fp32"), lambda: backend("exp"))
     for mib in sweep:
         out[f"fce-fp32@{mib}"] = with_workspace(_fce("fp32"), mib)
     return out
@@ -103,7 +107,7 @@ def reference(x, dtype=torch.float32, objective="ce"):
 def run_step(fn, x):
     h = x["hidden"].detach().requires_grad_()
     w = x["weight"].detach().requires_grad_()
-    with getattr(fn, "workspace", contextlib.nullcontext)():  # measure.with_workspace
+    with getattr(fn, "context", contextlib.nullcontext)():  # measure.with_context
         loss = fn(h, w, x["target"], *x.get("data", ()))
         loss.backward()
     return loss.detach(), h.grad, w.grad

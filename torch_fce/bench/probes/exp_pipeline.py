@@ -14,7 +14,6 @@ Per shape (bench/shapes.py, bf16):
     source .peers/setup.sh && python -m torch_fce.bench.probes.exp_pipeline [D E Q1024 A]
 """
 
-import os
 import sys
 import time
 import traceback
@@ -22,7 +21,7 @@ import traceback
 import torch
 
 from torch_fce import linear_cross_entropy
-from torch_fce.bench.measure import median_time
+from torch_fce.bench.measure import backend, median_time
 from torch_fce.bench.shapes import SHAPES
 from torch_fce.ops.linear_ce import CEOptions, exp_rows
 from torch_fce.ops.loop import exp_gemms
@@ -86,11 +85,8 @@ def step(x, w, t, fn=None):
 
 def with_backend(name, fn):
     def run():
-        os.environ["TORCH_FCE_BACKEND"] = name
-        try:
+        with backend(name):
             return fn()
-        finally:
-            os.environ.pop("TORCH_FCE_BACKEND", None)
     return run
 
 

@@ -56,7 +56,7 @@ def _chosen():
 
 
 @functools.cache
-def _exp_on_cuda(index):
+def exp_on_cuda(index):
     """Whether CUDA device `index` runs the exp-GEMM pipeline's CuTe kernels: sm_90 with
     quack-kernels (and its cutlass-dsl) importable."""
     return torch.cuda.get_device_capability(index) == (9, 0) and \
@@ -67,7 +67,7 @@ def backend_for(hidden):
     """The backend for hidden's device and dtype."""
     cuda = hidden.device.type == "cuda" and HAS_TRITON
     exp = _chosen() == "exp" and (hidden.device.type == "cpu" or (
-        hidden.device.type == "cuda" and _exp_on_cuda(hidden.device.index or 0)))
+        hidden.device.type == "cuda" and exp_on_cuda(hidden.device.index or 0)))
     return Backend(triton=cuda and hidden.dtype != torch.float64,
                    check_values=hidden.device.type == "cpu" or checks.CHECK_TARGETS,
                    loop_triton=cuda, exp=exp)
