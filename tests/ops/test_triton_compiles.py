@@ -2,7 +2,7 @@
 Triton's code generator (ttir to cubin, for sm_90, no GPU needed) on the sparse
 divergence's row kernels in each of their variants (with the tail and without, one
 device and a vocabulary shard's), the sparse rows' logsumexp kernel, the loop's
-sparse-gradient kernels and the log-probs' threshold kernel (top_p / min_p without a
+sparse-gradient kernels (the exp pipeline's one-hot scatter among them) and the log-probs' threshold kernel (top_p / min_p without a
 top-k); the row kernels' registers (cuobjdump's count of the cubin) no
 more than before they were split.
 The interpreter runs Python, so what only the code generator refuses (a loop-carried
@@ -83,6 +83,11 @@ for weights, bias in [(True, True), (True, False), (False, True)]:
            "gw_ptr": "*fp32", "gb_ptr": "*fp32", "K": "i32", "D": "i32", "stride_x": "i32",
            "stride_w": "i32"},
           dict(HAS_W=weights, HAS_B=bias, BLOCK_E=32, BLOCK_D=128), 4)
+build(sparse_kernels._scatter_add_kernel,
+      {"keys_ptr": "*i64", "ends_ptr": "*i64", "order_ptr": "*i64", "vals_ptr": "*fp32",
+       "x_ptr": "*bf16", "gw_ptr": "*fp32", "K": "i32", "D": "i32", "V": "i32",
+       "stride_x": "i32", "stride_w": "i32"},
+      dict(BLOCK_E=32, BLOCK_D=128), 4)
 for top_p, min_p in [(True, False), (True, True), (False, True)]:
     build(truncation._threshold_kernel,
           {"logits_ptr": "*fp32", "target_ptr": "*i64", "inv_t_ptr": "*fp32",
@@ -113,7 +118,7 @@ def test_kernels_compile_for_cuda():
                          text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
     lines = run.stdout.splitlines()
-    assert sum(line.startswith("compiled") for line in lines) == 39
+    assert sum(line.startswith("compiled") for line in lines) == 40
     regs = {}
     for line in lines:
         name, rest = line.split(" ", 2)[1:]
