@@ -29,7 +29,7 @@ def exp_rows(tile, target, class_weight, scales, opts, V, zsum):
     ignore_index), scales None (no gradient) or (ce_scale, z_scale) (m,), zsum (m,) sum_c
     w_c z_c (label smoothing) or None."""
     f32 = torch.float32
-    lse, k_r = exp_gemms.lse_of(tile)
+    lse, k_r, u = exp_gemms.lse_of(tile)
     valid, w_y = counted_target_weights(target, class_weight, opts.ignore_index, V, f32)
     eps = opts.label_smoothing
     z_y = tile.zy
@@ -46,7 +46,7 @@ def exp_rows(tile, target, class_weight, scales, opts, V, zsum):
                                 lse, W, V, eps)
     # v = a / S: a e^(k_r ln2 - lse), without 2^k_r's overflow; 0 where a is
     v = torch.where(a == 0.0, 0.0, a * torch.exp(k_r * exp_gemms.LN2 - lse))
-    u, uv = exp_gemms.strips(tile.k, v, exp_gemms.tile_n_for(V))
+    u, uv = exp_gemms.strips(u, v, exp_gemms.tile_n_for(V))
     here = valid & (target >= 0) & (target < V) & (b != 0.0)
     col = torch.where(here, target, -1).long()
     cs = torch.zeros_like(v) if c is None else torch.where(valid, c, 0.0)

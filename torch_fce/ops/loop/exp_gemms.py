@@ -74,19 +74,20 @@ def served(hidden, weight):
             and tile_n_for(V) is not None and D % 8 == 0)
 
 
-def strips(k, v, tile_n):
-    """(u, uv) (V / STRIP, M) bf16 of a chunk's k (M, T) and v (M,): u = 2^(k - k_r), exact,
-    and uv = bf16(u v)."""
-    u = torch.exp2(k - k.amax(1, keepdim=True))
-    rep = tile_n // STRIP
-    uv = (u * v[:, None]).t().repeat_interleave(rep, 0).bfloat16()
-    return u.t().repeat_interleave(rep, 0).bfloat16(), uv
-
-
 def lse_of(tile):
-    """(lse, k_r) (M,) float32 of an ExpTile's partials."""
+    """(lse, k_r, u) of an ExpTile's partials: lse and k_r = max_t k (M,) float32, and u
+    = 2^(k - k_r) (M, T) float32, exact powers of two (the strips' entries)."""
     k_r = tile.k.amax(1)
-    return k_r * LN2 + torch.log((tile.sum_exp * torch.exp2(tile.k - k_r[:, None])).sum(1)), k_r
+    u = torch.exp2(tile.k - k_r[:, None])
+    return k_r * LN2 + torch.log((tile.sum_exp * u).sum(1)), k_r, u
+
+
+def strips(u, v, tile_n):
+    """(u, uv) (V / STRIP, M) bf16 strips of lse_of's u (M, T) and v (M,): u itself
+    (exact) and uv = bf16(u v), each entry repeated for the STRIP-class groups of its
+    n-tile."""
+    rep = tile_n // STRIP
+    return tuple(a.t().bfloat16().repeat_interleave(rep, 0) for a in (u, u * v[:, None]))
 
 
 # ---- the PyTorch twin -------------------------------------------------------------
