@@ -179,7 +179,7 @@ def test_wave_plan(shape):
     cost = exp_gemms._chunk_cost(rows, N, D, V, tile_n, 132)
     assert cost <= exp_gemms._chunk_cost(*old[:1], N, D, V, old[1], 132)
     if shape == "D":
-        assert exp_gemms._chunk_cost(2816, N, D, V, 256, 132) >= 1.3 * cost
+        assert exp_gemms._chunk_cost(2816, N, D, V, 256, 132) >= 1.2 * cost
     assert exp_gemms.wave_plan(100, D, V, cap, 132)[0] == 128  # one tile of few tokens
 
 

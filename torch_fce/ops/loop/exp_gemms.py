@@ -117,7 +117,10 @@ def plan(N, D, V, rows, device):
 # GEMM's reduce-add reads and writes the float32 sum, 8 V D bytes, at about HBM speed).
 _SM_FLOPS = 5.0e12
 _HBM_BYTES = 3.5e12
-_DX_TILES_N = (256, 192, 128)  # ties go to the wider tile (fewer, denser MMAs)
+# dx tile_N -> its time per FLOP against the widest (a narrower tile does fewer MMAs per
+# byte loaded: on an H100 at the same chunk, tile_N 128 made E's and A's steps 8% and
+# 10% slower than 256, its dx about 1.3x); ties go to the wider tile
+_DX_TILES_N = {256: 1.0, 192: 1.0, 128: 1.3}
 
 
 def _chunk_cost(m, N, D, V, tile_n, sms):
@@ -127,7 +130,8 @@ def _chunk_cost(m, N, D, V, tile_n, sms):
         tiles_m = -(-min(m, N - s) // ROWS)
         clusters = -(-tiles_m // 2) * -(-D // tile_n)  # cluster_M 2: pairs of row tiles
         waves += -(-clusters // (sms // 2))
-    return waves * 2 * ROWS * tile_n * V / _SM_FLOPS + -(-N // m) * 8 * V * D / _HBM_BYTES
+    return (waves * 2 * ROWS * tile_n * V * _DX_TILES_N[tile_n] / _SM_FLOPS
+            + -(-N // m) * 8 * V * D / _HBM_BYTES)
 
 
 def wave_plan(N, D, V, rows, sms):
