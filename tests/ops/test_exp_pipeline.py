@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import torch_fce
-from tests.helpers import confident_inputs
+from tests.helpers import DEVICE, confident_inputs
 from tests.references import logits_ce_reference
 from torch_fce.ops.linear_ce import CEOptions, exp_rows
 from torch_fce.ops.loop import exp_gemms, sparse
@@ -142,17 +142,19 @@ def test_backend_variable_refused(monkeypatch):
 
 
 def test_one_hot_scatter_triton_as_torch():
-    """exp_tail's dW one-hot term: the Triton kernel (interpreter) as PyTorch's index_add_,
-    a class named by many tokens, entries of value 0, classes without entries untouched."""
+    """exp_tail's dW one-hot term: the Triton kernel (the interpreter without a GPU) as
+    PyTorch's index_add_, a class named by many tokens, entries of value 0, classes
+    without entries untouched."""
     g = torch.Generator().manual_seed(0)
     N, V, D = 90, 13, 150  # D over one block of 128
-    x = torch.randn(N, D, generator=g).half()
+    x = torch.randn(N, D, generator=g).half().to(DEVICE)
     cols = torch.randint(0, V, (N, 1), generator=g)
     cols[:40] = 3
     cols[cols == 7] = 8  # class 7: no entries
-    vals = torch.randn(N, 1, generator=g)
+    cols = cols.to(DEVICE)
+    vals = torch.randn(N, 1, generator=g).to(DEVICE)
     vals[5] = 0
-    base = torch.randn(V, D, generator=g)
+    base = torch.randn(V, D, generator=g).to(DEVICE)
     a, b = base.clone(), base.clone()
     sparse.scatter_add(sparse.SparseGrad(cols, vals), x, a, triton=False)
     sparse.scatter_add(sparse.SparseGrad(cols, vals), x, b, triton=True)
