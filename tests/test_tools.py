@@ -72,8 +72,11 @@ def test_bench_shapes_tiny_writes_its_rows(tmp_path):
 
 def test_bench_shapes_runs_inductors_chunker(tmp_path):
     # the peer a user who compiles already has: the unfused loss under Inductor's
-    # auto_chunker, chunked in the compiled graph (a fraction of eager's memory), exact
+    # auto_chunker, chunked in the compiled graph (a fraction of eager's memory), exact;
+    # float32 on every device (the errors are against float32's composition: CUDA's
+    # default bf16 would measure bf16's rounding)
     out = _run("torch_fce.bench", "shapes", "--shapes", "1024:64:8192", "--reps", "1",
+               "--dtype", "float32",
                "--compile", "--methods", "torch,torch.compile-chunker", "--json",
                str(tmp_path / "rows.json"))
     assert out.returncode == 0, out.stderr

@@ -106,6 +106,57 @@ def test_exp_ignored_rows_reach_nothing(monkeypatch):
     assert gh[[3, 129]].eq(0).all() and gh.isfinite().all() and gw.isfinite().all()
 
 
+def _tile(M, V, seed, spread):
+    """An ExpTile of M rows whose n-tiles' k lie up to `spread` apart (strips of every
+    magnitude, 0 among them), a NaN row among them."""
+    g = torch.Generator().manual_seed(seed)
+    T = V // exp_gemms.tile_n_for(V)
+    k = torch.randint(-spread, 60, (M, T), generator=g).float()
+    k[1] = torch.randint(-5, 2, (T,), generator=g).float()  # a flat row
+    sum_exp = 1.0 + torch.rand(M, T, generator=g) * 100
+    sum_exp[2, 0] = float("nan")
+    zy = (k[:, 0] + torch.randn(M, generator=g)) * exp_gemms.LN2
+    return exp_gemms.ExpTile(None, *(a.to(DEVICE) for a in (sum_exp, k, zy)))
+
+
+@pytest.mark.parametrize("options", OPTION_SETS + [dict(reduction="mean", dft=True)])
+@pytest.mark.parametrize("V", [1536, 1280, 640])  # n-tiles of 192, 256 and 128
+def test_exp_rows_triton_as_torch(options, V):
+    """The row math's Triton kernel as its PyTorch twin: the strips bit for bit, the
+    terms and coefficients to float32's rounding; padding rows past the tokens ignored."""
+    from torch_fce.ops.linear_ce.exp_kernels import triton_exp_rows
+    options = dict(options)
+    cw = options.pop("class_weight", False)
+    opts = CEOptions(**options)
+    M, n = 272, 250
+    g = torch.Generator().manual_seed(3)
+    tile = _tile(M, V, 3, 200)
+    target = torch.randint(0, V, (n,), generator=g)
+    target[::7] = opts.ignore_index
+    cweight = (torch.rand(V, generator=g) + 0.5).to(DEVICE) if cw else None
+    scales = tuple(torch.rand(n, generator=g).to(DEVICE) for _ in range(2))
+    zsum = torch.randn(M, generator=g).to(DEVICE)
+    args = (tile, target.to(DEVICE), cweight, scales, opts, V, zsum)
+    (ta, ga), (tb, gb) = exp_rows.exp_rows(*args), triton_exp_rows(*args)
+    for a, b in zip(ta[:3], tb[:3]):
+        assert torch.allclose(a, b, rtol=1e-6, atol=1e-6, equal_nan=True)
+    assert torch.equal(ga.u, gb.u) and torch.equal(ga.col, gb.col)
+    # bf16(u v) of one v to float32's rounding: at most an ulp; products below 2^-126
+    # (subnormal, nothing next to E's other terms) as the interpreter rounds them
+    assert torch.allclose(ga.uv.float(), gb.uv.float(), rtol=2 ** -7, atol=2 ** -126,
+                          equal_nan=True)
+    # v = a e^(k_r ln2 - lse): lse's rounding (relative 2^-24 of |lse| ~ 40) in the exponent
+    for a, b in zip((ga.v, ga.b, ga.cs), (gb.v, gb.b, gb.cs)):
+        assert torch.allclose(a, b, rtol=1e-5, atol=0, equal_nan=True)
+    assert gb.u.float().eq(0).any() and (gb.u.float() < 2 ** -100).logical_and(
+        gb.u.float() > 0).any()  # the strips' tiny and zero entries were exercised
+    assert ta.lse[2].isnan() and tb.lse[n:].isfinite().all() and tb.nll[n:].eq(0).all()
+    assert gb.v[n:].eq(0).all() and gb.col[n:].eq(-1).all()
+    assert exp_rows.exp_rows(*args[:3], None, *args[4:])[1] is None
+    assert torch.equal(triton_exp_rows(*args[:3], None, *args[4:])[0].nll.nan_to_num(),
+                       tb.nll.nan_to_num())
+
+
 @pytest.mark.parametrize("case", ["bias", "odd_V", "float32", "softcap", "kahan",
                                   "master_weight"])
 def test_exp_not_served_runs_the_rows(case, monkeypatch):

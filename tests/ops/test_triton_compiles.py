@@ -2,8 +2,9 @@
 Triton's code generator (ttir to cubin, for sm_90, no GPU needed) on the sparse
 divergence's row kernels in each of their variants (with the tail and without, one
 device and a vocabulary shard's), the sparse rows' logsumexp kernel, the loop's
-sparse-gradient kernels (the exp pipeline's one-hot scatter among them) and the log-probs' threshold kernel (top_p / min_p without a
-top-k); the row kernels' registers (cuobjdump's count of the cubin) no
+sparse-gradient kernels (the exp pipeline's one-hot scatter among them), the exp
+pipeline's cross-entropy rows and the log-probs' threshold kernel (top_p / min_p
+without a top-k); the row kernels' registers (cuobjdump's count of the cubin) no
 more than before they were split.
 The interpreter runs Python, so what only the code generator refuses (a loop-carried
 variable changing shape, say) shows here first. In a process of its own: the tests'
@@ -24,6 +25,7 @@ import itertools, os, re, subprocess, tempfile
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from torch_fce.ops.linear_ce import exp_kernels as exp_rows
 from torch_fce.ops.linear_sparse_divergence import kernels as divergence
 from torch_fce.ops.linear_logprobs import truncation_kernels as truncation
 from torch_fce.ops.loop import sparse_kernels
@@ -88,6 +90,16 @@ build(sparse_kernels._scatter_add_kernel,
        "x_ptr": "*bf16", "gw_ptr": "*fp32", "K": "i32", "D": "i32", "V": "i32",
        "stride_x": "i32", "stride_w": "i32"},
       dict(BLOCK_E=32, BLOCK_D=128), 4)
+exp_sig = {name: "*fp32" for name in exp_rows._exp_ce_rows_kernel.arg_names
+           if name.endswith("_ptr")}
+exp_sig.update(target_ptr="*i64", col_ptr="*i64", u_ptr="*bf16", uv_ptr="*bf16",
+               M="i32", n="i32", T="i32", V="i32", ignore_index="i32",
+               label_smoothing="fp32")
+for grad, weights, smoothing, dft in [(True, False, False, False), (True, True, True, True),
+                                      (False, False, False, False)]:
+    build(exp_rows._exp_ce_rows_kernel, exp_sig,
+          dict(REP=3, HAS_GRAD=grad, HAS_CLASS_WEIGHT=weights, HAS_SMOOTHING=smoothing,
+               DFT=dft, BLOCK_M=exp_rows.BLOCK_M, BLOCK_T=exp_rows.BLOCK_T), 4)
 for top_p, min_p in [(True, False), (True, True), (False, True)]:
     build(truncation._threshold_kernel,
           {"logits_ptr": "*fp32", "target_ptr": "*i64", "inv_t_ptr": "*fp32",
@@ -118,7 +130,7 @@ def test_kernels_compile_for_cuda():
                          text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
     lines = run.stdout.splitlines()
-    assert sum(line.startswith("compiled") for line in lines) == 40
+    assert sum(line.startswith("compiled") for line in lines) == 43
     regs = {}
     for line in lines:
         name, rest = line.split(" ", 2)[1:]

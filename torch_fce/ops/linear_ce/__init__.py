@@ -311,13 +311,13 @@ def _exp_chunks(hidden, weight, target, class_weight, opts, needs, scales, backe
     valid = target != opts.ignore_index
     smoothing = opts.label_smoothing > 0.0
 
+    rows_of = exp_rows.exp_rows
+    if backend.triton:
+        from .exp_kernels import triton_exp_rows as rows_of
+
     def row_fn(tile, s, e, m, zsum):
-        t = target.new_full((m,), opts.ignore_index)
-        t[:e - s] = target[s:e]
-        sc = None
-        if scales is not None:
-            sc = tuple(torch.cat([x[s:e], x.new_zeros(m - (e - s))]) for x in scales())
-        out, g = exp_rows.exp_rows(tile, t, class_weight, sc, opts, V, zsum)
+        sc = None if scales is None else tuple(x[s:e] for x in scales())
+        out, g = rows_of(tile, target[s:e], class_weight, sc, opts, V, zsum)
         return out[:3], g
 
     w = (torch.ones(V, device=hidden.device) if class_weight is None else class_weight) \

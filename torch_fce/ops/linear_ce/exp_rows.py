@@ -25,10 +25,15 @@ def serves(hidden, weight, bias, opts):
 
 
 def exp_rows(tile, target, class_weight, scales, opts, V, zsum):
-    """(CETerms, ExpGrad or None) of a chunk of m rows: target (m,) (padding rows
-    ignore_index), scales None (no gradient) or (ce_scale, z_scale) (m,), zsum (m,) sum_c
-    w_c z_c (label smoothing) or None."""
+    """(CETerms, ExpGrad or None) of a chunk of m rows, each (m,): target (n,), n <= m,
+    the chunk's tokens (the rows past them are padding, ignored), scales None (no
+    gradient) or (ce_scale, z_scale) (n,), zsum (m,) sum_c w_c z_c (label smoothing) or
+    None. Its Triton twin: exp_kernels.triton_exp_rows."""
     f32 = torch.float32
+    m, n = tile.k.shape[0], target.shape[0]
+    target = torch.cat([target, target.new_full((m - n,), opts.ignore_index)])
+    if scales is not None:
+        scales = tuple(torch.cat([x, x.new_zeros(m - n)]) for x in scales)
     lse, k_r, u = exp_gemms.lse_of(tile)
     valid, w_y = counted_target_weights(target, class_weight, opts.ignore_index, V, f32)
     eps = opts.label_smoothing

@@ -76,9 +76,11 @@ def served(hidden, weight):
 
 def lse_of(tile):
     """(lse, k_r, u) of an ExpTile's partials: lse and k_r = max_t k (M,) float32, and u
-    = 2^(k - k_r) (M, T) float32, exact powers of two (the strips' entries)."""
+    = 2^(k - k_r) (M, T) float32, exact powers of two (the strips' entries), 0 below
+    2^-126 (no subnormals: an n-tile that small is below S's rounding, S >= 1)."""
     k_r = tile.k.amax(1)
-    u = torch.exp2(tile.k - k_r[:, None])
+    d = tile.k - k_r[:, None]
+    u = torch.where(d >= -126.0, torch.exp2(d), torch.where(d.isnan(), d, 0.0))
     return k_r * LN2 + torch.log((tile.sum_exp * u).sum(1)), k_r, u
 
 
