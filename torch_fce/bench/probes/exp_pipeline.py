@@ -7,7 +7,8 @@ Per shape (bench/shapes.py, bf16):
  2. errors: the mean cross entropy's loss, dx and dW on N_ERR rows against float64, for
     both backends (the exp pipeline and today's rows).
  3. time: forward + backward of the mean cross entropy on the shape's N, median of 10,
-    the two backends and quack's default pipeline alternating in one process, with peaks.
+    the two backends (the exp one also with its row math in PyTorch) and quack's
+    default pipeline alternating in one process, with peaks.
  4. --plans: the exp pipeline at its chunk plan (exp_gemms.wave_plan) and at others.
  5. --ws=MiB,...: both backends at several workspaces. 6. --profile: per-kernel times.
 
@@ -90,6 +91,22 @@ def with_backend(name, fn):
     return run
 
 
+def with_torch_rows(fn):
+    """fn on the exp pipeline with its row math in PyTorch (exp_rows.exp_rows, ~25 small
+    operations a chunk) instead of the Triton kernel: that kernel's share of the step."""
+    from torch_fce.ops.linear_ce import exp_kernels
+
+    def run():
+        kernel = exp_kernels.triton_exp_rows
+        exp_kernels.triton_exp_rows = exp_rows.exp_rows
+        try:
+            with backend("exp"):
+                return fn()
+        finally:
+            exp_kernels.triton_exp_rows = kernel
+    return run
+
+
 def errors(D, V):
     x, w, t = inputs(N_ERR, D, V, 2)
     t[::17] = -100
@@ -106,7 +123,8 @@ def timing(shape):
     from torch_fce.bench.peers import _quack
     x, w, t = inputs(shape.N, shape.D, shape.V, 3)
     fns = {"fce-rows": with_backend("triton", step(x, w, t)),
-           "fce-exp": with_backend("exp", step(x, w, t))}
+           "fce-exp": with_backend("exp", step(x, w, t)),
+           "fce-exp-torch-rows": with_torch_rows(step(x, w, t))}
     try:
         fns["quack-fused-8192"] = step(x, w, t, _quack(8192, True))
     except Exception as e:  # noqa: BLE001

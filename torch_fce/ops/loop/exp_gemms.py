@@ -216,14 +216,14 @@ def run_exp_chunks(hidden, weight, row_fn, outputs, needs_grad, chunk_rows, sele
     smooth = smoothing_w is not None
     r = smoothing_w.float() @ w.float() if smooth else torch.zeros(D, **f32)
     s_vec = torch.zeros(D, **f32) if smooth else None  # sum_i cs_i x_i
-    stage = hidden.new_zeros(rows, D)
+    stage, zero = hidden.new_zeros(rows, D), hidden.new_zeros(())
     E = hidden.new_empty(rows, V)
     cols, bs = [], []
     for s in range(0, N, rows):
         e = min(N, s + rows)
         n, m = e - s, -(-(e - s) // ROWS) * ROWS
         x = stage[:m]
-        x[:n] = torch.where(keep[s:e, None], hidden[s:e], 0.0)
+        torch.where(keep[s:e, None], hidden[s:e], zero, out=x[:n])
         x[n:] = 0
         col = select.new_full((m,), -1)
         col[:n] = select[s:e]
