@@ -57,10 +57,11 @@ def _objective(out, seed):
     return total
 
 
-def _compare(name, one, parallel, leaves, bounds, rank, tol):
+def _compare(name, one, parallel, leaves, bounds, rank, tol, scale=None):
     """one(*leaves) against parallel(*this rank's leaves, vocab_start=, vocab_size=):
     every float output (the same -inf entries), then the gradients of a random
-    combination of them."""
+    combination of them. scale: the magnitude of a scalar output's terms, where they
+    cancel (its error is then relative to that, not to the sum)."""
     start, end = bounds[rank], bounds[rank + 1]
     full = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in leaves]
     mine = [full[0].detach().clone().requires_grad_()] + [
@@ -69,8 +70,9 @@ def _compare(name, one, parallel, leaves, bounds, rank, tol):
     for a, r in zip(_float_leaves(got), _float_leaves(want)):
         finite = r.isfinite()
         assert torch.equal(a.isfinite(), finite), name
-        assert rel_err(torch.where(finite, a, 0.0), torch.where(finite, r, 0.0)) <= LOSS_TOL, \
-            (name, rel_err(torch.where(finite, a, 0.0), torch.where(finite, r, 0.0)))
+        a, r = torch.where(finite, a, 0.0), torch.where(finite, r, 0.0)
+        err = rel_err(a, r) if scale is None else float((a - r).abs().max()) / scale
+        assert err <= LOSS_TOL, (name, err)
     objective = _objective(want, 1)
     if not isinstance(objective, torch.Tensor):  # no gradient (the top-k)
         return got, want
@@ -143,10 +145,12 @@ def _check_logprobs(rank, bounds):
                   ref_logprobs=lp + 0.1, beta=0.04, kl="k3", epsilon_high=0.28,
                   temperature=0.7)
     A = torch.randn(N, generator=g, device="cuda")
+    # the mean of A_i ratio_i over random-sign A cancels: its error is relative to the
+    # terms' size (on an H100, 8.4e-6 of the loss itself, above LOSS_TOL)
     _compare("policy loss", lambda h, w, b: torch_fce.linear_policy_loss(
         h, w, target, A, b, **policy), lambda h, w, b, **shard:
         vocab_parallel_linear_policy_loss(h, w, target, A, b, **shard, **policy),
-        leaves, bounds, rank, tol)
+        leaves, bounds, rank, tol, scale=float(A.abs().mean()))
 
 
 def _check_distillation(rank, bounds):

@@ -107,7 +107,7 @@ for top_p, min_p in [(True, False), (True, True), (False, True)]:
            "top_p": "fp32", "log_min_p": "fp32", "softcap": "fp32", "stride_ln": "i32"},
           dict(HAS_SOFTCAP=False, HAS_TOP_P=top_p, HAS_MIN_P=min_p, BLOCK_V=truncation._BLOCK,
                C=truncation._C, VALUE_STEPS=truncation._VALUE_STEPS,
-               STAGES=truncation._STAGES, BINS=truncation._BINS), truncation._WARPS)
+               STAGES=truncation._STAGES), truncation._WARPS)
 '''
 
 # The sparse divergence's row kernels' registers at sm_90 (8 warps), as measured before

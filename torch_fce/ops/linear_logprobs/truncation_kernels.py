@@ -14,16 +14,11 @@ One program per token row, z = softcap(l) / T as the log-probs' gradient sweep f
            f(x) the mass of the classes above x, K's last value v is the smallest value
            with f(v) < T. A bracket (lo, hi] with f(lo) >= T > f(hi) holds it. Each
            sweep evaluates f at three points, keeps the quarter holding v and draws its
-           ends in to the bracket's smallest and largest values, until at most C
-           classes lie in it. The first sweep's points come from one sweep's histogram
-           of the values (2048 buckets below m, their masses estimated from the counts):
-           about the estimated cut, a margin of the estimate's error either side, so
-           one sweep usually leaves at most C classes (an exact test: a poor guess
-           costs sweeps, never a wrong K). Later points: value quarters, then, should
-           those stall, quarters of the values' order-preserving int32 images (at most
-           24 + 32 sweeps). One sweep writes the bracket's sort keys (value, then
-           class) to the row's scratch, each lane's slots counted by the sweep that
-           drew the bracket, and a sort of the C slots walks their masses down from
+           ends in to the bracket's smallest and largest values (value quarters, then,
+           should those stall, quarters of the values' order-preserving int32 images:
+           at most 24 + 32 sweeps), until at most C
+           classes lie in it. Two sweeps write their sort keys (value, then class) to
+           the row's scratch, and a sort of the C slots walks their masses down from
            f(hi) to K's last class. A bracket of one value holding more than C classes
            holds ties: the first of them by class are kept while the mass before each
            is < T, and one sweep finds the last one's class.
@@ -46,8 +41,6 @@ _STAGES = 3  # the sweeps' loads in flight
 _BLOCK, _WARPS = 2048, 8  # a sweep's classes a step, the warps: eight lanewise sums
 _VALUE_STEPS = 24  # sweeps at quarters of the values, then of their int32 images
 _STATS = 8
-_BINS = 2048  # the guiding histogram's buckets, over at most m - _SPAN .. m
-_SPAN = tl.constexpr(64.0)
 
 
 @triton.jit
@@ -87,7 +80,7 @@ def _threshold_kernel(
     # meta-parameters
     HAS_SOFTCAP: tl.constexpr, HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr,
     BLOCK_V: tl.constexpr, C: tl.constexpr, VALUE_STEPS: tl.constexpr,
-    STAGES: tl.constexpr, BINS: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     """Logits rows (n, V) -> out (n, 8) float32 (module docstring); buf (n, C) int64
     the rows' scratch."""
@@ -143,7 +136,6 @@ def _threshold_kernel(
             n += (r > lo).to(tl.int32)
         S0 = tl.sum(f, axis=0)
         G0 = tl.sum(g, axis=0)
-        finite = n
         n_in = tl.sum(n, axis=0)
     c = V * 1.0
     s_k = S0
@@ -160,36 +152,6 @@ def _threshold_kernel(
         go = (target_mass > 0.0) & (s == s) & (n_in > 0)
         ties = n_in < 0  # int1 tensors: loop-carried values
         step = n_in * 0
-        lane_n = finite  # each lane's classes in the bracket (the scratch's slots), kept
-        # exact by every sweep that draws the bracket in
-        # a histogram of the bracket's values below m, its masses estimated from the
-        # counts, draws the first sweep's points about the estimated cut (the sweep
-        # tests them exactly: a poor guess costs sweeps, never a wrong K)
-        guided = go & (n_in > C)
-        hq1 = lo
-        hq2 = lo
-        hq3 = lo
-        if guided:
-            span = tl.maximum(tl.minimum(m - lo, _SPAN), 1e-30)  # BINS / span finite
-            bins = tl.arange(0, BINS)
-            cnt = tl.zeros([BINS], tl.int32)
-            for v0 in tl.range(0, V, BLOCK_V, num_stages=STAGES):
-                _, r = _z(row_ptr, v0 + cols, V, inv_t, softcap, HAS_SOFTCAP)
-                b = tl.minimum((m - r) * (BINS / span), BINS - 1.0).to(tl.int32)
-                cnt += tl.histogram(b, BINS, mask=r > lo)
-            # a bucket's classes at its middle value: each class's mass off by a factor
-            # within e^(+-width / 2), about width / sqrt(12) of it on average; delta is
-            # some 3.5 such deviations of the sum, and at least one class's worst case
-            width = span / BINS
-            e_mid = tl.exp(-(bins + 0.5) * width)
-            est = tl.cumsum(cnt.to(tl.float32) * e_mid, axis=0)
-            delta = width * tl.sqrt(tl.sum(cnt.to(tl.float32) * e_mid * e_mid, axis=0))
-            kc = tl.minimum(tl.sum((est < target_mass).to(tl.int32), axis=0), BINS - 1)
-            k1 = tl.sum((est < target_mass + delta).to(tl.int32), axis=0) + 1
-            k3 = tl.sum((est < target_mass - delta).to(tl.int32), axis=0)
-            hq2 = m - (kc + 0.5) * width
-            hq1 = tl.maximum(m - k1 * width, (lo + hq2) * 0.5)
-            hq3 = tl.minimum(m - k3 * width, (hq2 + hi) * 0.5)
         # at most VALUE_STEPS + 32 sweeps (the images' range halves, at least); the
         # bound guards against a hang should a sweep count otherwise than another
         while go & (n_in > C) & (step < VALUE_STEPS + 40):
@@ -204,10 +166,6 @@ def _threshold_kernel(
                 q1 = lo + w * 0.25
                 q2 = lo + w * 0.5
                 q3 = lo + w * 0.75
-                if guided & (step == 0):
-                    q1 = hq1
-                    q2 = hq2
-                    q3 = hq3
                 apart = (lo < q1) & (q1 < q2) & (q2 < q3) & (q3 < hi)
                 if (step >= VALUE_STEPS) | (apart == 0):
                     d = k_hi - k_lo  # >= 2: q2 inside, q1 and q3 may meet lo or hi
@@ -240,6 +198,9 @@ def _threshold_kernel(
                 f1 = tl.sum(f1, axis=0)
                 f2 = tl.sum(f2, axis=0)
                 f3 = tl.sum(f3, axis=0)
+                n1 = tl.sum(n1, axis=0)
+                n2 = tl.sum(n2, axis=0)
+                n3 = tl.sum(n3, axis=0)
                 b_lo = tl.min(b_lo, axis=0)
                 b_hi = tl.max(b_hi, axis=0)
                 if b_lo == b_hi:  # the bracket's classes are ties at one value
@@ -251,40 +212,42 @@ def _threshold_kernel(
                     if f1 < target_mass:
                         hi = q1
                         f_hi = f1
-                        lane_n = lane_n - n1
+                        n_in = n_in - n1
                     elif f2 < target_mass:
                         lo = q1
                         hi = q2
                         f_hi = f2
-                        lane_n = n1 - n2
+                        n_in = n1 - n2
                     elif f3 < target_mass:
                         lo = q2
                         hi = q3
                         f_hi = f3
-                        lane_n = n2 - n3
+                        n_in = n2 - n3
                     else:
                         lo = q3
-                        lane_n = n3
-                    n_in = tl.sum(lane_n, axis=0)
+                        n_in = n3
                     # the ends drawn in to the bracket's values (no class between: f holds)
                     lo = tl.maximum(lo, _below(b_lo))
                     hi = tl.minimum(hi, b_hi)
                 step += 1
         failed = go & (n_in > C)  # never, by the bound above: a NaN, not a wrong K
         if go:
-            # one sweep: the bracket's classes, each one's sort key to the scratch
-            # (lane-major slots, each lane's count known from the sweep that drew the
-            # bracket), and the entropy's sum over the classes above it
+            # the bracket's classes, each one's sort key to the scratch (lane-major
+            # slots), and the entropy's sum over the classes above it
+            count = tl.zeros([BLOCK_V], tl.int32)
             g = tl.zeros([BLOCK_V], tl.float32)
-            slot = tl.cumsum(lane_n, axis=0) - lane_n
+            for v0 in tl.range(0, V, BLOCK_V, num_stages=STAGES):
+                _, r = _z(row_ptr, v0 + cols, V, inv_t, softcap, HAS_SOFTCAP)
+                count += ((r > lo) & (r <= hi)).to(tl.int32)
+                e = tl.where(r > hi, tl.exp(r - m), 0.0)
+                g += tl.where(e > 0.0, e * (r - m), 0.0)
+            slot = tl.cumsum(count, axis=0) - count
             for v0 in tl.range(0, V, BLOCK_V, num_stages=STAGES):
                 offs = v0 + cols
                 _, r = _z(row_ptr, offs, V, inv_t, softcap, HAS_SOFTCAP)
                 hit = (r > lo) & (r <= hi)
-                tl.store(buf + slot, _sort_key(r, offs), mask=hit & (slot >= 0) & (slot < C))
+                tl.store(buf + slot, _sort_key(r, offs), mask=hit)
                 slot += hit.to(tl.int32)
-                e = tl.where(r > hi, tl.exp(r - m), 0.0)
-                g += tl.where(e > 0.0, e * (r - m), 0.0)
             tl.debug_barrier()  # the scratch's stores before its loads
             j = tl.arange(0, C)
             keys = tl.sort(tl.load(buf + j, mask=j < n_in, other=_EMPTY), descending=True)
@@ -357,7 +320,7 @@ def triton_threshold_stats(logits, target, inv_t, opts, math_dtype):
             float(opts.softcap or 1.0), logits.stride(0),
             HAS_SOFTCAP=opts.softcap is not None, HAS_TOP_P=top_p is not None,
             HAS_MIN_P=min_p is not None, BLOCK_V=min(_block_v(V), _BLOCK), C=_C,
-            VALUE_STEPS=_VALUE_STEPS, STAGES=_STAGES, BINS=_BINS, num_warps=_WARPS)
+            VALUE_STEPS=_VALUE_STEPS, STAGES=_STAGES, num_warps=_WARPS)
     m, s, s_k, g_k, v, c, argmax, z_y = out.unbind(1)
     return kept_outputs(m, s_k, g_k, v, c, z_y, (z_y - m) - s.log(), argmax.long(), target,
                         opts, V)

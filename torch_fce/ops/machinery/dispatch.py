@@ -58,9 +58,16 @@ def _chosen():
 @functools.cache
 def exp_on_cuda(index):
     """Whether CUDA device `index` runs the exp-GEMM pipeline's CuTe kernels: sm_90 with
-    quack-kernels (and its cutlass-dsl) importable."""
-    return torch.cuda.get_device_capability(index) == (9, 0) and \
-        importlib.util.find_spec("quack") is not None
+    quack-kernels and its cutlass-dsl importable (an installed quack whose cutlass-dsl
+    runtime is missing or broken does not import: today's path runs)."""
+    if torch.cuda.get_device_capability(index) != (9, 0):
+        return False
+    try:
+        importlib.import_module("quack.epilogue.frontend")
+        importlib.import_module("quack.operand_transform")
+    except Exception:  # noqa: BLE001 (an optional extra: any failure means "not here")
+        return False
+    return True
 
 
 def backend_for(hidden):
