@@ -3,7 +3,8 @@
 The twin of exp_rows.exp_rows (same signature, same roundings): from the chunk's
 (row, n-tile) partials to the per-token terms, the per-row coefficients and both
 strips, which the PyTorch twin forms in about 25 small operations a chunk (on the GPU
-each a launch and a pass over (M, T) or (M,) values, about 1.4 ms of a D step).
+each a launch and a pass over (M, T) or (M,) values: a profile of an earlier state put
+them at about 1.4 ms of a D step, docs/benchmarks.md).
 One program per block of rows, two sweeps of its partials: the first merges them
 online (k_r = max_t k, S = sum_t sum_exp 2^(k_t - k_r)), the second writes the strips
 u = 2^(k_t - k_r) and bf16(u v) in their (V / STRIP, M) layout. Powers of two are built
