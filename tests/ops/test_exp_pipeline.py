@@ -3,7 +3,6 @@ against float64 on every option the cross entropy serves there, its fallbacks, i
 its one-hot scatter; on an sm_90 GPU with quack-kernels, the CuTe twin against the
 PyTorch one and float64, batch invariance and no host sync."""
 
-
 import pytest
 import torch
 

@@ -19,6 +19,7 @@ from ..loop import exp_gemms
 from .rows import CETerms
 
 BLOCK_M, BLOCK_T = 16, 128
+_LN2 = tl.constexpr(exp_gemms.LN2)
 
 
 @triton.jit
@@ -58,7 +59,7 @@ def _exp_ce_rows_kernel(
         k_new = tl.maximum(k_r, tl.max(k, axis=1))
         S = S * _pow2(k_r - k_new) + tl.sum(se * _pow2(k - k_new[:, None]), axis=1)
         k_r = k_new
-    lse = k_r * 0.6931471805599453 + tl.log(S)
+    lse = k_r * _LN2 + tl.log(S)
 
     # per-token terms (as exp_rows.exp_rows, rows.grad_coefficients)
     tok = live & (rows < n)
@@ -88,7 +89,7 @@ def _exp_ce_rows_kernel(
         a = tl.where((s_ce == 0.0) & (s_z == 0.0), 0.0, a)
         b = s_ce * (1.0 - label_smoothing) * w_y
         # v = a / S = a e^(k_r ln2 - lse), without 2^k_r's overflow; 0 where a is
-        v = tl.where(a == 0.0, 0.0, a * tl.exp(k_r * 0.6931471805599453 - lse))
+        v = tl.where(a == 0.0, 0.0, a * tl.exp(k_r * _LN2 - lse))
         here = valid & in_range & (b != 0.0)
         tl.store(v_ptr + rows, v, mask=live)
         tl.store(b_ptr + rows, tl.where(here, b, 0.0), mask=live)
