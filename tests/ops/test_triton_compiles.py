@@ -27,7 +27,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from torch_fce.ops.linear_ce import exp_kernels as exp_rows
 from torch_fce.ops.linear_sparse_divergence import kernels as divergence
-from torch_fce.ops.linear_logprobs import truncation_kernels as truncation
+from torch_fce.ops.linear_logprobs import kernels as logprobs, truncation_kernels as truncation
 from torch_fce.ops.loop import sparse_kernels
 from torch_fce.ops.rowmath import sparse_rows_kernels as sparse_rows
 
@@ -103,11 +103,12 @@ for grad, weights, smoothing, dft in [(True, False, False, False), (True, True, 
 for top_p, min_p in [(True, False), (True, True), (False, True)]:
     build(truncation._threshold_kernel,
           {"logits_ptr": "*fp32", "target_ptr": "*i64", "inv_t_ptr": "*fp32",
-           "buf_ptr": "*i64", "out_ptr": "*fp32", "V": "i32", "ignore_index": "i32",
+           "buf_ptr": "*i64", "scr_ptr": "*i64", "out_ptr": "*fp32", "V": "i32",
+           "ignore_index": "i32",
            "top_p": "fp32", "log_min_p": "fp32", "softcap": "fp32", "stride_ln": "i32"},
-          dict(HAS_SOFTCAP=False, HAS_TOP_P=top_p, HAS_MIN_P=min_p, BLOCK_V=truncation._BLOCK,
-               C=truncation._C, VALUE_STEPS=truncation._VALUE_STEPS,
-               STAGES=truncation._STAGES), truncation._WARPS)
+          dict(HAS_SOFTCAP=False, HAS_TOP_P=top_p, HAS_MIN_P=min_p, BLOCK_V=logprobs._BLOCK,
+               C=logprobs._C, CAP=logprobs._CAP, VALUE_STEPS=logprobs._VALUE_STEPS,
+               STAGES=logprobs._STAGES), logprobs._WARPS)
 '''
 
 # The sparse divergence's row kernels' registers at sm_90 (8 warps), as measured before

@@ -6,6 +6,7 @@ top_p = 1, targets outside the kept set, softcap, temperatures, odd V, chunks an
 vocabulary tiles; the Triton top-k candidates under the interpreter; gradcheck; compile;
 bad values named."""
 
+import functools
 import math
 
 import pytest
@@ -196,25 +197,27 @@ _TRUNCATIONS = [dict(top_p=0.9), dict(top_p=0.5), dict(top_p=0.5, min_p=0.02),
                 dict(top_p=0.7, top_k=5000)]
 
 
-# the kernel's own slots on four cases (10 s each in the interpreter), 8 on all
-@pytest.mark.parametrize("truncation, backend, slots", [
-    *((t, "torch", None) for t in _TRUNCATIONS), *((t, "triton", 8) for t in _TRUNCATIONS),
-    *((t, "triton", None) for t in _TRUNCATIONS[0:6:2] + _TRUNCATIONS[5:6])])
-def test_threshold_rows_match_the_sorted_rows(monkeypatch, truncation, backend, slots):
+# the kernel's own sizes on four cases (10 s each in the interpreter); on all, 8 slots
+# (every row through the bisection) and a scratch of 64 or 512 classes (the sweeps
+# moving from the row to it at one point or another)
+@pytest.mark.parametrize("truncation, backend, sizes", [
+    *((t, "torch", None) for t in _TRUNCATIONS),
+    *((t, "triton", dict(slots=8, cap=64 if i % 2 else 512)) for i, t in enumerate(_TRUNCATIONS)),
+    *((t, "triton", {}) for t in _TRUNCATIONS[0:6:2] + _TRUNCATIONS[5:6])])
+def test_threshold_rows_match_the_sorted_rows(truncation, backend, sizes):
     # top_p / min_p without a top-k without a sort of the row, against the sort of the
     # whole row: the Triton rows' sweeps (linear_logprobs/truncation_kernels.py:
-    # bisection on the mass, the bracket's sort, the ties; 8 slots take every row
-    # through the bisection) and the PyTorch rows' search (truncation_rows.torch_thresholds:
-    # the 256 largest classes of a peaked row, value buckets of a flat one)
+    # bisection on the mass from a guess, the scratch, the bracket's sort, the ties) and
+    # the PyTorch rows' search (truncation_rows.torch_thresholds: the 256 largest classes
+    # of a peaked row, value buckets of a flat one)
     from torch_fce.ops.linear_logprobs import truncation as rows
-    from torch_fce.ops.linear_logprobs import truncation_kernels as sweeps
     from torch_fce.ops.linear_logprobs.kernels import TRITON_TRUNCATION_ROWS
+    from torch_fce.ops.linear_logprobs.kernels import triton_threshold_stats
 
-    if slots:
-        monkeypatch.setattr(sweeps, "_C", slots)
     z, y, inv_t = _threshold_rows_problem()
     opts = room.LogProbOptions(entropy=True, **truncation)
-    searched = TRITON_TRUNCATION_ROWS if backend == "triton" else TORCH_TRUNCATION_ROWS
+    searched = TRITON_TRUNCATION_ROWS._replace(thresholds=functools.partial(
+        triton_threshold_stats, **sizes)) if backend == "triton" else TORCH_TRUNCATION_ROWS
     want = rows.kept_stats(_sorted_rows(), z, y, inv_t, opts, torch.float32)
     got = rows.kept_stats(searched, z, y, inv_t, opts, torch.float32)
     _assert_outputs_match(got, want)

@@ -9,6 +9,8 @@ once more, writing the logits gradient over the recomputed logits in place: each
 reads a chunk once (and the backward writes it once), in its own dtype.
 """
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -17,8 +19,14 @@ from ..linear_topk_logprobs.kernels import triton_topk_rows
 from ..rowmath.kernels import (_block_max, _block_v, _load_z, _rebased_ez, _sweep_start,
                                dz_buffer)
 from .rows import LogProbRows, shard_stats
-from .truncation import ROW_STATS, TopKRecord, TruncationRows
-from .truncation_kernels import triton_threshold_stats
+from .truncation import ROW_STATS, TopKRecord, TruncationRows, kept_outputs
+from .truncation_kernels import _threshold_kernel
+
+_C = 256  # the threshold kernel's sort of the bracket's classes
+_CAP = 8192  # its scratch's classes a row at most (V / 8 at most: a byte a logit)
+_BLOCK, _STAGES = 2048, 3  # its sweeps' classes a step, their loads in flight
+_WARPS = 8  # its warps: eight lanewise sums
+_VALUE_STEPS = 24  # its sweeps at quarters of the values, then of their int32 images
 
 
 @triton.jit
@@ -212,6 +220,39 @@ def triton_kept_grad(logits, target, inv_t, opts, g_lp, g_h, row_stats, math_dty
                    dz=dz_buffer(logits, dz_dtype), truncated=True)[5]
 
 
+def scratch_classes(vocab_size):
+    """The scratch's classes a row: V / 8 at most (a byte a logit, rows.thresholds_per_logit)
+    rounded down to a power of two, at most _CAP, and at least _C."""
+    return max(_C, min(_CAP, 1 << max(vocab_size // 8, 1).bit_length() - 1))
+
+
+def triton_threshold_stats(logits, target, inv_t, opts, math_dtype, slots=_C, cap=None):
+    """TruncationRows.thresholds (truncation.py) on the Triton kernel, one
+    device: kept_stats' outputs under top_p and min_p without a top-k. slots and cap
+    (the sort's classes, the scratch's: scratch_classes(V) by default) for tests that
+    take the rows through every path."""
+    assert math_dtype == torch.float32 and logits.stride(1) == 1
+    n, V = logits.shape
+    cap = scratch_classes(V) if cap is None else cap
+    out = logits.new_empty((n, 8), dtype=torch.float32)
+    if n:
+        top_p = opts.top_p if opts.top_p not in (None, 1.0) else None
+        min_p = opts.min_p if opts.min_p not in (None, 0.0) else None
+        _threshold_kernel[(n,)](
+            logits, target.contiguous(), inv_t.float().contiguous(),
+            logits.new_empty((n, slots), dtype=torch.int64),
+            logits.new_empty((n, cap), dtype=torch.int64), out, V, opts.ignore_index,
+            float(top_p or 1.0), math.log(min_p or 1.0),
+            float(opts.softcap or 1.0), logits.stride(0),
+            HAS_SOFTCAP=opts.softcap is not None, HAS_TOP_P=top_p is not None,
+            HAS_MIN_P=min_p is not None, BLOCK_V=min(_block_v(V), _BLOCK), C=slots,
+            CAP=cap, VALUE_STEPS=_VALUE_STEPS, STAGES=_STAGES,
+            num_warps=_WARPS)
+    m, s, s_k, g_k, v, c, argmax, z_y = out.unbind(1)
+    return kept_outputs(m, s_k, g_k, v, c, z_y, (z_y - m) - s.log(), argmax.long(), target,
+                        opts, V)
+
+
 def triton_logprob_stats(logits, target, inv_t, opts, entropy, math_dtype):
     """LogProbRows.stats (rows.py) on the Triton kernel: one sweep per row."""
     assert math_dtype == torch.float32
@@ -291,6 +332,7 @@ def _launch(logits, target, inv_t, opts, entropy, grad, col0=None, into=None, dz
 
 TRITON_LOGPROB_ROWS = LogProbRows(triton_logprob_stats, triton_logprob_tile_stats,
                                   triton_logprob_grad, triton_logprob_stats_then_grad)
-# the top-k rows' scratch and the candidates: a few bytes per row, none per logit
+# the top-k rows' scratch and the candidates: a few bytes per row, none per logit; the
+# threshold kernel's scratch: a byte a logit at most (scratch_classes)
 TRITON_TRUNCATION_ROWS = TruncationRows(triton_candidates, triton_kept_grad, 0,
-                                        triton_threshold_stats)
+                                        triton_threshold_stats, 1)

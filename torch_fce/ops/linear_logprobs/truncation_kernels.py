@@ -3,8 +3,8 @@
 
 One program per token row, z = softcap(l) / T as the log-probs' gradient sweep forms it
 (so its kept-set test sees these bits), NaN ranked as -inf:
-  sweep 1  the max m, its first class, the sum s of exp(z - m), the smallest finite z
-           and the count of finite classes; z at the target.
+  sweep 1  the max m, its first class, the sum s of exp(z - m), the smallest finite z,
+           the count, mean and deviation of the finite z; z at the target.
   min_p    one sweep: the mass S0 of the classes at or above m + log(min_p) (without
            min_p every finite class: S0 = s), and its sum of exp(z - m) (z - m).
            Without top_p, K is those classes (ties all kept); with neither (a top_k >= V
@@ -13,34 +13,28 @@ One program per token row, z = softcap(l) / T as the log-probs' gradient sweep f
            reaches T = top_p S0: a class is kept while the mass before it is < T. With
            f(x) the mass of the classes above x, K's last value v is the smallest value
            with f(v) < T. A bracket (lo, hi] with f(lo) >= T > f(hi) holds it. Each
-           sweep evaluates f at three points, keeps the quarter holding v and draws its
-           ends in to the bracket's smallest and largest values (value quarters, then,
-           should those stall, quarters of the values' order-preserving int32 images:
-           at most 24 + 32 sweeps), until at most C
-           classes lie in it. Two sweeps write their sort keys (value, then class) to
-           the row's scratch, and a sort of the C slots walks their masses down from
-           f(hi) to K's last class. A bracket of one value holding more than C classes
-           holds ties: the first of them by class are kept while the mass before each
-           is < T, and one sweep finds the last one's class.
+           sweep evaluates f at three points and keeps the quarter holding v, its ends
+           drawn in to the bracket's values: the first sweep's points at v as a normal
+           law of the z would place it (_guess: a poor guess costs sweeps, never another
+           K), then value quarters, then, should those stall, quarters of the values'
+           int32 images (at most 24 + 32 sweeps). A sweep of the row writes the sort keys
+           of the classes between its outer points to the row's scratch (CAP at most):
+           once the bracket lies there, the sweeps read the scratch instead. At most C
+           classes left, a sweep writes their keys to C slots and a sort of them walks
+           their masses down from f(hi) to K's last class. A bracket of one value holding
+           more than C classes holds ties: the first of them by class are kept while the
+           mass before each is < T, and one sweep finds the last one's class.
 Per row (m, s, s_K, sum over K of exp(z - m)(z - m), v, c, argmax, z_y): K is the classes
 with z > v, or z == v and class <= c.
 """
 
-import math
-
-import torch
 import triton
 import triton.language as tl
 
-from ..linear_topk_logprobs.kernels import _EMPTY, _key, _ranked, _sort_key, _unkey
-from ..rowmath.kernels import _NEG_BIG, _block_v, _load_z
-from .truncation import kept_outputs
+from ..linear_topk_logprobs.kernels import _EMPTY, _ranked, _sort_key
+from ..rowmath.kernels import (_NEG_BIG, _below, _block_v, _from_image, _image, _load_z,
+                               _phi, _phi_inv, _unkey)
 
-_C = 256  # the bracket's classes the scratch holds
-_STAGES = 3  # the sweeps' loads in flight
-_BLOCK, _WARPS = 2048, 8  # a sweep's classes a step, the warps: eight lanewise sums
-_VALUE_STEPS = 24  # sweeps at quarters of the values, then of their int32 images
-_STATS = 8
 
 
 @triton.jit
@@ -51,49 +45,91 @@ def _z(row_ptr, offs, V, inv_t, softcap, HAS_SOFTCAP: tl.constexpr):
 
 
 @triton.jit
-def _image(x):
-    """The order-preserving int32 image of float32 x (not NaN), -0.0 and +0.0 as one:
-    adjacent floats have adjacent images."""
-    k = _key(x)
-    return tl.where(k < 0, k + 1, k)
+def _entry(row_ptr, scr, offs, n_s, V, inv_t, softcap, HAS_SOFTCAP: tl.constexpr):
+    """(selection value, class, present) of entries offs of the search's source: the
+    row, or (n_s > 0) its scratch of n_s sort keys."""
+    if n_s > 0:
+        ok = offs < n_s
+        key = tl.load(scr + offs, mask=ok, other=0)
+        r = _unkey((key >> 32).to(tl.int32))
+        cls = 0x7FFFFFFF - (key & 0x7FFFFFFF).to(tl.int32)
+    else:
+        ok = offs < V
+        _, r = _z(row_ptr, offs, V, inv_t, softcap, HAS_SOFTCAP)
+        cls = offs
+    return r, cls, ok
 
 
 @triton.jit
-def _from_image(k):
-    return _unkey(tl.where(k < 0, k - 1, k))
+def _tally(r, e, inside, q1, q2, q3, m, f1, f2, f3, g1, g2, g3, n1, n2, n3, b_lo, b_hi):
+    """A block's share of a sweep's sums: masses e above each point (f), their
+    exp(z - m) (z - m) (g), the bracket's (inside) classes above each (n) and its
+    smallest and largest values."""
+    ez = tl.where(e > 0.0, e * (r - m), 0.0)
+    f1 += e
+    g1 += ez
+    up = r > q2
+    f2 += tl.where(up, e, 0.0)
+    g2 += tl.where(up, ez, 0.0)
+    n2 += (up & inside).to(tl.int32)
+    up = r > q3
+    f3 += tl.where(up, e, 0.0)
+    g3 += tl.where(up, ez, 0.0)
+    n3 += (up & inside).to(tl.int32)
+    n1 += ((r > q1) & inside).to(tl.int32)
+    b_lo = tl.minimum(b_lo, tl.where(inside, r, float("inf")))
+    b_hi = tl.maximum(b_hi, tl.where(inside, r, float("-inf")))
+    return f1, f2, f3, g1, g2, g3, n1, n2, n3, b_lo, b_hi
 
 
 @triton.jit
-def _below(x):
-    """The largest float32 below x (not NaN, > -inf): classes > _below(x) are those >= x."""
-    return _from_image(_image(x) - 1)
+def _guess(mean, sd, m, cut, n, top_p, CAP: tl.constexpr, HAS_MIN_P: tl.constexpr):
+    """The first sweep's middle point and its distance to the others: where top_p's
+    mass ends if the n classes' z were normal (mean, sd) up to the max m (the mass's
+    law then normal, mean + sd^2), from min_p's cut; the distance such that the
+    classes between the outer points are about CAP * 0.8 under that law."""
+    tilt = mean + sd * sd
+    at_m = _phi((m - tilt) / sd)
+    at_cut = 0.0 * at_m
+    if HAS_MIN_P:
+        at_cut = _phi((cut - tilt) / sd)
+    guess = tilt + sd * _phi_inv((1.0 - top_p) * at_m + top_p * at_cut)
+    t = (guess - mean) / sd
+    per_z = n * tl.exp(-0.5 * t * t) * 0.3989422804014327 / sd  # classes a unit of z
+    return guess, 0.4 * CAP / per_z
 
 
 @triton.jit
 def _threshold_kernel(
     # pointers
-    logits_ptr, target_ptr, inv_t_ptr, buf_ptr, out_ptr,
+    logits_ptr, target_ptr, inv_t_ptr, buf_ptr, scr_ptr, out_ptr,
     # sizes and options
     V, ignore_index, top_p, log_min_p, softcap,
     # strides
     stride_ln,
     # meta-parameters
     HAS_SOFTCAP: tl.constexpr, HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr,
-    BLOCK_V: tl.constexpr, C: tl.constexpr, VALUE_STEPS: tl.constexpr,
-    STAGES: tl.constexpr,
+    BLOCK_V: tl.constexpr, C: tl.constexpr, CAP: tl.constexpr,
+    VALUE_STEPS: tl.constexpr, STAGES: tl.constexpr,
 ):
-    """Logits rows (n, V) -> out (n, 8) float32 (module docstring); buf (n, C) int64
-    the rows' scratch."""
+    """Logits rows (n, V) -> out (n, 8) float32 (module docstring); buf (n, C) and scr
+    (n, CAP) int64 the rows' scratch."""
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * stride_ln
     buf = buf_ptr + row * C
+    scr = scr_ptr + row * CAP
     out = out_ptr + row * 8
     inv_t = tl.load(inv_t_ptr + row)
     cols = tl.arange(0, BLOCK_V)
 
-    # sweep 1: online per lane, merged after
+    # sweep 1: online per lane, merged after; the finite classes' moments of z about z0
+    # (its first class's, 0 if not finite: no cancellation at large magnitudes)
+    z0 = _load_z(row_ptr, V > 0, softcap, HAS_SOFTCAP) * inv_t
+    z0 = tl.where((z0 > _NEG_BIG) & (z0 < -_NEG_BIG), z0, 0.0)
     m_l = tl.full([BLOCK_V], _NEG_BIG, tl.float32)  # finite: m - m_new stays a number
     s_l = tl.zeros([BLOCK_V], tl.float32)
+    u1 = tl.zeros([BLOCK_V], tl.float32)
+    u2 = tl.zeros([BLOCK_V], tl.float32)
     best = tl.full([BLOCK_V], float("-inf"), tl.float32)
     best_i = tl.zeros([BLOCK_V], tl.int32)
     low = tl.full([BLOCK_V], float("inf"), tl.float32)
@@ -104,6 +140,10 @@ def _threshold_kernel(
         m_new = tl.maximum(m_l, r)
         s_l = s_l * tl.exp(m_l - m_new) + tl.exp(z - m_new)  # NaN z: a NaN sum
         m_l = m_new
+        if HAS_TOP_P:
+            u = tl.where(r > float("-inf"), r - z0, 0.0)
+            u1 += u
+            u2 += u * u
         new = r > best  # a lane's first maximum
         best_i = tl.where(new, offs, best_i)
         best = tl.where(new, r, best)
@@ -115,6 +155,10 @@ def _threshold_kernel(
     argmax = tl.min(tl.where(best == top, best_i, V), axis=0)
     argmax = tl.where(top > float("-inf"), argmax, 0)  # a row of -inf: its first class
     n_in = tl.sum(finite, axis=0)
+    n_all = n_in
+    mean = tl.sum(u1, axis=0) / n_in
+    sd = tl.sqrt(tl.maximum(tl.sum(u2, axis=0) / n_in - mean * mean, 0.0))
+    mean += z0
 
     # the classes min_p keeps (every finite one without it): z in (lo, m], their mass S0
     lo = _below(tl.minimum(tl.min(low, axis=0), m))
@@ -143,7 +187,9 @@ def _threshold_kernel(
     if HAS_TOP_P:
         target_mass = top_p * S0
         hi = m
-        f_hi = 0.0 * S0  # f(m): no class above the max
+        f_hi = 0.0 * S0  # f(m), g(m): no class above the max
+        g_hi = f_hi
+        guess, spread = _guess(mean, sd, m, v, n_all, top_p, CAP, HAS_MIN_P)
         # a row without mass (all -inf) or with a NaN: K its first class, sums as they are
         v = tl.full([], float("-inf"), tl.float32)
         c = argmax.to(tl.float32)
@@ -152,6 +198,7 @@ def _threshold_kernel(
         go = (target_mass > 0.0) & (s == s) & (n_in > 0)
         ties = n_in < 0  # int1 tensors: loop-carried values
         step = n_in * 0
+        n_s = n_in * 0  # the scratch's classes (0: the sweeps read the row)
         # at most VALUE_STEPS + 32 sweeps (the images' range halves, at least); the
         # bound guards against a hang should a sweep count otherwise than another
         while go & (n_in > C) & (step < VALUE_STEPS + 40):
@@ -161,43 +208,69 @@ def _threshold_kernel(
                 ties = n_in >= 0
                 go = n_in < 0
             else:
-                # three points cut the bracket in four (value quarters, else the images')
-                w = hi - lo
-                q1 = lo + w * 0.25
-                q2 = lo + w * 0.5
-                q3 = lo + w * 0.75
-                apart = (lo < q1) & (q1 < q2) & (q2 < q3) & (q3 < hi)
+                # three points cut the bracket in four: the guess's, else value
+                # quarters, else the images'
+                q1 = tl.maximum(guess - spread, (lo + guess) * 0.5)
+                q2 = guess
+                q3 = tl.minimum(guess + spread, (guess + hi) * 0.5)
+                apart = (lo < q1) & (q1 < q2) & (q2 < q3) & (q3 < hi) & (step == 0)
+                if apart == 0:
+                    w = hi - lo
+                    q1 = lo + w * 0.25
+                    q2 = lo + w * 0.5
+                    q3 = lo + w * 0.75
+                    apart = (lo < q1) & (q1 < q2) & (q2 < q3) & (q3 < hi)
                 if (step >= VALUE_STEPS) | (apart == 0):
                     d = k_hi - k_lo  # >= 2: q2 inside, q1 and q3 may meet lo or hi
                     q1 = _from_image((k_lo + d // 4).to(tl.int32))
                     q2 = _from_image((k_lo + d // 2).to(tl.int32))
                     q3 = _from_image((k_lo + d - d // 4).to(tl.int32))
-                # the masses above each point, the bracket's classes above each, and the
-                # bracket's smallest and largest values
                 f1 = tl.zeros([BLOCK_V], tl.float32)
                 f2 = tl.zeros([BLOCK_V], tl.float32)
                 f3 = tl.zeros([BLOCK_V], tl.float32)
+                g1 = tl.zeros([BLOCK_V], tl.float32)
+                g2 = tl.zeros([BLOCK_V], tl.float32)
+                g3 = tl.zeros([BLOCK_V], tl.float32)
                 n1 = tl.zeros([BLOCK_V], tl.int32)
                 n2 = tl.zeros([BLOCK_V], tl.int32)
                 n3 = tl.zeros([BLOCK_V], tl.int32)
                 b_lo = tl.full([BLOCK_V], float("inf"), tl.float32)
                 b_hi = tl.full([BLOCK_V], float("-inf"), tl.float32)
-                for v0 in tl.range(0, V, BLOCK_V, num_stages=STAGES):
-                    _, r = _z(row_ptr, v0 + cols, V, inv_t, softcap, HAS_SOFTCAP)
-                    e = tl.where(r > q1, tl.exp(r - m), 0.0)
-                    f1 += e
-                    f2 += tl.where(r > q2, e, 0.0)
-                    f3 += tl.where(r > q3, e, 0.0)
-                    inside = r <= hi
-                    n1 += ((r > q1) & inside).to(tl.int32)
-                    n2 += ((r > q2) & inside).to(tl.int32)
-                    n3 += ((r > q3) & inside).to(tl.int32)
-                    inside = inside & (r > lo)
-                    b_lo = tl.minimum(b_lo, tl.where(inside, r, float("inf")))
-                    b_hi = tl.maximum(b_hi, tl.where(inside, r, float("-inf")))
-                f1 = tl.sum(f1, axis=0)
-                f2 = tl.sum(f2, axis=0)
-                f3 = tl.sum(f3, axis=0)
+                if n_s == 0:
+                    # the row: masses above q1 (those above hi too), the scratch's keys
+                    # of the classes in (q1, q3]
+                    base = f_hi * 0.0
+                    g_base = base
+                    written = n_in * 0
+                    for v0 in tl.range(0, V, BLOCK_V, num_stages=STAGES):
+                        offs = v0 + cols
+                        _, r = _z(row_ptr, offs, V, inv_t, softcap, HAS_SOFTCAP)
+                        e = tl.where(r > q1, tl.exp(r - m), 0.0)
+                        (f1, f2, f3, g1, g2, g3, n1, n2, n3, b_lo, b_hi) = _tally(
+                            r, e, (r > lo) & (r <= hi), q1, q2, q3, m, f1, f2, f3,
+                            g1, g2, g3, n1, n2, n3, b_lo, b_hi)
+                        win = (r > q1) & (r <= q3)
+                        slot = written + tl.cumsum(win.to(tl.int32), axis=0) - 1
+                        tl.store(scr + slot, _sort_key(r, offs), mask=win & (slot < CAP))
+                        written += tl.sum(win.to(tl.int32), axis=0)
+                else:
+                    # the scratch: the bracket's masses, added to f(hi)
+                    base = f_hi
+                    g_base = g_hi
+                    for v0 in range(0, n_s, BLOCK_V):
+                        r, _, ok = _entry(row_ptr, scr, v0 + cols, n_s, V, inv_t,
+                                          softcap, HAS_SOFTCAP)
+                        inside = ok & (r > lo) & (r <= hi)
+                        e = tl.where(inside & (r > q1), tl.exp(r - m), 0.0)
+                        (f1, f2, f3, g1, g2, g3, n1, n2, n3, b_lo, b_hi) = _tally(
+                            r, e, inside, q1, q2, q3, m, f1, f2, f3, g1, g2, g3, n1,
+                            n2, n3, b_lo, b_hi)
+                f1 = base + tl.sum(f1, axis=0)
+                f2 = base + tl.sum(f2, axis=0)
+                f3 = base + tl.sum(f3, axis=0)
+                g1 = g_base + tl.sum(g1, axis=0)
+                g2 = g_base + tl.sum(g2, axis=0)
+                g3 = g_base + tl.sum(g3, axis=0)
                 n1 = tl.sum(n1, axis=0)
                 n2 = tl.sum(n2, axis=0)
                 n3 = tl.sum(n3, axis=0)
@@ -209,20 +282,26 @@ def _threshold_kernel(
                     go = n_in < 0
                 else:
                     # v <= q iff f(q) < T: the first such point bounds the bracket
+                    window = (n_s == 0) & (n1 - n3 <= CAP)
                     if f1 < target_mass:
                         hi = q1
                         f_hi = f1
+                        g_hi = g1
                         n_in = n_in - n1
                     elif f2 < target_mass:
                         lo = q1
                         hi = q2
                         f_hi = f2
+                        g_hi = g2
                         n_in = n1 - n2
+                        n_s = tl.where(window, n1 - n3, n_s)
                     elif f3 < target_mass:
                         lo = q2
                         hi = q3
                         f_hi = f3
+                        g_hi = g3
                         n_in = n2 - n3
+                        n_s = tl.where(window, n1 - n3, n_s)
                     else:
                         lo = q3
                         n_in = n3
@@ -231,23 +310,17 @@ def _threshold_kernel(
                     hi = tl.minimum(hi, b_hi)
                 step += 1
         failed = go & (n_in > C)  # never, by the bound above: a NaN, not a wrong K
+        n_src = tl.where(n_s > 0, n_s, V)
         if go:
-            # the bracket's classes, each one's sort key to the scratch (lane-major
-            # slots), and the entropy's sum over the classes above it
-            count = tl.zeros([BLOCK_V], tl.int32)
-            g = tl.zeros([BLOCK_V], tl.float32)
-            for v0 in tl.range(0, V, BLOCK_V, num_stages=STAGES):
-                _, r = _z(row_ptr, v0 + cols, V, inv_t, softcap, HAS_SOFTCAP)
-                count += ((r > lo) & (r <= hi)).to(tl.int32)
-                e = tl.where(r > hi, tl.exp(r - m), 0.0)
-                g += tl.where(e > 0.0, e * (r - m), 0.0)
-            slot = tl.cumsum(count, axis=0) - count
-            for v0 in tl.range(0, V, BLOCK_V, num_stages=STAGES):
-                offs = v0 + cols
-                _, r = _z(row_ptr, offs, V, inv_t, softcap, HAS_SOFTCAP)
-                hit = (r > lo) & (r <= hi)
-                tl.store(buf + slot, _sort_key(r, offs), mask=hit)
-                slot += hit.to(tl.int32)
+            # the bracket's classes' sort keys to the C slots, a sort of them
+            taken = n_in * 0
+            for v0 in range(0, n_src, BLOCK_V):
+                r, cls, ok = _entry(row_ptr, scr, v0 + cols, n_s, V, inv_t, softcap,
+                                    HAS_SOFTCAP)
+                hit = ok & (r > lo) & (r <= hi)
+                slot = taken + tl.cumsum(hit.to(tl.int32), axis=0) - 1
+                tl.store(buf + slot, _sort_key(r, cls), mask=hit & (slot < C))
+                taken += tl.sum(hit.to(tl.int32), axis=0)
             tl.debug_barrier()  # the scratch's stores before its loads
             j = tl.arange(0, C)
             keys = tl.sort(tl.load(buf + j, mask=j < n_in, other=_EMPTY), descending=True)
@@ -261,33 +334,29 @@ def _threshold_kernel(
             c = tl.sum(tl.where(j == last, 0x7FFFFFFF - (keys & 0x7FFFFFFF), 0),
                        axis=0).to(tl.float32)
             s_k = f_hi + tl.sum(tl.where(kept, mass, 0.0), axis=0)
-            g_k = tl.sum(g, axis=0) + tl.sum(tl.where(kept & (mass > 0.0),
-                                                      mass * (vals - m), 0.0),
-                                             axis=0)
+            g_k = g_hi + tl.sum(tl.where(kept & (mass > 0.0), mass * (vals - m), 0.0),
+                                axis=0)
         if ties:
-            # the bracket is ties at hi: the first n_keep of them by class while the mass
-            # before each is < T, the last one's class found by a sweep
+            # the bracket is ties at hi: the first n_keep of them by class (the scratch
+            # holds its classes in class order) while the mass before each is < T, the
+            # last one's class found by a sweep
             e_t = tl.exp(hi - m)
             n_keep = tl.minimum(tl.maximum(tl.ceil((target_mass - f_hi) / e_t), 1.0),
                                 n_in.to(tl.float32)).to(tl.int32)
             seen = n_keep * 0
             last = n_keep * 0
-            g = tl.zeros([BLOCK_V], tl.float32)
-            for v0 in range(0, V, BLOCK_V):
-                offs = v0 + cols
-                _, r = _z(row_ptr, offs, V, inv_t, softcap, HAS_SOFTCAP)
-                tie = (r == hi).to(tl.int32)
+            for v0 in range(0, n_src, BLOCK_V):
+                r, cls, ok = _entry(row_ptr, scr, v0 + cols, n_s, V, inv_t, softcap,
+                                    HAS_SOFTCAP)
+                tie = (ok & (r == hi)).to(tl.int32)
                 rank = seen + tl.cumsum(tie, axis=0)
                 at = (tie > 0) & (rank == n_keep)
-                last = tl.maximum(last, tl.max(tl.where(at, offs, 0), axis=0))
+                last = tl.maximum(last, tl.max(tl.where(at, cls, 0), axis=0))
                 seen += tl.sum(tie, axis=0)
-                e = tl.where(r > hi, tl.exp(r - m), 0.0)
-                g += tl.where(e > 0.0, e * (r - m), 0.0)
             v = hi
             c = last.to(tl.float32)
             s_k = f_hi + n_keep.to(tl.float32) * e_t
-            g_k = tl.sum(g, axis=0) + tl.where(
-                e_t > 0.0, n_keep.to(tl.float32) * e_t * (hi - m), 0.0)
+            g_k = g_hi + tl.where(e_t > 0.0, n_keep.to(tl.float32) * e_t * (hi - m), 0.0)
         s_k = tl.where(failed, float("nan"), s_k)
     s_k = tl.where(s == s, s_k, s)  # a NaN in the row: its sums NaN
 
@@ -302,25 +371,3 @@ def _threshold_kernel(
     tl.store(out + 5, c)
     tl.store(out + 6, argmax.to(tl.float32))
     tl.store(out + 7, tl.where(read, z_y, 0.0))
-
-
-def triton_threshold_stats(logits, target, inv_t, opts, math_dtype):
-    """TruncationRows.thresholds (truncation.py) on the Triton kernel, one
-    device: kept_stats' outputs under top_p and min_p without a top-k."""
-    assert math_dtype == torch.float32 and logits.stride(1) == 1
-    n, V = logits.shape
-    out = logits.new_empty((n, _STATS), dtype=torch.float32)
-    if n:
-        top_p = opts.top_p if opts.top_p not in (None, 1.0) else None
-        min_p = opts.min_p if opts.min_p not in (None, 0.0) else None
-        _threshold_kernel[(n,)](
-            logits, target.contiguous(), inv_t.float().contiguous(),
-            logits.new_empty((n, _C), dtype=torch.int64), out, V, opts.ignore_index,
-            float(top_p or 1.0), math.log(min_p or 1.0),
-            float(opts.softcap or 1.0), logits.stride(0),
-            HAS_SOFTCAP=opts.softcap is not None, HAS_TOP_P=top_p is not None,
-            HAS_MIN_P=min_p is not None, BLOCK_V=min(_block_v(V), _BLOCK), C=_C,
-            VALUE_STEPS=_VALUE_STEPS, STAGES=_STAGES, num_warps=_WARPS)
-    m, s, s_k, g_k, v, c, argmax, z_y = out.unbind(1)
-    return kept_outputs(m, s_k, g_k, v, c, z_y, (z_y - m) - s.log(), argmax.long(), target,
-                        opts, V)

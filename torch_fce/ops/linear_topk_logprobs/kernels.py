@@ -46,7 +46,7 @@ import triton.language as tl
 
 from ..loop.chunked import ONE_DEVICE
 from ..rowmath.common import all_reduce_sums
-from ..rowmath.kernels import _NEG_BIG, _block_v, _load_a
+from ..rowmath.kernels import _NEG_BIG, _block_v, _key, _load_a, _unkey
 from .rows import merged
 
 _WARPS = (4, 8)  # (candidates, ranking) kernels' warps
@@ -62,21 +62,6 @@ _EMPTY = tl.constexpr(-9223372036854775808)  # int64's lowest: an empty slot's s
 def _ranked(u):
     """Selection's value of u: NaN as -inf."""
     return tl.where(u == u, u, float("-inf"))
-
-
-@triton.jit
-def _key(x):
-    """The order-preserving int32 image of float32 x (not NaN): a negative float's
-    magnitude bits flipped. -0.0 and +0.0 get distinct images (the callers that need
-    them equal pass +0.0)."""
-    b = x.to(tl.int32, bitcast=True)
-    return b ^ ((b >> 31) & 0x7FFFFFFF)
-
-
-@triton.jit
-def _unkey(key):
-    """The float32 of an int32 image (the flip is its own inverse)."""
-    return (key ^ ((key >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
 
 
 @triton.jit

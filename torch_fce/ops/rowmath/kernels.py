@@ -1,6 +1,7 @@
 """Triton primitives every op's row kernels share: float32's lowest as a running max,
 tanh for the softcap, the logits' loads with their transform, the online max and
-sums, and where a kernel writes dz."""
+sums, where a kernel writes dz, float32's order-preserving int32 images, and the
+normal law's distribution function and its inverse."""
 
 import torch
 import triton
@@ -111,3 +112,53 @@ def dz_over(logits, dz_dtype):
         return logits
     assert logits.stride(1) == 1 and logits.dtype.itemsize == 2 * dz_dtype.itemsize
     return logits.view(dz_dtype)[:, :logits.shape[1]]
+
+
+@triton.jit
+def _key(x):
+    """The order-preserving int32 image of float32 x (not NaN): a negative float's
+    magnitude bits flipped. -0.0 and +0.0 get distinct images (the callers that need
+    them equal pass +0.0)."""
+    b = x.to(tl.int32, bitcast=True)
+    return b ^ ((b >> 31) & 0x7FFFFFFF)
+
+
+@triton.jit
+def _unkey(key):
+    """The float32 of an int32 image (the flip is its own inverse)."""
+    return (key ^ ((key >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _image(x):
+    """The order-preserving int32 image of float32 x (not NaN), -0.0 and +0.0 as one:
+    adjacent floats have adjacent images."""
+    k = _key(x)
+    return tl.where(k < 0, k + 1, k)
+
+
+@triton.jit
+def _from_image(k):
+    return _unkey(tl.where(k < 0, k - 1, k))
+
+
+@triton.jit
+def _below(x):
+    """The largest float32 below x (not NaN, > -inf): classes > _below(x) are those >= x."""
+    return _from_image(_image(x) - 1)
+
+
+@triton.jit
+def _phi(x):
+    """The standard normal law's distribution function."""
+    return 0.5 + 0.5 * tl.erf(x * 0.7071067811865476)
+
+
+@triton.jit
+def _phi_inv(u):
+    """Its inverse on (0, 1), to 4.5e-4 (Abramowitz and Stegun 26.2.23)."""
+    q = tl.maximum(tl.minimum(u, 1.0 - u), 1e-30)
+    t = tl.sqrt(-2.0 * tl.log(q))
+    x = t - (2.515517 + t * (0.802853 + t * 0.010328)) / (
+        1.0 + t * (1.432788 + t * (0.189269 + t * 0.001308)))
+    return tl.where(u < 0.5, -x, x)
