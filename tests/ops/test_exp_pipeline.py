@@ -143,16 +143,22 @@ def test_exp_rows_triton_as_torch(options, V):
     # (subnormal, nothing next to E's other terms) as the interpreter rounds them
     assert torch.allclose(ga.uv.float(), gb.uv.float(), rtol=2 ** -7, atol=2 ** -126,
                           equal_nan=True)
-    # v = a e^(k_r ln2 - lse): lse's rounding (relative 2^-24 of |lse| ~ 40) in the exponent
+    # v = a e^(k_r ln2 - lse): lse's rounding (relative 2^-24 of |lse| ~ 40) in the
+    # exponent; b and cs sums of terms that may cancel (smoothing, class weights, z-loss:
+    # the GPU contracts them otherwise), to that rounding of the largest
     for a, b in zip((ga.v, ga.b, ga.cs), (gb.v, gb.b, gb.cs)):
-        assert torch.allclose(a, b, rtol=1e-5, atol=0, equal_nan=True)
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-5 * float(a.nan_to_num(0).abs().max()),
+                              equal_nan=True)
     assert gb.u.float().eq(0).any() and (gb.u.float() < 2 ** -100).logical_and(
         gb.u.float() > 0).any()  # the strips' tiny and zero entries were exercised
     assert ta.lse[2].isnan() and tb.lse[n:].isfinite().all() and tb.nll[n:].eq(0).all()
     assert gb.v[n:].eq(0).all() and gb.col[n:].eq(-1).all()
     assert exp_rows.exp_rows(*args[:3], None, *args[4:])[1] is None
-    assert torch.allclose(triton_exp_rows(*args[:3], None, *args[4:])[0].nll, tb.nll,
-                          rtol=1e-6, atol=0, equal_nan=True)
+    # the forward alone: nll = lse - z_y as the backward's compilation forms it, to lse's
+    # rounding (the GPU contracts the two compilations otherwise)
+    nll = triton_exp_rows(*args[:3], None, *args[4:])[0].nll
+    assert torch.equal(nll.isnan(), tb.nll.isnan())
+    assert ((nll - tb.nll).abs() <= 2 ** -21 * (1 + tb.lse.abs())).logical_or(nll.isnan()).all()
 
 
 @pytest.mark.parametrize("case", ["bias", "odd_V", "float32", "softcap", "kahan",

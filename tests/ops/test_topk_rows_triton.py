@@ -99,10 +99,10 @@ def test_tiny_rows(V, k):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_low_precision_ties(dtype):
     # bf16 rounding of N(0, 1) * 3 - 20: many exact ties around the k-th value
-    z = (randn(6, 2500, seed=1) * 3 - 20).to(dtype)
+    z = (randn(3, 2500, seed=1) * 3 - 20).to(dtype)
     assert len(z[0].unique()) < 1000
     for k in (1, 7, 64, 256):
-        check(z, k, target=torch.arange(6) * 400)
+        check(z, k, target=torch.arange(3) * 800)
 
 
 def test_confident_rows_large_magnitude():

@@ -230,6 +230,8 @@ def test_threshold_rows_match_the_sorted_rows(truncation, backend, sizes):
         # (thr, V) for (v, c)
         thr = ref[:, 0] + math.log(truncation["min_p"])
         assert torch.equal(stats[:, 3], thr) and (stats[:, 4] == 3000).all()
+    if sizes == {}:  # (a NaN row's handling does not depend on the sizes)
+        return
     nan_row = z.clone()
     nan_row[2, 17] = float("nan")
     got = rows.kept_stats(searched, nan_row, y, inv_t, opts, torch.float32)
