@@ -17,11 +17,12 @@ One program per token row, z = softcap(l) / T as the log-probs' gradient sweep f
            drawn in to the bracket's values: the first sweep's points at v as a normal
            law of the z would place it (_guess: a poor guess costs sweeps, never another
            K), then value quarters, then, should those stall, quarters of the values'
-           int32 images (at most 24 + 32 sweeps). A sweep of the row writes the sort keys
-           of the classes between its outer points to the row's scratch (CAP at most):
-           once the bracket lies there, the sweeps read the scratch instead. At most C
-           classes left, a sweep writes their keys to C slots and a sort of them walks
-           their masses down from f(hi) to K's last class. A bracket of one value holding
+           int32 images (at most 24 + 32 sweeps). Once the bracket holds at most CAP
+           classes, a sweep of the row writes their sort keys to the row's scratch (a
+           lane's at slots from the lanes' counts of the sweep before: no scan a step)
+           and sums the entropy's terms above it; the later sweeps read the scratch. At
+           most C classes left, their keys go to C slots, and a sort of them walks their
+           masses down from f(hi) to K's last class. A bracket of one value holding
            more than C classes holds ties: the first of them by class are kept while the
            mass before each is < T, and one sweep finds the last one's class.
 Per row (m, s, s_K, sum over K of exp(z - m)(z - m), v, c, argmax, z_y): K is the classes
@@ -54,41 +55,41 @@ def _scratch(scr, offs, n_s):
 
 
 @triton.jit
-def _compact(row_ptr, dst, lane_n, lo, hi, V, inv_t, softcap, SIZE: tl.constexpr,
+def _compact(row_ptr, dst, lane_n, lo, hi, m, V, inv_t, softcap, SIZE: tl.constexpr,
              HAS_SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr, STAGES: tl.constexpr):
     """The sort keys of the row's classes in (lo, hi] to dst (SIZE slots), a lane's at
     slots from the lanes' counts of them before it (lane_n, from a sweep of the same
-    lanes): no scan a step."""
+    lanes): no scan a step. Returns the sum of exp(z - m) (z - m) over the classes above
+    hi (the entropy's, so the bisection's sweeps need not carry it)."""
     slot = tl.cumsum(lane_n, axis=0) - lane_n
+    g = tl.zeros([BLOCK_V], tl.float32)
     for v0 in tl.range(0, V, BLOCK_V, num_stages=STAGES):
         offs = v0 + tl.arange(0, BLOCK_V)
         _, r = _z(row_ptr, offs, V, inv_t, softcap, HAS_SOFTCAP)
         hit = (r > lo) & (r <= hi)
         tl.store(dst + slot, _sort_key(r, offs), mask=hit & (slot < SIZE))
         slot += hit.to(tl.int32)
+        e = tl.where(r > hi, tl.exp(r - m), 0.0)
+        g += tl.where(e > 0.0, e * (r - m), 0.0)
     tl.debug_barrier()  # the stores before the program's loads of them
+    return tl.sum(g, axis=0)
 
 
 @triton.jit
-def _tally(r, e, inside, q1, q2, q3, m, f1, f2, f3, g1, g2, g3, n1, n2, n3, b_lo, b_hi):
-    """A block's share of a sweep's sums: masses e above each point (f), their
-    exp(z - m) (z - m) (g), the bracket's (inside) classes above each (n) and its
-    smallest and largest values."""
-    ez = tl.where(e > 0.0, e * (r - m), 0.0)
+def _tally(r, e, inside, q1, q2, q3, f1, f2, f3, n1, n2, n3, b_lo, b_hi):
+    """A block's share of a sweep's sums: masses e above each point (f), the bracket's
+    (inside) classes above each (n) and its smallest and largest values."""
     f1 += e
-    g1 += ez
     up = r > q2
     f2 += tl.where(up, e, 0.0)
-    g2 += tl.where(up, ez, 0.0)
     n2 += (up & inside).to(tl.int32)
     up = r > q3
     f3 += tl.where(up, e, 0.0)
-    g3 += tl.where(up, ez, 0.0)
     n3 += (up & inside).to(tl.int32)
     n1 += ((r > q1) & inside).to(tl.int32)
     b_lo = tl.minimum(b_lo, tl.where(inside, r, float("inf")))
     b_hi = tl.maximum(b_hi, tl.where(inside, r, float("-inf")))
-    return f1, f2, f3, g1, g2, g3, n1, n2, n3, b_lo, b_hi
+    return f1, f2, f3, n1, n2, n3, b_lo, b_hi
 
 
 @triton.jit
@@ -198,8 +199,8 @@ def _threshold_kernel(
     if HAS_TOP_P:
         target_mass = top_p * S0
         hi = m
-        f_hi = 0.0 * S0  # f(m), g(m): no class above the max
-        g_hi = f_hi
+        f_hi = 0.0 * S0  # f(m): no class above the max
+        g_c = f_hi  # once compacted, the entropy's sum above the bracket
         guess, spread = _guess(mean, sd, m, v, n_all, top_p, CAP, HAS_MIN_P)
         # a row without mass (all -inf) or with a NaN: K its first class, sums as they are
         v = tl.full([], float("-inf"), tl.float32)
@@ -214,8 +215,8 @@ def _threshold_kernel(
         # bound guards against a hang should a sweep count otherwise than another
         while go & (n_in > C) & (step < VALUE_STEPS + 40):
             if (n_s == 0) & (n_in <= CAP):  # the bracket fits the scratch: the sweeps
-                _compact(row_ptr, scr, lane_n, lo, hi, V, inv_t, softcap, CAP,  # read it
-                         HAS_SOFTCAP, BLOCK_V, STAGES)
+                g_c = _compact(row_ptr, scr, lane_n, lo, hi, m, V, inv_t, softcap,  # read it
+                               CAP, HAS_SOFTCAP, BLOCK_V, STAGES)
                 n_s = n_in
             k_lo = _image(lo).to(tl.int64)
             k_hi = _image(hi).to(tl.int64)
@@ -243,9 +244,6 @@ def _threshold_kernel(
                 f1 = tl.zeros([BLOCK_V], tl.float32)
                 f2 = tl.zeros([BLOCK_V], tl.float32)
                 f3 = tl.zeros([BLOCK_V], tl.float32)
-                g1 = tl.zeros([BLOCK_V], tl.float32)
-                g2 = tl.zeros([BLOCK_V], tl.float32)
-                g3 = tl.zeros([BLOCK_V], tl.float32)
                 n1 = tl.zeros([BLOCK_V], tl.int32)
                 n2 = tl.zeros([BLOCK_V], tl.int32)
                 n3 = tl.zeros([BLOCK_V], tl.int32)
@@ -253,30 +251,24 @@ def _threshold_kernel(
                 b_hi = tl.full([BLOCK_V], float("-inf"), tl.float32)
                 if n_s == 0:  # the row: masses above q1 (those above hi too)
                     base = f_hi * 0.0
-                    g_base = base
                     for v0 in tl.range(0, V, BLOCK_V, num_stages=STAGES):
                         _, r = _z(row_ptr, v0 + cols, V, inv_t, softcap, HAS_SOFTCAP)
                         e = tl.where(r > q1, tl.exp(r - m), 0.0)
-                        (f1, f2, f3, g1, g2, g3, n1, n2, n3, b_lo, b_hi) = _tally(
-                            r, e, (r > lo) & (r <= hi), q1, q2, q3, m, f1, f2, f3,
-                            g1, g2, g3, n1, n2, n3, b_lo, b_hi)
+                        f1, f2, f3, n1, n2, n3, b_lo, b_hi = _tally(
+                            r, e, (r > lo) & (r <= hi), q1, q2, q3, f1, f2, f3, n1, n2,
+                            n3, b_lo, b_hi)
                 else:
                     # the scratch: the bracket's masses, added to f(hi)
                     base = f_hi
-                    g_base = g_hi
                     for v0 in range(0, n_s, BLOCK_V):
                         r, _, ok = _scratch(scr, v0 + cols, n_s)
                         inside = ok & (r > lo) & (r <= hi)
                         e = tl.where(inside & (r > q1), tl.exp(r - m), 0.0)
-                        (f1, f2, f3, g1, g2, g3, n1, n2, n3, b_lo, b_hi) = _tally(
-                            r, e, inside, q1, q2, q3, m, f1, f2, f3, g1, g2, g3, n1,
-                            n2, n3, b_lo, b_hi)
+                        f1, f2, f3, n1, n2, n3, b_lo, b_hi = _tally(
+                            r, e, inside, q1, q2, q3, f1, f2, f3, n1, n2, n3, b_lo, b_hi)
                 f1 = base + tl.sum(f1, axis=0)
                 f2 = base + tl.sum(f2, axis=0)
                 f3 = base + tl.sum(f3, axis=0)
-                g1 = g_base + tl.sum(g1, axis=0)
-                g2 = g_base + tl.sum(g2, axis=0)
-                g3 = g_base + tl.sum(g3, axis=0)
                 b_lo = tl.min(b_lo, axis=0)
                 b_hi = tl.max(b_hi, axis=0)
                 if b_lo == b_hi:  # the bracket's classes are ties at one value
@@ -288,19 +280,16 @@ def _threshold_kernel(
                     if f1 < target_mass:
                         hi = q1
                         f_hi = f1
-                        g_hi = g1
                         lane_n = lane_n - n1
                     elif f2 < target_mass:
                         lo = q1
                         hi = q2
                         f_hi = f2
-                        g_hi = g2
                         lane_n = n1 - n2
                     elif f3 < target_mass:
                         lo = q2
                         hi = q3
                         f_hi = f3
-                        g_hi = g3
                         lane_n = n2 - n3
                     else:
                         lo = q3
@@ -314,16 +303,20 @@ def _threshold_kernel(
         if go:
             # the bracket's classes' sort keys to the C slots, a sort of them
             if n_s == 0:
-                _compact(row_ptr, buf, lane_n, lo, hi, V, inv_t, softcap, C, HAS_SOFTCAP,
-                         BLOCK_V, STAGES)
-            else:
-                taken = n_in * 0
+                g_hi = _compact(row_ptr, buf, lane_n, lo, hi, m, V, inv_t, softcap, C,
+                                HAS_SOFTCAP, BLOCK_V, STAGES)
+            else:  # from the scratch: the entropy's sum above hi, the compaction's and
+                taken = n_in * 0  # the scratch's classes above hi
+                g = tl.zeros([BLOCK_V], tl.float32)
                 for v0 in range(0, n_s, BLOCK_V):
                     r, cls, ok = _scratch(scr, v0 + cols, n_s)
                     hit = ok & (r > lo) & (r <= hi)
                     slot = taken + tl.cumsum(hit.to(tl.int32), axis=0) - 1
                     tl.store(buf + slot, _sort_key(r, cls), mask=hit & (slot < C))
                     taken += tl.sum(hit.to(tl.int32), axis=0)
+                    e = tl.where(ok & (r > hi), tl.exp(r - m), 0.0)
+                    g += tl.where(e > 0.0, e * (r - m), 0.0)
+                g_hi = g_c + tl.sum(g, axis=0)
                 tl.debug_barrier()  # the stores before the loads
             j = tl.arange(0, C)
             keys = tl.sort(tl.load(buf + j, mask=j < n_in, other=_EMPTY), descending=True)
@@ -347,6 +340,7 @@ def _threshold_kernel(
                                 n_in.to(tl.float32)).to(tl.int32)
             seen = n_keep * 0
             last = n_keep * 0
+            g = tl.zeros([BLOCK_V], tl.float32)
             for v0 in range(0, V, BLOCK_V):
                 offs = v0 + cols
                 _, r = _z(row_ptr, offs, V, inv_t, softcap, HAS_SOFTCAP)
@@ -355,10 +349,13 @@ def _threshold_kernel(
                 at = (tie > 0) & (rank == n_keep)
                 last = tl.maximum(last, tl.max(tl.where(at, offs, 0), axis=0))
                 seen += tl.sum(tie, axis=0)
+                e = tl.where(r > hi, tl.exp(r - m), 0.0)
+                g += tl.where(e > 0.0, e * (r - m), 0.0)
             v = hi
             c = last.to(tl.float32)
             s_k = f_hi + n_keep.to(tl.float32) * e_t
-            g_k = g_hi + tl.where(e_t > 0.0, n_keep.to(tl.float32) * e_t * (hi - m), 0.0)
+            g_k = tl.sum(g, axis=0) + tl.where(
+                e_t > 0.0, n_keep.to(tl.float32) * e_t * (hi - m), 0.0)
         s_k = tl.where(failed, float("nan"), s_k)
     s_k = tl.where(s == s, s_k, s)  # a NaN in the row: its sums NaN
 
