@@ -35,8 +35,10 @@ def _support(g, N, V, K):
 @pytest.mark.parametrize("tail, beta, softcap", [(True, 0.0, None), (True, 0.5, 3.0),
                                                   (False, 1.0, 3.0)])
 def test_sparse_divergence(tail, beta, softcap):
-    # 16-bit dz over float32 logits across three 4096-class blocks, and the products
+    # with the tail, 16-bit dz over float32 logits across three 4096-class blocks;
+    # without it no dz, the products' scatter (a program a class: 600 of them)
     h, w, _, g = dz_over_inputs(torch.bfloat16, 4)
+    w = w if tail else w[:600]
     support, lp = _support(g, h.shape[0], w.shape[0], 4)
     rec = room.SparseDivOptions(beta=beta, tail=tail, softcap=softcap,
                                 logits_dtype=torch.float32)
