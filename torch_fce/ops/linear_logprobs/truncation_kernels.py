@@ -17,12 +17,11 @@ One program per token row, z = softcap(l) / T as the log-probs' gradient sweep f
            drawn in to the bracket's values: the first sweep's points at v as a normal
            law of the z would place it (_guess: a poor guess costs sweeps, never another
            K), then value quarters, then, should those stall, quarters of the values'
-           int32 images (at most 24 + 32 sweeps). Once the bracket holds at most CAP
-           classes, a sweep of the row writes their sort keys to the row's scratch (a
-           lane's at slots from the lanes' counts of the sweep before: no scan a step)
-           and sums the entropy's terms above it; the later sweeps read the scratch. At
-           most C classes left, their keys go to C slots, and a sort of them walks their
-           masses down from f(hi) to K's last class. A bracket of one value holding
+           int32 images (at most 24 + 32 sweeps). A sweep of the row writes the sort keys
+           of the classes between its outer points to the row's scratch (CAP at most):
+           once the bracket lies there, the sweeps read the scratch instead. At most C
+           classes left, a sweep writes their keys to C slots and a sort of them walks
+           their masses down from f(hi) to K's last class. A bracket of one value holding
            more than C classes holds ties: the first of them by class are kept while the
            mass before each is < T, and one sweep finds the last one's class.
 Per row (m, s, s_K, sum over K of exp(z - m)(z - m), v, c, argmax, z_y): K is the classes
@@ -46,50 +45,41 @@ def _z(row_ptr, offs, V, inv_t, softcap, HAS_SOFTCAP: tl.constexpr):
 
 
 @triton.jit
-def _scratch(scr, offs, n_s):
-    """(selection value, class, present) of entries offs of a row's scratch of n_s sort
-    keys."""
-    ok = offs < n_s
-    key = tl.load(scr + offs, mask=ok, other=0)
-    return _unkey((key >> 32).to(tl.int32)), 0x7FFFFFFF - (key & 0x7FFFFFFF).to(tl.int32), ok
-
-
-@triton.jit
-def _compact(row_ptr, dst, lane_n, lo, hi, m, V, inv_t, softcap, SIZE: tl.constexpr,
-             HAS_SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr, STAGES: tl.constexpr):
-    """The sort keys of the row's classes in (lo, hi] to dst (SIZE slots), a lane's at
-    slots from the lanes' counts of them before it (lane_n, from a sweep of the same
-    lanes): no scan a step. Returns the sum of exp(z - m) (z - m) over the classes above
-    hi (the entropy's, so the bisection's sweeps need not carry it)."""
-    slot = tl.cumsum(lane_n, axis=0) - lane_n
-    g = tl.zeros([BLOCK_V], tl.float32)
-    for v0 in tl.range(0, V, BLOCK_V, num_stages=STAGES):
-        offs = v0 + tl.arange(0, BLOCK_V)
+def _entry(row_ptr, scr, offs, n_s, V, inv_t, softcap, HAS_SOFTCAP: tl.constexpr):
+    """(selection value, class, present) of entries offs of the search's source: the
+    row, or (n_s > 0) its scratch of n_s sort keys."""
+    if n_s > 0:
+        ok = offs < n_s
+        key = tl.load(scr + offs, mask=ok, other=0)
+        r = _unkey((key >> 32).to(tl.int32))
+        cls = 0x7FFFFFFF - (key & 0x7FFFFFFF).to(tl.int32)
+    else:
+        ok = offs < V
         _, r = _z(row_ptr, offs, V, inv_t, softcap, HAS_SOFTCAP)
-        hit = (r > lo) & (r <= hi)
-        tl.store(dst + slot, _sort_key(r, offs), mask=hit & (slot < SIZE))
-        slot += hit.to(tl.int32)
-        e = tl.where(r > hi, tl.exp(r - m), 0.0)
-        g += tl.where(e > 0.0, e * (r - m), 0.0)
-    tl.debug_barrier()  # the stores before the program's loads of them
-    return tl.sum(g, axis=0)
+        cls = offs
+    return r, cls, ok
 
 
 @triton.jit
-def _tally(r, e, inside, q1, q2, q3, f1, f2, f3, n1, n2, n3, b_lo, b_hi):
-    """A block's share of a sweep's sums: masses e above each point (f), the bracket's
-    (inside) classes above each (n) and its smallest and largest values."""
+def _tally(r, e, inside, q1, q2, q3, m, f1, f2, f3, g1, g2, g3, n1, n2, n3, b_lo, b_hi):
+    """A block's share of a sweep's sums: masses e above each point (f), their
+    exp(z - m) (z - m) (g), the bracket's (inside) classes above each (n) and its
+    smallest and largest values."""
+    ez = tl.where(e > 0.0, e * (r - m), 0.0)
     f1 += e
+    g1 += ez
     up = r > q2
     f2 += tl.where(up, e, 0.0)
+    g2 += tl.where(up, ez, 0.0)
     n2 += (up & inside).to(tl.int32)
     up = r > q3
     f3 += tl.where(up, e, 0.0)
+    g3 += tl.where(up, ez, 0.0)
     n3 += (up & inside).to(tl.int32)
     n1 += ((r > q1) & inside).to(tl.int32)
     b_lo = tl.minimum(b_lo, tl.where(inside, r, float("inf")))
     b_hi = tl.maximum(b_hi, tl.where(inside, r, float("-inf")))
-    return f1, f2, f3, n1, n2, n3, b_lo, b_hi
+    return f1, f2, f3, g1, g2, g3, n1, n2, n3, b_lo, b_hi
 
 
 @triton.jit
@@ -97,7 +87,7 @@ def _guess(mean, sd, m, cut, n, top_p, CAP: tl.constexpr, HAS_MIN_P: tl.constexp
     """The first sweep's middle point and its distance to the others: where top_p's
     mass ends if the n classes' z were normal (mean, sd) up to the max m (the mass's
     law then normal, mean + sd^2), from min_p's cut; the distance such that the
-    classes between it and either other are about CAP * 0.8 under that law."""
+    classes between the outer points are about CAP * 0.8 under that law."""
     tilt = mean + sd * sd
     at_m = _phi((m - tilt) / sd)
     at_cut = 0.0 * at_m
@@ -106,7 +96,7 @@ def _guess(mean, sd, m, cut, n, top_p, CAP: tl.constexpr, HAS_MIN_P: tl.constexp
     guess = tilt + sd * _phi_inv((1.0 - top_p) * at_m + top_p * at_cut)
     t = (guess - mean) / sd
     per_z = n * tl.exp(-0.5 * t * t) * 0.3989422804014327 / sd  # classes a unit of z
-    return guess, 0.8 * CAP / per_z
+    return guess, 0.4 * CAP / per_z
 
 
 @triton.jit
@@ -164,7 +154,6 @@ def _threshold_kernel(
     top = tl.max(best, axis=0)
     argmax = tl.min(tl.where(best == top, best_i, V), axis=0)
     argmax = tl.where(top > float("-inf"), argmax, 0)  # a row of -inf: its first class
-    lane_n = finite  # each lane's classes in the bracket
     n_in = tl.sum(finite, axis=0)
     n_all = n_in
     mean = tl.sum(u1, axis=0) / n_in
@@ -191,7 +180,6 @@ def _threshold_kernel(
             n += (r > lo).to(tl.int32)
         S0 = tl.sum(f, axis=0)
         G0 = tl.sum(g, axis=0)
-        lane_n = n
         n_in = tl.sum(n, axis=0)
     c = V * 1.0
     s_k = S0
@@ -199,8 +187,8 @@ def _threshold_kernel(
     if HAS_TOP_P:
         target_mass = top_p * S0
         hi = m
-        f_hi = 0.0 * S0  # f(m): no class above the max
-        g_c = f_hi  # once compacted, the entropy's sum above the bracket
+        f_hi = 0.0 * S0  # f(m), g(m): no class above the max
+        g_hi = f_hi
         guess, spread = _guess(mean, sd, m, v, n_all, top_p, CAP, HAS_MIN_P)
         # a row without mass (all -inf) or with a NaN: K its first class, sums as they are
         v = tl.full([], float("-inf"), tl.float32)
@@ -214,10 +202,6 @@ def _threshold_kernel(
         # at most VALUE_STEPS + 32 sweeps (the images' range halves, at least); the
         # bound guards against a hang should a sweep count otherwise than another
         while go & (n_in > C) & (step < VALUE_STEPS + 40):
-            if (n_s == 0) & (n_in <= CAP):  # the bracket fits the scratch: the sweeps
-                g_c = _compact(row_ptr, scr, lane_n, lo, hi, m, V, inv_t, softcap,  # read it
-                               CAP, HAS_SOFTCAP, BLOCK_V, STAGES)
-                n_s = n_in
             k_lo = _image(lo).to(tl.int64)
             k_hi = _image(hi).to(tl.int64)
             if k_hi - k_lo <= 1:  # (lo, hi] is one value: ties at hi
@@ -244,31 +228,52 @@ def _threshold_kernel(
                 f1 = tl.zeros([BLOCK_V], tl.float32)
                 f2 = tl.zeros([BLOCK_V], tl.float32)
                 f3 = tl.zeros([BLOCK_V], tl.float32)
+                g1 = tl.zeros([BLOCK_V], tl.float32)
+                g2 = tl.zeros([BLOCK_V], tl.float32)
+                g3 = tl.zeros([BLOCK_V], tl.float32)
                 n1 = tl.zeros([BLOCK_V], tl.int32)
                 n2 = tl.zeros([BLOCK_V], tl.int32)
                 n3 = tl.zeros([BLOCK_V], tl.int32)
                 b_lo = tl.full([BLOCK_V], float("inf"), tl.float32)
                 b_hi = tl.full([BLOCK_V], float("-inf"), tl.float32)
-                if n_s == 0:  # the row: masses above q1 (those above hi too)
+                if n_s == 0:
+                    # the row: masses above q1 (those above hi too), the scratch's keys
+                    # of the classes in (q1, q3]
                     base = f_hi * 0.0
+                    g_base = base
+                    written = n_in * 0
                     for v0 in tl.range(0, V, BLOCK_V, num_stages=STAGES):
-                        _, r = _z(row_ptr, v0 + cols, V, inv_t, softcap, HAS_SOFTCAP)
+                        offs = v0 + cols
+                        _, r = _z(row_ptr, offs, V, inv_t, softcap, HAS_SOFTCAP)
                         e = tl.where(r > q1, tl.exp(r - m), 0.0)
-                        f1, f2, f3, n1, n2, n3, b_lo, b_hi = _tally(
-                            r, e, (r > lo) & (r <= hi), q1, q2, q3, f1, f2, f3, n1, n2,
-                            n3, b_lo, b_hi)
+                        (f1, f2, f3, g1, g2, g3, n1, n2, n3, b_lo, b_hi) = _tally(
+                            r, e, (r > lo) & (r <= hi), q1, q2, q3, m, f1, f2, f3,
+                            g1, g2, g3, n1, n2, n3, b_lo, b_hi)
+                        win = (r > q1) & (r <= q3)
+                        slot = written + tl.cumsum(win.to(tl.int32), axis=0) - 1
+                        tl.store(scr + slot, _sort_key(r, offs), mask=win & (slot < CAP))
+                        written += tl.sum(win.to(tl.int32), axis=0)
                 else:
                     # the scratch: the bracket's masses, added to f(hi)
                     base = f_hi
+                    g_base = g_hi
                     for v0 in range(0, n_s, BLOCK_V):
-                        r, _, ok = _scratch(scr, v0 + cols, n_s)
+                        r, _, ok = _entry(row_ptr, scr, v0 + cols, n_s, V, inv_t,
+                                          softcap, HAS_SOFTCAP)
                         inside = ok & (r > lo) & (r <= hi)
                         e = tl.where(inside & (r > q1), tl.exp(r - m), 0.0)
-                        f1, f2, f3, n1, n2, n3, b_lo, b_hi = _tally(
-                            r, e, inside, q1, q2, q3, f1, f2, f3, n1, n2, n3, b_lo, b_hi)
+                        (f1, f2, f3, g1, g2, g3, n1, n2, n3, b_lo, b_hi) = _tally(
+                            r, e, inside, q1, q2, q3, m, f1, f2, f3, g1, g2, g3, n1,
+                            n2, n3, b_lo, b_hi)
                 f1 = base + tl.sum(f1, axis=0)
                 f2 = base + tl.sum(f2, axis=0)
                 f3 = base + tl.sum(f3, axis=0)
+                g1 = g_base + tl.sum(g1, axis=0)
+                g2 = g_base + tl.sum(g2, axis=0)
+                g3 = g_base + tl.sum(g3, axis=0)
+                n1 = tl.sum(n1, axis=0)
+                n2 = tl.sum(n2, axis=0)
+                n3 = tl.sum(n3, axis=0)
                 b_lo = tl.min(b_lo, axis=0)
                 b_hi = tl.max(b_hi, axis=0)
                 if b_lo == b_hi:  # the bracket's classes are ties at one value
@@ -277,47 +282,46 @@ def _threshold_kernel(
                     go = n_in < 0
                 else:
                     # v <= q iff f(q) < T: the first such point bounds the bracket
+                    window = (n_s == 0) & (n1 - n3 <= CAP)
                     if f1 < target_mass:
                         hi = q1
                         f_hi = f1
-                        lane_n = lane_n - n1
+                        g_hi = g1
+                        n_in = n_in - n1
                     elif f2 < target_mass:
                         lo = q1
                         hi = q2
                         f_hi = f2
-                        lane_n = n1 - n2
+                        g_hi = g2
+                        n_in = n1 - n2
+                        n_s = tl.where(window, n1 - n3, n_s)
                     elif f3 < target_mass:
                         lo = q2
                         hi = q3
                         f_hi = f3
-                        lane_n = n2 - n3
+                        g_hi = g3
+                        n_in = n2 - n3
+                        n_s = tl.where(window, n1 - n3, n_s)
                     else:
                         lo = q3
-                        lane_n = n3
-                    n_in = tl.sum(lane_n, axis=0)
+                        n_in = n3
                     # the ends drawn in to the bracket's values (no class between: f holds)
                     lo = tl.maximum(lo, _below(b_lo))
                     hi = tl.minimum(hi, b_hi)
                 step += 1
         failed = go & (n_in > C)  # never, by the bound above: a NaN, not a wrong K
+        n_src = tl.where(n_s > 0, n_s, V)
         if go:
             # the bracket's classes' sort keys to the C slots, a sort of them
-            if n_s == 0:
-                g_hi = _compact(row_ptr, buf, lane_n, lo, hi, m, V, inv_t, softcap, C,
-                                HAS_SOFTCAP, BLOCK_V, STAGES)
-            else:  # from the scratch: the entropy's sum above hi, the compaction's and
-                taken = n_in * 0  # the scratch's classes above hi
-                g = tl.zeros([BLOCK_V], tl.float32)
-                for v0 in range(0, n_s, BLOCK_V):
-                    r, cls, ok = _scratch(scr, v0 + cols, n_s)
-                    hit = ok & (r > lo) & (r <= hi)
-                    slot = taken + tl.cumsum(hit.to(tl.int32), axis=0) - 1
-                    tl.store(buf + slot, _sort_key(r, cls), mask=hit & (slot < C))
-                    taken += tl.sum(hit.to(tl.int32), axis=0)
-                    e = tl.where(ok & (r > hi), tl.exp(r - m), 0.0)
-                    g += tl.where(e > 0.0, e * (r - m), 0.0)
-                g_hi = g_c + tl.sum(g, axis=0)
-                tl.debug_barrier()  # the stores before the loads
+            taken = n_in * 0
+            for v0 in range(0, n_src, BLOCK_V):
+                r, cls, ok = _entry(row_ptr, scr, v0 + cols, n_s, V, inv_t, softcap,
+                                    HAS_SOFTCAP)
+                hit = ok & (r > lo) & (r <= hi)
+                slot = taken + tl.cumsum(hit.to(tl.int32), axis=0) - 1
+                tl.store(buf + slot, _sort_key(r, cls), mask=hit & (slot < C))
+                taken += tl.sum(hit.to(tl.int32), axis=0)
+            tl.debug_barrier()  # the scratch's stores before its loads
             j = tl.arange(0, C)
             keys = tl.sort(tl.load(buf + j, mask=j < n_in, other=_EMPTY), descending=True)
             valid = j < n_in
@@ -333,29 +337,26 @@ def _threshold_kernel(
             g_k = g_hi + tl.sum(tl.where(kept & (mass > 0.0), mass * (vals - m), 0.0),
                                 axis=0)
         if ties:
-            # the bracket is ties at hi: the first n_keep of them by class while the
-            # mass before each is < T, the last one's class found by a sweep of the row
+            # the bracket is ties at hi: the first n_keep of them by class (the scratch
+            # holds its classes in class order) while the mass before each is < T, the
+            # last one's class found by a sweep
             e_t = tl.exp(hi - m)
             n_keep = tl.minimum(tl.maximum(tl.ceil((target_mass - f_hi) / e_t), 1.0),
                                 n_in.to(tl.float32)).to(tl.int32)
             seen = n_keep * 0
             last = n_keep * 0
-            g = tl.zeros([BLOCK_V], tl.float32)
-            for v0 in range(0, V, BLOCK_V):
-                offs = v0 + cols
-                _, r = _z(row_ptr, offs, V, inv_t, softcap, HAS_SOFTCAP)
-                tie = (r == hi).to(tl.int32)
+            for v0 in range(0, n_src, BLOCK_V):
+                r, cls, ok = _entry(row_ptr, scr, v0 + cols, n_s, V, inv_t, softcap,
+                                    HAS_SOFTCAP)
+                tie = (ok & (r == hi)).to(tl.int32)
                 rank = seen + tl.cumsum(tie, axis=0)
                 at = (tie > 0) & (rank == n_keep)
-                last = tl.maximum(last, tl.max(tl.where(at, offs, 0), axis=0))
+                last = tl.maximum(last, tl.max(tl.where(at, cls, 0), axis=0))
                 seen += tl.sum(tie, axis=0)
-                e = tl.where(r > hi, tl.exp(r - m), 0.0)
-                g += tl.where(e > 0.0, e * (r - m), 0.0)
             v = hi
             c = last.to(tl.float32)
             s_k = f_hi + n_keep.to(tl.float32) * e_t
-            g_k = tl.sum(g, axis=0) + tl.where(
-                e_t > 0.0, n_keep.to(tl.float32) * e_t * (hi - m), 0.0)
+            g_k = g_hi + tl.where(e_t > 0.0, n_keep.to(tl.float32) * e_t * (hi - m), 0.0)
         s_k = tl.where(failed, float("nan"), s_k)
     s_k = tl.where(s == s, s_k, s)  # a NaN in the row: its sums NaN
 
