@@ -32,9 +32,8 @@ import triton
 import triton.language as tl
 
 from ..linear_topk_logprobs.kernels import _EMPTY, _ranked, _sort_key
-from ..rowmath.kernels import (_NEG_BIG, _below, _block_v, _from_image, _image, _load_z,
-                               _phi, _phi_inv, _unkey)
-
+from ..rowmath.kernels import (_NEG_BIG, _below, _from_image, _image, _load_z, _phi,
+                               _phi_inv, _unkey)
 
 
 @triton.jit
