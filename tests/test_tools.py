@@ -14,12 +14,45 @@ def _run(*args):
                           timeout=300)
 
 
-def test_bench_lists_its_subcommands():
-    out = _run("torch_fce.bench")
-    assert out.returncode == 2
-    for sub in ("shapes", "lowering", "transformers", "distributed", "grpo", "sft", "distill"):
-        assert sub in out.stdout
-    assert _run("torch_fce.bench", "nope").returncode == 2
+_SUBS = ["shapes", "lowering", "transformers", "distributed", "grpo", "sft", "distill"]
+# (python -m) command lines that stop at their parser: their help, usage errors
+_COMMANDS = [("torch_fce.bench",), ("torch_fce.bench", "nope"), ("torch_fce", "--help"),
+             *(("torch_fce.bench", sub, "--help") for sub in _SUBS),
+             ("torch_fce", "--device", "cuda"), ("torch_fce.bench", "shapes", "--device", "cuda"),
+             ("torch_fce.bench", "lowering", "--device", "cuda")]
+_ONE_PROCESS = """
+import contextlib, io, json, runpy, sys
+out = []
+for module, *argv in json.loads(sys.argv[1]):
+    sys.argv = [module, *argv]
+    stdout, stderr = io.StringIO(), io.StringIO()
+    code = 0
+    try:
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    out.append((code, stdout.getvalue(), stderr.getvalue()))
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def cli():
+    """Each of _COMMANDS as `python -m` runs it, all in one fresh process (torch imported
+    once): {command: (exit code, stdout, stderr)}."""
+    out = subprocess.run([sys.executable, "-c", _ONE_PROCESS, json.dumps(_COMMANDS)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    return dict(zip(_COMMANDS, json.loads(out.stdout.splitlines()[-1])))
+
+
+def test_bench_lists_its_subcommands(cli):
+    code, stdout, _ = cli["torch_fce.bench",]
+    assert code == 2
+    for sub in _SUBS:
+        assert sub in stdout
+    assert cli["torch_fce.bench", "nope"][0] == 2
 
 
 def _parser_of(main, monkeypatch):
@@ -40,7 +73,7 @@ def _parser_of(main, monkeypatch):
 
 @pytest.mark.parametrize("sub", ["shapes", "lowering", "transformers", "distributed",
                                  "grpo", "sft", "distill", "main job"])
-def test_every_option_with_a_default_names_it_in_its_help(sub, monkeypatch):
+def test_every_option_with_a_default_names_it_in_its_help(sub, monkeypatch, cli):
     import importlib
 
     from torch_fce.bench.__main__ import SUBCOMMANDS
@@ -52,13 +85,13 @@ def test_every_option_with_a_default_names_it_in_its_help(sub, monkeypatch):
         if action.default in (None, False, "==SUPPRESS==") or not action.option_strings:
             continue
         assert action.help and "default" in action.help, (sub, action.option_strings)
-    assert _run("torch_fce.bench" if sub != "main job" else "torch_fce",
-                *([sub] if sub != "main job" else []), "--help").returncode == 0
+    assert cli[("torch_fce", "--help") if sub == "main job" else
+               ("torch_fce.bench", sub, "--help")][0] == 0
 
 
-def test_main_job_help_names_defaults():
-    out = _run("torch_fce", "--help")
-    assert out.returncode == 0 and "(default: 30)" in out.stdout
+def test_main_job_help_names_defaults(cli):
+    code, stdout, _ = cli["torch_fce", "--help"]
+    assert code == 0 and "(default: 30)" in stdout
 
 
 def test_bench_shapes_tiny_writes_its_rows(tmp_path):
@@ -110,10 +143,10 @@ def test_patched_transformers_forward_warns_nothing():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU build of torch")
 @pytest.mark.parametrize("tool", [("torch_fce",), ("torch_fce.bench", "shapes"),
                                   ("torch_fce.bench", "lowering")])
-def test_device_cuda_on_a_cpu_build_is_a_usage_error(tool):
-    out = _run(*tool, "--device", "cuda")
-    assert out.returncode == 2 and "--device cuda" in out.stderr, out.stderr
-    assert "Traceback" not in out.stderr
+def test_device_cuda_on_a_cpu_build_is_a_usage_error(tool, cli):
+    code, _, stderr = cli[(*tool, "--device", "cuda")]
+    assert code == 2 and "--device cuda" in stderr, stderr
+    assert "Traceback" not in stderr
 
 
 @pytest.mark.parametrize("objective", ["logprobs", "policy"])
