@@ -197,7 +197,7 @@ _TRUNCATIONS = [dict(top_p=0.9), dict(top_p=0.5), dict(top_p=0.5, min_p=0.02),
                 dict(top_p=0.7, top_k=5000)]
 
 
-# the kernel's own sizes on four cases (10 s each in the interpreter); on all, 8 slots
+# the kernel's own sizes on four cases (4 s each in the interpreter); on all, 8 slots
 # (every row through the bisection) and a scratch of 64 or 512 classes (the sweeps
 # moving from the row to it at one point or another)
 @pytest.mark.parametrize("truncation, backend, sizes", [
