@@ -4,8 +4,8 @@ read since the last barrier, and no program touches another's bytes. The interpr
 itself runs a program's operations in order, so these races pass every other CPU test.
 The sparse divergence's kernel (its tail's support logits marked in the row, its
 scratch reused, dz over the float32 logits), a vocabulary shard's two kernels, the
-sparse gradient's products, and the cross entropy's and the divergence's in-place dz
-after their target's logit."""
+sparse gradient's products, the cross entropy's and the divergence's in-place dz
+after their target's logit, and the log-probs' threshold kernel's scratch."""
 
 import tempfile
 
@@ -83,4 +83,21 @@ def test_cross_entropy_and_divergence_read_their_target_before_dz():
             h, w, ht, wt, y, None, None, None, torch.ones(N),
             *linear_distillation.DistillOptions(hard_weight=0.5, logits_dtype=None),
             *ONE_DEVICE, [True, True, False], backend=TRITON)
+    assert not flags, flags
+
+
+@pytest.mark.parametrize("truncation", [dict(top_p=0.9), dict(top_p=0.5, min_p=0.02)])
+def test_threshold_kernel_scratch(truncation):
+    # top_p without a top-k: a sweep of the row writes the bracket's keys to the scratch,
+    # the next sweeps read them, then the C slots (scratch and slots small: every row
+    # through both)
+    from torch_fce.ops.linear_logprobs import LogProbOptions
+    from torch_fce.ops.linear_logprobs.kernels import triton_threshold_stats
+
+    g = torch.Generator().manual_seed(5)
+    z = torch.randn(3, 1500, generator=g) * torch.tensor([0.5, 2.0, 4.0])[:, None]
+    opts = LogProbOptions(entropy=True, **truncation)
+    with races() as flags:
+        triton_threshold_stats(z, torch.zeros(3, dtype=torch.int64), torch.ones(3), opts,
+                               torch.float32, slots=8, cap=256)
     assert not flags, flags

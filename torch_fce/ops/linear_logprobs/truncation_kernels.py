@@ -252,6 +252,7 @@ def _threshold_kernel(
                         slot = written + tl.cumsum(win.to(tl.int32), axis=0) - 1
                         tl.store(scr + slot, _sort_key(r, offs), mask=win & (slot < CAP))
                         written += tl.sum(win.to(tl.int32), axis=0)
+                    tl.debug_barrier()  # its stores before the next sweep's and reads
                 else:
                     # the scratch: the bracket's masses, added to f(hi)
                     base = f_hi
