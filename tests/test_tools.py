@@ -15,11 +15,14 @@ def _run(*args):
 
 
 _SUBS = ["shapes", "lowering", "transformers", "distributed", "grpo", "sft", "distill"]
-# (python -m) command lines that stop at their parser: their help, usage errors
+# (python -m) command lines that stop at their parser: their help, usage errors (--device
+# cuda only on a CPU build of torch: with a GPU it runs the tool whole)
 _COMMANDS = [("torch_fce.bench",), ("torch_fce.bench", "nope"), ("torch_fce", "--help"),
              *(("torch_fce.bench", sub, "--help") for sub in _SUBS),
-             ("torch_fce", "--device", "cuda"), ("torch_fce.bench", "shapes", "--device", "cuda"),
-             ("torch_fce.bench", "lowering", "--device", "cuda")]
+             *([] if torch.cuda.is_available() else [
+                 ("torch_fce", "--device", "cuda"),
+                 ("torch_fce.bench", "shapes", "--device", "cuda"),
+                 ("torch_fce.bench", "lowering", "--device", "cuda")])]
 _ONE_PROCESS = """
 import contextlib, io, json, runpy, sys
 out = []

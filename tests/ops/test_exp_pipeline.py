@@ -136,8 +136,13 @@ def test_exp_rows_triton_as_torch(options, V):
     zsum = torch.randn(M, generator=g).to(DEVICE)
     args = (tile, target.to(DEVICE), cweight, scales, opts, V, zsum)
     (ta, ga), (tb, gb) = exp_rows.exp_rows(*args), triton_exp_rows(*args)
-    for a, b in zip(ta[:3], tb[:3]):
-        assert torch.allclose(a, b, rtol=1e-6, atol=1e-6, equal_nan=True)
+    # lse, nll and smooth to float32's rounding; nll and smooth are differences with lse
+    # (~40), so to its rounding as well where they are small
+    for field, a, b in zip(ta._fields, ta[:3], tb[:3]):
+        bound = 1e-6 * (1 + b.abs()) + 2 ** -21 * tb.lse.nan_to_num(0.0).abs()
+        bad = ~((a - b).abs() <= bound).logical_or(a.isnan() & b.isnan())
+        assert not bad.any(), (field, bad.nonzero().flatten()[:8].tolist(), a[bad][:8].tolist(),
+                               b[bad][:8].tolist())
     assert torch.equal(ga.u, gb.u) and torch.equal(ga.col, gb.col)
     # bf16(u v) of one v to float32's rounding: at most an ulp; products below 2^-126
     # (subnormal, nothing next to E's other terms) as the interpreter rounds them
@@ -154,11 +159,12 @@ def test_exp_rows_triton_as_torch(options, V):
     assert ta.lse[2].isnan() and tb.lse[n:].isfinite().all() and tb.nll[n:].eq(0).all()
     assert gb.v[n:].eq(0).all() and gb.col[n:].eq(-1).all()
     assert exp_rows.exp_rows(*args[:3], None, *args[4:])[1] is None
-    # the forward alone: nll = lse - z_y as the backward's compilation forms it, to lse's
-    # rounding (the GPU contracts the two compilations otherwise)
+    # the forward alone: nll = lse - z_y as the backward's compilation forms it, to the
+    # rounding of lse, z_y and nll (the GPU contracts the two compilations otherwise)
     nll = triton_exp_rows(*args[:3], None, *args[4:])[0].nll
     assert torch.equal(nll.isnan(), tb.nll.isnan())
-    assert ((nll - tb.nll).abs() <= 2 ** -21 * (1 + tb.lse.abs())).logical_or(nll.isnan()).all()
+    bound = 2 ** -21 * (1 + tb.lse.abs() + tb.nll.abs())
+    assert ((nll - tb.nll).abs() <= bound).logical_or(nll.isnan()).all()
 
 
 @pytest.mark.parametrize("case", ["bias", "odd_V", "float32", "softcap", "kahan",
