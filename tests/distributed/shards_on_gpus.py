@@ -182,7 +182,7 @@ def _check_sparse(rank, bounds):
     # a divergence near 0 sums p (log p - log q) over the support, which cancel; each log q
     # is z - lse, rounded as |lse| is: its error relative to the student's mean |lse| (on
     # an H100, 1.5e-5 of the loss itself and 3.4e-5 of the teacher's mean sum of
-    # p |log p|, 2026-12-06)
+    # p |log p|, 2026-12-06 and 2026-12-07)
     scale = float(torch_fce.linear_logprobs(h, w, target, b).lse.abs().mean())
     for opts in (dict(beta=0.0, tail=True), dict(beta=0.5, tail=False, softcap=30.0)):
         _compare(f"sparse divergence {opts}", lambda h, w, b:
