@@ -139,7 +139,9 @@ def test_exp_rows_triton_as_torch(options, V):
     # lse, nll and smooth to float32's rounding; nll and smooth are differences with lse
     # (~40), so to its rounding as well where they are small
     for field, a, b in zip(ta._fields, ta[:3], tb[:3]):
-        bound = 1e-6 * (1 + b.abs()) + 2 ** -21 * tb.lse.nan_to_num(0.0).abs()
+        bound = 1e-6 * (1 + b.abs())
+        if field != "lse":
+            bound = bound + 2 ** -21 * tb.lse.nan_to_num(0.0).abs()
         bad = ~((a - b).abs() <= bound).logical_or(a.isnan() & b.isnan())
         assert not bad.any(), (field, bad.nonzero().flatten()[:8].tolist(), a[bad][:8].tolist(),
                                b[bad][:8].tolist())
