@@ -270,8 +270,12 @@ def test_triton_logprob_rows_match_their_pytorch_twin(softcap, entropy, dtype):
     # Triton's interpreter on CPU tensors (CI), the real kernel on a GPU.
     x = {k: v if v is None else v.to(DEVICE) for k, v in make_inputs(
         9, 5, 37, dtype, bias=True, ignore_frac=0.3, weight_scale=2.0).items()}
-    T = torch.rand(9, device=DEVICE) + 0.5
-    g_lp, g_h = torch.randn(9, device=DEVICE), torch.randn(9, device=DEVICE)
+    # seeded, not the global generator: the inputs must not depend on the tests run before
+    # (a draw after the batch-invariance tests put a float32 softcap gradient at 8.6 eps,
+    # over the 8; 60 seeds' worst was 4.3 eps)
+    g = torch.Generator().manual_seed(3)
+    T = (torch.rand(9, generator=g) + 0.5).to(DEVICE)
+    g_lp, g_h = (torch.randn(2, 9, generator=g)).to(DEVICE).unbind(0)
     args = (x["hidden"], x["weight"], x["target"], x["bias"], T,
             *LogProbOptions(softcap=softcap, entropy=entropy), *ONE_DEVICE)
     outs = []

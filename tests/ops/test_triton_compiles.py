@@ -103,11 +103,12 @@ for grad, weights, smoothing, dft in [(True, False, False, False), (True, True, 
 for top_p, min_p in [(True, False), (True, True), (False, True)]:
     build(truncation._threshold_kernel,
           {"logits_ptr": "*fp32", "target_ptr": "*i64", "inv_t_ptr": "*fp32",
-           "buf_ptr": "*i64", "scr_ptr": "*i64", "out_ptr": "*fp32", "V": "i32",
-           "ignore_index": "i32",
+           "buf_ptr": "*i64", "scr_ptr": "*i64", "out_ptr": "*fp32", "cnt_ptr": "*i32",
+           "V": "i32", "ignore_index": "i32",
            "top_p": "fp32", "log_min_p": "fp32", "softcap": "fp32", "stride_ln": "i32"},
-          dict(HAS_SOFTCAP=False, HAS_TOP_P=top_p, HAS_MIN_P=min_p, BLOCK_V=logprobs._BLOCK,
-               C=logprobs._C, CAP=logprobs._CAP, VALUE_STEPS=logprobs._VALUE_STEPS,
+          dict(HAS_SOFTCAP=False, HAS_TOP_P=top_p, HAS_MIN_P=min_p,
+               LANES=logprobs._BLOCK // logprobs._U, U=logprobs._U, C=logprobs._C,
+               CAP=logprobs._CAP, VALUE_STEPS=logprobs._VALUE_STEPS,
                STAGES=logprobs._STAGES), logprobs._WARPS)
 '''
 

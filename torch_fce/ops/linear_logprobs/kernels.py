@@ -24,8 +24,9 @@ from .truncation_kernels import _threshold_kernel
 
 _C = 256  # the threshold kernel's sort of the bracket's classes
 _CAP = 8192  # its scratch's classes a row at most (V / 8 at most: a byte a logit)
-_BLOCK, _STAGES = 2048, 3  # its sweeps' classes a step, their loads in flight
-_WARPS = 8  # its warps: eight lanewise sums
+_BLOCK, _STAGES = 1024, 1  # its sweeps' classes a step, their loads in flight
+_U = 8  # a step's lanes' consecutive classes (a lane's sums folded in its thread)
+_WARPS = 4
 _VALUE_STEPS = 24  # its sweeps at quarters of the values, then of their int32 images
 
 
@@ -235,18 +236,20 @@ def triton_threshold_stats(logits, target, inv_t, opts, math_dtype, slots=_C, ca
     n, V = logits.shape
     cap = scratch_classes(V) if cap is None else cap
     out = logits.new_empty((n, 8), dtype=torch.float32)
+    lanes = max(min(min(_block_v(V), _BLOCK) // _U, cap), 1)  # a lane's scratch region >= 1
     if n:
         top_p = opts.top_p if opts.top_p not in (None, 1.0) else None
         min_p = opts.min_p if opts.min_p not in (None, 0.0) else None
         _threshold_kernel[(n,)](
             logits, target.contiguous(), inv_t.float().contiguous(),
             logits.new_empty((n, slots), dtype=torch.int64),
-            logits.new_empty((n, cap), dtype=torch.int64), out, V, opts.ignore_index,
+            logits.new_empty((n, cap), dtype=torch.int64), out,
+            logits.new_empty(n, dtype=torch.int32), V, opts.ignore_index,
             float(top_p or 1.0), math.log(min_p or 1.0),
             float(opts.softcap or 1.0), logits.stride(0),
             HAS_SOFTCAP=opts.softcap is not None, HAS_TOP_P=top_p is not None,
-            HAS_MIN_P=min_p is not None, BLOCK_V=min(_block_v(V), _BLOCK), C=slots,
-            CAP=cap, VALUE_STEPS=_VALUE_STEPS, STAGES=_STAGES,
+            HAS_MIN_P=min_p is not None, LANES=lanes, U=_U, C=slots, CAP=cap,
+            VALUE_STEPS=_VALUE_STEPS, STAGES=_STAGES,
             num_warps=_WARPS)
     m, s, s_k, g_k, v, c, argmax, z_y = out.unbind(1)
     return kept_outputs(m, s_k, g_k, v, c, z_y, (z_y - m) - s.log(), argmax.long(), target,

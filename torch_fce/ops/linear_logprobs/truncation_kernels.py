@@ -47,9 +47,9 @@ def _z(row_ptr, offs, V, inv_t, softcap, HAS_SOFTCAP: tl.constexpr):
 def _entry(row_ptr, scr, offs, n_s, V, inv_t, softcap, HAS_SOFTCAP: tl.constexpr):
     """(selection value, class, present) of entries offs of the search's source: the
     row, or (n_s > 0) its scratch of n_s sort keys."""
-    if n_s > 0:
-        ok = offs < n_s
-        key = tl.load(scr + offs, mask=ok, other=0)
+    if n_s > 0:  # (n_s: the scratch's slots)
+        key = tl.load(scr + offs, mask=offs < n_s, other=_EMPTY)
+        ok = key != _EMPTY
         r = _unkey((key >> 32).to(tl.int32))
         cls = 0x7FFFFFFF - (key & 0x7FFFFFFF).to(tl.int32)
     else:
@@ -60,24 +60,32 @@ def _entry(row_ptr, scr, offs, n_s, V, inv_t, softcap, HAS_SOFTCAP: tl.constexpr
 
 
 @triton.jit
+def _slots(hit, before):
+    """Class-order slots of a step's hits (lanes of consecutive classes) after `before`."""
+    h = hit.to(tl.int32)
+    n = tl.sum(h, axis=1)
+    return before + (tl.cumsum(n, axis=0) - n)[:, None] + tl.cumsum(h, axis=1) - 1
+
+
+@triton.jit
 def _tally(r, e, inside, q1, q2, q3, m, f1, f2, f3, g1, g2, g3, n1, n2, n3, b_lo, b_hi):
     """A block's share of a sweep's sums: masses e above each point (f), their
     exp(z - m) (z - m) (g), the bracket's (inside) classes above each (n) and its
     smallest and largest values."""
     ez = tl.where(e > 0.0, e * (r - m), 0.0)
-    f1 += e
-    g1 += ez
+    f1 += tl.sum(e, axis=1)
+    g1 += tl.sum(ez, axis=1)
     up = r > q2
-    f2 += tl.where(up, e, 0.0)
-    g2 += tl.where(up, ez, 0.0)
-    n2 += (up & inside).to(tl.int32)
+    f2 += tl.sum(tl.where(up, e, 0.0), axis=1)
+    g2 += tl.sum(tl.where(up, ez, 0.0), axis=1)
+    n2 += tl.sum((up & inside).to(tl.int32), axis=1)
     up = r > q3
-    f3 += tl.where(up, e, 0.0)
-    g3 += tl.where(up, ez, 0.0)
-    n3 += (up & inside).to(tl.int32)
-    n1 += ((r > q1) & inside).to(tl.int32)
-    b_lo = tl.minimum(b_lo, tl.where(inside, r, float("inf")))
-    b_hi = tl.maximum(b_hi, tl.where(inside, r, float("-inf")))
+    f3 += tl.sum(tl.where(up, e, 0.0), axis=1)
+    g3 += tl.sum(tl.where(up, ez, 0.0), axis=1)
+    n3 += tl.sum((up & inside).to(tl.int32), axis=1)
+    n1 += tl.sum(((r > q1) & inside).to(tl.int32), axis=1)
+    b_lo = tl.minimum(b_lo, tl.min(tl.where(inside, r, float("inf")), axis=1))
+    b_hi = tl.maximum(b_hi, tl.max(tl.where(inside, r, float("-inf")), axis=1))
     return f1, f2, f3, g1, g2, g3, n1, n2, n3, b_lo, b_hi
 
 
@@ -101,14 +109,14 @@ def _guess(mean, sd, m, cut, n, top_p, CAP: tl.constexpr, HAS_MIN_P: tl.constexp
 @triton.jit
 def _threshold_kernel(
     # pointers
-    logits_ptr, target_ptr, inv_t_ptr, buf_ptr, scr_ptr, out_ptr,
+    logits_ptr, target_ptr, inv_t_ptr, buf_ptr, scr_ptr, out_ptr, cnt_ptr,
     # sizes and options
     V, ignore_index, top_p, log_min_p, softcap,
     # strides
     stride_ln,
     # meta-parameters
     HAS_SOFTCAP: tl.constexpr, HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr,
-    BLOCK_V: tl.constexpr, C: tl.constexpr, CAP: tl.constexpr,
+    LANES: tl.constexpr, C: tl.constexpr, CAP: tl.constexpr, U: tl.constexpr,
     VALUE_STEPS: tl.constexpr, STAGES: tl.constexpr,
 ):
     """Logits rows (n, V) -> out (n, 8) float32 (module docstring); buf (n, C) and scr
@@ -119,35 +127,42 @@ def _threshold_kernel(
     scr = scr_ptr + row * CAP
     out = out_ptr + row * 8
     inv_t = tl.load(inv_t_ptr + row)
-    cols = tl.arange(0, BLOCK_V)
+    # a step: LANES lanes of U consecutive classes (a lane's load a vector, its sums
+    # in the thread)
+    cols = tl.arange(0, LANES)[:, None] * U + tl.arange(0, U)[None, :]
+    STEP: tl.constexpr = LANES * U
+    R: tl.constexpr = CAP // LANES  # a lane's region of the scratch
+    region = tl.arange(0, LANES) * R
+    cnt = cnt_ptr + row
 
     # sweep 1: online per lane, merged after; the finite classes' moments of z about z0
     # (its first class's, 0 if not finite: no cancellation at large magnitudes)
     z0 = _load_z(row_ptr, V > 0, softcap, HAS_SOFTCAP) * inv_t
     z0 = tl.where((z0 > _NEG_BIG) & (z0 < -_NEG_BIG), z0, 0.0)
-    m_l = tl.full([BLOCK_V], _NEG_BIG, tl.float32)  # finite: m - m_new stays a number
-    s_l = tl.zeros([BLOCK_V], tl.float32)
-    u1 = tl.zeros([BLOCK_V], tl.float32)
-    u2 = tl.zeros([BLOCK_V], tl.float32)
-    best = tl.full([BLOCK_V], float("-inf"), tl.float32)
-    best_i = tl.zeros([BLOCK_V], tl.int32)
-    low = tl.full([BLOCK_V], float("inf"), tl.float32)
-    finite = tl.zeros([BLOCK_V], tl.int32)
-    for v0 in tl.range(0, V, BLOCK_V, num_stages=STAGES):
+    m_l = tl.full([LANES], _NEG_BIG, tl.float32)  # finite: m - m_new stays a number
+    s_l = tl.zeros([LANES], tl.float32)
+    u1 = tl.zeros([LANES], tl.float32)
+    u2 = tl.zeros([LANES], tl.float32)
+    best = tl.full([LANES], float("-inf"), tl.float32)
+    best_i = tl.zeros([LANES], tl.int32)
+    low = tl.full([LANES], float("inf"), tl.float32)
+    finite = tl.zeros([LANES], tl.int32)
+    for v0 in tl.range(0, V, STEP, num_stages=STAGES):
         offs = v0 + cols
         z, r = _z(row_ptr, offs, V, inv_t, softcap, HAS_SOFTCAP)
-        m_new = tl.maximum(m_l, r)
-        s_l = s_l * tl.exp(m_l - m_new) + tl.exp(z - m_new)  # NaN z: a NaN sum
-        m_l = m_new
+        m_new = tl.maximum(m_l, tl.max(r, axis=1))
+        s_l = s_l * tl.exp(m_l - m_new) + tl.sum(tl.exp(z - m_new[:, None]), axis=1)
+        m_l = m_new  # (NaN z: a NaN sum)
         if HAS_TOP_P:
             u = tl.where(r > float("-inf"), r - z0, 0.0)
-            u1 += u
-            u2 += u * u
-        new = r > best  # a lane's first maximum
-        best_i = tl.where(new, offs, best_i)
-        best = tl.where(new, r, best)
-        low = tl.minimum(low, tl.where(r > float("-inf"), r, float("inf")))
-        finite += (r > float("-inf")).to(tl.int32)
+            u1 += tl.sum(u, axis=1)
+            u2 += tl.sum(u * u, axis=1)
+        top_l = tl.max(r, axis=1)
+        new = top_l > best  # a lane's first maximum
+        best_i = tl.where(new, tl.min(tl.where(r == top_l[:, None], offs, V), axis=1), best_i)
+        best = tl.where(new, top_l, best)
+        low = tl.minimum(low, tl.min(tl.where(r > float("-inf"), r, float("inf")), axis=1))
+        finite += tl.sum((r > float("-inf")).to(tl.int32), axis=1)
     m = tl.max(m_l, axis=0)
     s = tl.sum(s_l * tl.exp(m_l - m), axis=0)
     top = tl.max(best, axis=0)
@@ -168,15 +183,15 @@ def _threshold_kernel(
         v = m + log_min_p  # K without top_p: z >= v, ties all kept (c = V)
         lo = _below(v)
     if HAS_MIN_P or not HAS_TOP_P:  # (neither: a top_k >= V alone, K every class)
-        f = tl.zeros([BLOCK_V], tl.float32)
-        g = tl.zeros([BLOCK_V], tl.float32)
-        n = tl.zeros([BLOCK_V], tl.int32)
-        for v0 in tl.range(0, V, BLOCK_V, num_stages=STAGES):
+        f = tl.zeros([LANES], tl.float32)
+        g = tl.zeros([LANES], tl.float32)
+        n = tl.zeros([LANES], tl.int32)
+        for v0 in tl.range(0, V, STEP, num_stages=STAGES):
             _, r = _z(row_ptr, v0 + cols, V, inv_t, softcap, HAS_SOFTCAP)
             e = tl.where(r > lo, tl.exp(r - m), 0.0)
-            f += e
-            g += tl.where(e > 0.0, e * (r - m), 0.0)
-            n += (r > lo).to(tl.int32)
+            f += tl.sum(e, axis=1)
+            g += tl.sum(tl.where(e > 0.0, e * (r - m), 0.0), axis=1)
+            n += tl.sum((r > lo).to(tl.int32), axis=1)
         S0 = tl.sum(f, axis=0)
         G0 = tl.sum(g, axis=0)
         n_in = tl.sum(n, axis=0)
@@ -224,24 +239,24 @@ def _threshold_kernel(
                     q1 = _from_image((k_lo + d // 4).to(tl.int32))
                     q2 = _from_image((k_lo + d // 2).to(tl.int32))
                     q3 = _from_image((k_lo + d - d // 4).to(tl.int32))
-                f1 = tl.zeros([BLOCK_V], tl.float32)
-                f2 = tl.zeros([BLOCK_V], tl.float32)
-                f3 = tl.zeros([BLOCK_V], tl.float32)
-                g1 = tl.zeros([BLOCK_V], tl.float32)
-                g2 = tl.zeros([BLOCK_V], tl.float32)
-                g3 = tl.zeros([BLOCK_V], tl.float32)
-                n1 = tl.zeros([BLOCK_V], tl.int32)
-                n2 = tl.zeros([BLOCK_V], tl.int32)
-                n3 = tl.zeros([BLOCK_V], tl.int32)
-                b_lo = tl.full([BLOCK_V], float("inf"), tl.float32)
-                b_hi = tl.full([BLOCK_V], float("-inf"), tl.float32)
+                f1 = tl.zeros([LANES], tl.float32)
+                f2 = tl.zeros([LANES], tl.float32)
+                f3 = tl.zeros([LANES], tl.float32)
+                g1 = tl.zeros([LANES], tl.float32)
+                g2 = tl.zeros([LANES], tl.float32)
+                g3 = tl.zeros([LANES], tl.float32)
+                n1 = tl.zeros([LANES], tl.int32)
+                n2 = tl.zeros([LANES], tl.int32)
+                n3 = tl.zeros([LANES], tl.int32)
+                b_lo = tl.full([LANES], float("inf"), tl.float32)
+                b_hi = tl.full([LANES], float("-inf"), tl.float32)
                 if n_s == 0:
                     # the row: masses above q1 (those above hi too), the scratch's keys
                     # of the classes in (q1, q3]
                     base = f_hi * 0.0
                     g_base = base
-                    written = n_in * 0
-                    for v0 in tl.range(0, V, BLOCK_V, num_stages=STAGES):
+                    w = tl.zeros([LANES], tl.int32)  # each lane's keys written
+                    for v0 in tl.range(0, V, STEP, num_stages=STAGES):
                         offs = v0 + cols
                         _, r = _z(row_ptr, offs, V, inv_t, softcap, HAS_SOFTCAP)
                         e = tl.where(r > q1, tl.exp(r - m), 0.0)
@@ -249,16 +264,23 @@ def _threshold_kernel(
                             r, e, (r > lo) & (r <= hi), q1, q2, q3, m, f1, f2, f3,
                             g1, g2, g3, n1, n2, n3, b_lo, b_hi)
                         win = (r > q1) & (r <= q3)
-                        slot = written + tl.cumsum(win.to(tl.int32), axis=0) - 1
-                        tl.store(scr + slot, _sort_key(r, offs), mask=win & (slot < CAP))
-                        written += tl.sum(win.to(tl.int32), axis=0)
+                        h = win.to(tl.int32)
+                        at = w[:, None] + tl.cumsum(h, axis=1)  # 1 + the slot in the lane's
+                        tl.store(scr + region[:, None] + at - 1, _sort_key(r, offs),
+                                 mask=win & (at <= R))
+                        w += tl.sum(h, axis=1)
+                    # the regions' rest empty; a region too small: the window unwritten
+                    j = tl.arange(0, R)[None, :]
+                    tl.store(scr + region[:, None] + j, _EMPTY, mask=j >= w[:, None])
+                    fits = tl.max(w, axis=0) <= R
                     tl.debug_barrier()  # its stores before the next sweep's and reads
                 else:
                     # the scratch: the bracket's masses, added to f(hi)
                     base = f_hi
                     g_base = g_hi
-                    for v0 in range(0, n_s, BLOCK_V):
-                        r, _, ok = _entry(row_ptr, scr, v0 + cols, n_s, V, inv_t,
+                    fits = n_s > 0
+                    for v0 in range(0, CAP, STEP):
+                        r, _, ok = _entry(row_ptr, scr, v0 + cols, CAP, V, inv_t,
                                           softcap, HAS_SOFTCAP)
                         inside = ok & (r > lo) & (r <= hi)
                         e = tl.where(inside & (r > q1), tl.exp(r - m), 0.0)
@@ -282,7 +304,7 @@ def _threshold_kernel(
                     go = n_in < 0
                 else:
                     # v <= q iff f(q) < T: the first such point bounds the bracket
-                    window = (n_s == 0) & (n1 - n3 <= CAP)
+                    window = (n_s == 0) & fits
                     if f1 < target_mass:
                         hi = q1
                         f_hi = f1
@@ -310,18 +332,22 @@ def _threshold_kernel(
                     hi = tl.minimum(hi, b_hi)
                 step += 1
         failed = go & (n_in > C)  # never, by the bound above: a NaN, not a wrong K
-        n_src = tl.where(n_s > 0, n_s, V)
+        n_src = tl.where(n_s > 0, CAP, V)
         if go:
-            # the bracket's classes' sort keys to the C slots, a sort of them
-            taken = n_in * 0
-            for v0 in range(0, n_src, BLOCK_V):
-                r, cls, ok = _entry(row_ptr, scr, v0 + cols, n_s, V, inv_t, softcap,
-                                    HAS_SOFTCAP)
+            # the bracket's classes' sort keys to the C slots (a lane's at a counter's
+            # slots: any order, the sort orders them), a sort of them
+            tl.store(cnt, 0)
+            tl.debug_barrier()  # the counter's zero before its additions
+            for v0 in range(0, n_src, STEP):
+                r, cls, ok = _entry(row_ptr, scr, v0 + cols, tl.where(n_s > 0, CAP, 0), V,
+                                    inv_t, softcap, HAS_SOFTCAP)
                 hit = ok & (r > lo) & (r <= hi)
-                slot = taken + tl.cumsum(hit.to(tl.int32), axis=0) - 1
+                h = hit.to(tl.int32)
+                k = tl.sum(h, axis=1)
+                first = tl.atomic_add(cnt + region * 0, k, mask=k > 0)
+                slot = first[:, None] + tl.cumsum(h, axis=1) - 1
                 tl.store(buf + slot, _sort_key(r, cls), mask=hit & (slot < C))
-                taken += tl.sum(hit.to(tl.int32), axis=0)
-            tl.debug_barrier()  # the scratch's stores before its loads
+            tl.debug_barrier()  # the slots' stores before their loads
             j = tl.arange(0, C)
             keys = tl.sort(tl.load(buf + j, mask=j < n_in, other=_EMPTY), descending=True)
             valid = j < n_in
@@ -337,22 +363,20 @@ def _threshold_kernel(
             g_k = g_hi + tl.sum(tl.where(kept & (mass > 0.0), mass * (vals - m), 0.0),
                                 axis=0)
         if ties:
-            # the bracket is ties at hi: the first n_keep of them by class (the scratch
-            # holds its classes in class order) while the mass before each is < T, the
-            # last one's class found by a sweep
+            # the bracket is ties at hi: the first n_keep of them by class while the
+            # mass before each is < T, the last one's class found by a sweep of the row
             e_t = tl.exp(hi - m)
             n_keep = tl.minimum(tl.maximum(tl.ceil((target_mass - f_hi) / e_t), 1.0),
                                 n_in.to(tl.float32)).to(tl.int32)
             seen = n_keep * 0
             last = n_keep * 0
-            for v0 in range(0, n_src, BLOCK_V):
-                r, cls, ok = _entry(row_ptr, scr, v0 + cols, n_s, V, inv_t, softcap,
+            for v0 in range(0, V, STEP):
+                r, cls, ok = _entry(row_ptr, scr, v0 + cols, 0, V, inv_t, softcap,
                                     HAS_SOFTCAP)
-                tie = (ok & (r == hi)).to(tl.int32)
-                rank = seen + tl.cumsum(tie, axis=0)
-                at = (tie > 0) & (rank == n_keep)
-                last = tl.maximum(last, tl.max(tl.where(at, cls, 0), axis=0))
-                seen += tl.sum(tie, axis=0)
+                tie = ok & (r == hi)
+                at = tie & (_slots(tie, seen) + 1 == n_keep)
+                last = tl.maximum(last, tl.max(tl.max(tl.where(at, cls, 0), axis=1), axis=0))
+                seen += tl.sum(tl.sum(tie.to(tl.int32), axis=1), axis=0)
             v = hi
             c = last.to(tl.float32)
             s_k = f_hi + n_keep.to(tl.float32) * e_t
