@@ -2,7 +2,9 @@
 (truncation.py's rules), found by sweeps of the row instead of a sort of it.
 
 One program per token row, z = softcap(l) / T as the log-probs' gradient sweep forms it
-(so its kept-set test sees these bits), NaN ranked as -inf:
+(so its kept-set test sees these bits), NaN ranked as -inf. A sweep's step is LANES lanes
+of U consecutive classes: a lane loads a vector and keeps its sums in its thread, the
+lanes' sums merged once after the sweep (no block-wide scan in a step).
   sweep 1  the max m, its first class, the sum s of exp(z - m), the smallest finite z,
            the count, mean and deviation of the finite z; z at the target.
   min_p    one sweep: the mass S0 of the classes at or above m + log(min_p) (without
@@ -17,11 +19,17 @@ One program per token row, z = softcap(l) / T as the log-probs' gradient sweep f
            drawn in to the bracket's values: the first sweep's points at v as a normal
            law of the z would place it (_guess: a poor guess costs sweeps, never another
            K), then value quarters, then, should those stall, quarters of the values'
-           int32 images (at most 24 + 32 sweeps). A sweep of the row writes the sort keys
-           of the classes between its outer points to the row's scratch (CAP at most):
-           once the bracket lies there, the sweeps read the scratch instead. At most C
-           classes left, a sweep writes their keys to C slots and a sort of them walks
-           their masses down from f(hi) to K's last class. A bracket of one value holding
+           int32 images (at most 24 + 32 sweeps). Should v lie beyond the first points,
+           the second sweep's are thirds of the spread beyond them. A sweep of the row
+           writes the sort keys of a window's classes to the row's scratch (CAP), each
+           lane to its own region of CAP / LANES slots (a region too small: the window
+           unwritten): the first points' outer pair (the guess puts about 0.4 CAP
+           classes there), else the whole bracket where it holds at most CAP / 4
+           classes, else the outer points. Once the bracket lies in a written window,
+           the sweeps read the scratch instead. At most C classes left, a sweep writes
+           their keys to C slots (each lane's at a per-row atomic counter's slots, in
+           any order) and a sort of them walks their masses down from f(hi) to K's
+           last class. A bracket of one value holding
            more than C classes holds ties: the first of them by class are kept while the
            mass before each is < T, and one sweep finds the last one's class.
 Per row (m, s, s_K, sum over K of exp(z - m)(z - m), v, c, argmax, z_y): K is the classes
@@ -94,7 +102,8 @@ def _guess(mean, sd, m, cut, n, top_p, CAP: tl.constexpr, HAS_MIN_P: tl.constexp
     """The first sweep's middle point and its distance to the others: where top_p's
     mass ends if the n classes' z were normal (mean, sd) up to the max m (the mass's
     law then normal, mean + sd^2), from min_p's cut; the distance such that the
-    classes between the outer points are about CAP * 0.8 under that law."""
+    classes between the outer points are about CAP * 0.4 under that law (a lane's
+    share of them 0.4 of its region of the scratch: sampling noise does not overfill it)."""
     tilt = mean + sd * sd
     at_m = _phi((m - tilt) / sd)
     at_cut = 0.0 * at_m
@@ -103,7 +112,7 @@ def _guess(mean, sd, m, cut, n, top_p, CAP: tl.constexpr, HAS_MIN_P: tl.constexp
     guess = tilt + sd * _phi_inv((1.0 - top_p) * at_m + top_p * at_cut)
     t = (guess - mean) / sd
     per_z = n * tl.exp(-0.5 * t * t) * 0.3989422804014327 / sd  # classes a unit of z
-    return guess, 0.4 * CAP / per_z
+    return guess, 0.2 * CAP / per_z
 
 
 @triton.jit
@@ -212,7 +221,8 @@ def _threshold_kernel(
         go = (target_mass > 0.0) & (s == s) & (n_in > 0)
         ties = n_in < 0  # int1 tensors: loop-carried values
         step = n_in * 0
-        n_s = n_in * 0  # the scratch's classes (0: the sweeps read the row)
+        miss = n_in * 0  # the first sweep's v below its points (-1), above them (1)
+        n_s = n_in * 0  # 1: the scratch holds the bracket's classes (0: read the row)
         # at most VALUE_STEPS + 32 sweeps (the images' range halves, at least); the
         # bound guards against a hang should a sweep count otherwise than another
         while go & (n_in > C) & (step < VALUE_STEPS + 40):
@@ -222,12 +232,32 @@ def _threshold_kernel(
                 ties = n_in >= 0
                 go = n_in < 0
             else:
-                # three points cut the bracket in four: the guess's, else value
-                # quarters, else the images'
+                # three points cut the bracket in four: the guess's (should v lie
+                # beyond them, the next sweep's the spread's thirds beyond), else value
+                # quarters, else the images'; the window (w_lo, w_hi] whose keys a
+                # sweep of the row writes: between the guess's outer points, else the
+                # whole bracket where a quarter of the scratch holds it
                 q1 = tl.maximum(guess - spread, (lo + guess) * 0.5)
                 q2 = guess
                 q3 = tl.minimum(guess + spread, (guess + hi) * 0.5)
-                apart = (lo < q1) & (q1 < q2) & (q2 < q3) & (q3 < hi) & (step == 0)
+                w_lo = q1
+                w_hi = q3
+                third = spread * 0.6666667
+                if miss < 0:  # (lo, hi]: below the first points
+                    q1 = hi - 3.0 * third
+                    q2 = hi - 2.0 * third
+                    q3 = hi - third
+                    w_lo = q1
+                    w_hi = hi
+                if miss > 0:
+                    q1 = lo + third
+                    q2 = lo + 2.0 * third
+                    q3 = lo + 3.0 * third
+                    w_lo = lo
+                    w_hi = q3
+                near = (lo < q1) & (q1 < q2) & (q2 < q3) & (q3 < hi) & (
+                    (step == 0) | ((step == 1) & (miss != 0)))
+                apart = near
                 if apart == 0:
                     w = hi - lo
                     q1 = lo + w * 0.25
@@ -239,6 +269,9 @@ def _threshold_kernel(
                     q1 = _from_image((k_lo + d // 4).to(tl.int32))
                     q2 = _from_image((k_lo + d // 2).to(tl.int32))
                     q3 = _from_image((k_lo + d - d // 4).to(tl.int32))
+                whole = n_in <= CAP // 4
+                w_lo = tl.where(near, w_lo, tl.where(whole, lo, q1))
+                w_hi = tl.where(near, w_hi, tl.where(whole, hi, q3))
                 f1 = tl.zeros([LANES], tl.float32)
                 f2 = tl.zeros([LANES], tl.float32)
                 f3 = tl.zeros([LANES], tl.float32)
@@ -251,8 +284,7 @@ def _threshold_kernel(
                 b_lo = tl.full([LANES], float("inf"), tl.float32)
                 b_hi = tl.full([LANES], float("-inf"), tl.float32)
                 if n_s == 0:
-                    # the row: masses above q1 (those above hi too), the scratch's keys
-                    # of the classes in (q1, q3]
+                    # the row: masses above q1 (those above hi too), the window's keys
                     base = f_hi * 0.0
                     g_base = base
                     w = tl.zeros([LANES], tl.int32)  # each lane's keys written
@@ -263,7 +295,7 @@ def _threshold_kernel(
                         (f1, f2, f3, g1, g2, g3, n1, n2, n3, b_lo, b_hi) = _tally(
                             r, e, (r > lo) & (r <= hi), q1, q2, q3, m, f1, f2, f3,
                             g1, g2, g3, n1, n2, n3, b_lo, b_hi)
-                        win = (r > q1) & (r <= q3)
+                        win = (r > w_lo) & (r <= w_hi)
                         h = win.to(tl.int32)
                         at = w[:, None] + tl.cumsum(h, axis=1)  # 1 + the slot in the lane's
                         tl.store(scr + region[:, None] + at - 1, _sort_key(r, offs),
@@ -304,29 +336,32 @@ def _threshold_kernel(
                     go = n_in < 0
                 else:
                     # v <= q iff f(q) < T: the first such point bounds the bracket
-                    window = (n_s == 0) & fits
+                    first = near & (step == 0)
+                    miss = n_in * 0
                     if f1 < target_mass:
                         hi = q1
                         f_hi = f1
                         g_hi = g1
                         n_in = n_in - n1
+                        miss = tl.where(first, -1, 0)
                     elif f2 < target_mass:
                         lo = q1
                         hi = q2
                         f_hi = f2
                         g_hi = g2
                         n_in = n1 - n2
-                        n_s = tl.where(window, n1 - n3, n_s)
                     elif f3 < target_mass:
                         lo = q2
                         hi = q3
                         f_hi = f3
                         g_hi = g3
                         n_in = n2 - n3
-                        n_s = tl.where(window, n1 - n3, n_s)
                     else:
                         lo = q3
                         n_in = n3
+                        miss = tl.where(first, 1, 0)
+                    # the scratch holds the bracket: a sweep of the row wrote its window
+                    n_s = tl.where((n_s == 0) & fits & (lo >= w_lo) & (hi <= w_hi), 1, n_s)
                     # the ends drawn in to the bracket's values (no class between: f holds)
                     lo = tl.maximum(lo, _below(b_lo))
                     hi = tl.minimum(hi, b_hi)
