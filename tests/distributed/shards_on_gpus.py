@@ -57,11 +57,18 @@ def _objective(out, seed):
     return total
 
 
-def _compare(name, one, parallel, leaves, bounds, rank, tol, scale=None):
+def _compare(name, one, parallel, leaves, bounds, rank, tol, scale=None, rows_apart=0.0):
     """one(*leaves) against parallel(*this rank's leaves, vocab_start=, vocab_size=):
     every float output (the same -inf entries), then the gradients of a random
     combination of them. scale: the magnitude of a scalar output's terms, where they
-    cancel (its error is then relative to that, not to the sum)."""
+    cancel (its error is then relative to that, not to the sum). rows_apart: the
+    fraction of a per-token output's rows that may differ (by at most 0.1, -inf
+    included), the rest held to LOSS_TOL: a truncation's kept set is a step function of
+    the logits, and a shard's GEMM (another shape, so another cuBLAS kernel) may round
+    a bfloat16 logit one unit apart from the whole head's, moving a row whose boundary
+    lies within that (on an H100 at f46919b, uneven shards, top_k=50 top_p=0.95: 102 of
+    8192 rows' entropies beyond 1e-5, the largest 2.2e-2, all in the 128-row last
+    chunk; equal shards bitwise equal)."""
     start, end = bounds[rank], bounds[rank + 1]
     full = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in leaves]
     mine = [full[0].detach().clone().requires_grad_()] + [
@@ -69,8 +76,15 @@ def _compare(name, one, parallel, leaves, bounds, rank, tol, scale=None):
     want, got = one(*full), parallel(*mine, vocab_start=start, vocab_size=V)
     for a, r in zip(_float_leaves(got), _float_leaves(want)):
         finite = r.isfinite()
-        assert torch.equal(a.isfinite(), finite), name
+        apart = a.isfinite() != finite
         a, r = torch.where(finite, a, 0.0), torch.where(finite, r, 0.0)
+        if rows_apart:  # the rows a kept set moved in: few, each by at most 0.1
+            moved = apart | ((a - r).abs() > LOSS_TOL * r.abs().clamp_min(1.0))
+            assert float(moved.float().mean()) <= rows_apart, (name, int(moved.sum()))
+            assert float(torch.where(moved & ~apart, (a - r).abs(), 0.0).max()) <= 0.1, name
+            a, r = a[~moved], r[~moved]
+        else:
+            assert not apart.any(), name
         err = rel_err(a, r) if scale is None else float((a - r).abs().max()) / scale
         assert err <= LOSS_TOL, (name, err, scale)
     objective = _objective(want, 1)
@@ -132,11 +146,12 @@ def _check_logprobs(rank, bounds):
     x = make_inputs(N, D, V, torch.bfloat16, bias=True, device="cuda", seed=11)
     target, tol = x["target"], grad_tol(torch.bfloat16, N)
     leaves = [x["hidden"], x["weight"], x["bias"]]
-    for opts in (dict(), dict(top_k=50, top_p=0.95), dict(top_p=0.9), dict(min_p=0.05)):
-        opts = dict(opts, temperature=0.7, entropy=True)
+    for truncation in (dict(), dict(top_k=50, top_p=0.95), dict(top_p=0.9), dict(min_p=0.05)):
+        opts = dict(truncation, temperature=0.7, entropy=True)
         _compare(f"log-probs {opts}", lambda h, w, b: torch_fce.linear_logprobs(
             h, w, target, b, **opts)[:2], lambda h, w, b, **shard: vocab_parallel_linear_logprobs(
-            h, w, target, b, **shard, **opts)[:2], leaves, bounds, rank, tol)
+            h, w, target, b, **shard, **opts)[:2], leaves, bounds, rank, tol,
+            rows_apart=0.02 if truncation else 0.0)
     with torch.no_grad():
         lp = torch_fce.linear_logprobs(x["hidden"], x["weight"], target, x["bias"],
                                        temperature=0.7).logprob
