@@ -89,7 +89,8 @@ build(sparse_kernels._scatter_add_kernel,
       {"keys_ptr": "*i64", "ends_ptr": "*i64", "order_ptr": "*i64", "vals_ptr": "*fp32",
        "x_ptr": "*bf16", "gw_ptr": "*fp32", "K": "i32", "D": "i32", "V": "i32",
        "stride_x": "i32", "stride_w": "i32"},
-      dict(BLOCK_E=32, BLOCK_D=128), 4)
+      dict(BLOCK_E=sparse_kernels._ADD_BLOCK_E, BLOCK_D=sparse_kernels._ADD_BLOCK_D),
+      sparse_kernels._ADD_WARPS)
 exp_sig = {name: "*fp32" for name in exp_rows._exp_ce_rows_kernel.arg_names
            if name.endswith("_ptr")}
 exp_sig.update(target_ptr="*i64", col_ptr="*i64", u_ptr="*bf16", uv_ptr="*bf16",
