@@ -318,11 +318,15 @@ def _cuts_vocab(hidden, weight, opts):
     forward's logits bit for bit: on the CPU (fixed GEMM units) and for bf16 inputs on
     CUDA (cuBLAS measured row- and column-invariant, docs/numerics.md) the forward cuts
     token chunks whatever N (batch invariance); other inputs on CUDA cut as the
-    backward (the same tiles: the same GEMMs), and a truncation's threshold test needs
-    the same logits, so there both cut token chunks."""
+    backward (the same tiles: the same GEMMs). A truncation's threshold test needs the
+    forward's logits to the bit, which on CUDA only the same GEMMs promise (cuBLAS is
+    not column-invariant at every width: an odd shard's tiles rounded some logits
+    apart), so there both cut the forward's token chunks."""
     tiles = by_vocab(hidden.shape[0], weight.shape[0])
-    if hidden.device.type != "cuda" or hidden.dtype == torch.bfloat16:
+    if hidden.device.type != "cuda":
         return False, tiles
     if truncation.truncating(opts):
         return False, False
+    if hidden.dtype == torch.bfloat16:
+        return False, tiles
     return tiles, tiles
