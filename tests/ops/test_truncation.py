@@ -452,3 +452,25 @@ def test_bad_values_are_named(option, value, error, op):
             torch_fce.linear_logprobs(h, w, y, **{option: value})
         else:
             torch_fce.linear_policy_loss(h, w, y, torch.ones(3), **{option: value})
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_truncated_backward_on_cuda_recomputes_the_forward_chunks(dtype):
+    # A truncation's threshold test needs the forward's logits to the bit. On CUDA
+    # cuBLAS rounds a column tile of an odd-width product apart from the whole (an H100,
+    # 34979 classes: 85% of float32 logits; the hidden gradient 1.4e-2 to 6.7e-2 off,
+    # docs/data/raw/probe_truncated_bwd_logits_bits_h100_53a1df0.txt), so there the
+    # backward cuts the forward's token chunks; untruncated bf16 keeps its tiles, and
+    # off CUDA fixed GEMM units make the tiles the forward's bits.
+    class Tensor:  # the shapes, dtype and device _cuts_vocab reads
+        def __init__(self, shape, device):
+            self.shape, self.dtype = shape, dtype
+            self.device = torch.device(device)
+
+    w = Tensor((34979, 16), "cpu")
+    for truncation in (dict(top_k=50, top_p=0.95), dict(top_p=0.9), dict(min_p=0.05)):
+        opts = room.LogProbOptions(**truncation)
+        assert room._cuts_vocab(Tensor((8192, 16), "cuda"), w, opts) == (False, False)
+        assert room._cuts_vocab(Tensor((8192, 16), "cpu"), w, opts) == (False, True)
+    tiles = (False, True) if dtype == torch.bfloat16 else (True, True)
+    assert room._cuts_vocab(Tensor((8192, 16), "cuda"), w, room.LogProbOptions()) == tiles
