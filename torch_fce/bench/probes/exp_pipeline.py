@@ -63,7 +63,9 @@ def pieces(D, V):
     r = torch.zeros(D, device="cuda")
     o1, o2 = x.new_empty(M, D), x.new_empty(M, D)
     exp_gemms.dx(g, w, r, o1)
-    cute.dx(g, w, r, o2, 128)
+    cute.dx(g, w, r, o2, exp_gemms.DxTiles(128))
+    o3 = x.new_empty(M, D)
+    cute.dx(g, w, r, o3, exp_gemms.DxTiles(128, 3))
     d1, d2 = torch.empty(V, D, device="cuda"), torch.empty(V, D, device="cuda")
     exp_gemms.dw_add(g, x, d1, True)
     cute.dw_add(g, x, d2, True)
@@ -71,7 +73,7 @@ def pieces(D, V):
     exp_gemms.dw_add(g, x, d1, False)
     cute.dw_add(g, x, d2, False)
     torch.cuda.synchronize()
-    print(f"  dx rel {rel(o2, o1):.2e}; dW first rel {f1:.2e}, after add {rel(d2, d1):.2e}",
+    print(f"  dx rel {rel(o2, o1):.2e} (split 3: {rel(o3, o1):.2e}); dW first rel {f1:.2e}, after add {rel(d2, d1):.2e}",
           flush=True)
 
 
@@ -170,8 +172,9 @@ def profile(shape):
 
 def plans(shape):
     """fce-exp forward + backward at its plan (exp_gemms.wave_plan) and at others: the
-    workspace's chunk at quack's dx tile (the plan before wave_plan), and the model's
-    next best; alternating, with each one's peak memory."""
+    workspace's chunk at quack's dx tile unsplit (the plan before wave_plan), the best
+    unsplit plan (wave_plan before splits), and the model's next two; alternating, with
+    each one's peak memory, and the hidden gradient's difference from the unsplit's."""
     from torch_fce.ops.loop import exp_gemms_cute as cute
     from torch_fce.ops.loop.workspace import chunk_rows
     N, D, V = shape.N, shape.D, shape.V
@@ -179,29 +182,32 @@ def plans(shape):
     cap = chunk_rows(N, V, D, torch.bfloat16, "cuda", per_logit=exp_gemms.BYTES_PER_LOGIT)
     sms = cute._sms(torch.cuda.current_device())
     best = exp_gemms.wave_plan(N, D, V, cap, sms)
-    ranked = sorted({(m, tn) for m in range(256, cap + 1, 128) for tn in (128, 192, 256)},
-                    key=lambda o: exp_gemms._chunk_cost(o[0], N, D, V, o[1], sms))
-    old = (-(-cap // 128) * 128, 192 if D % 192 == 0 else 256)  # quack's dx tile_N
-    variants = [best, old] + [o for o in ranked if o not in (best, old)][:2]
+    cost = lambda o: exp_gemms._chunk_cost(o[0], N, D, V, o[1], sms)  # noqa: E731
+    ranked = sorted({(m, exp_gemms.DxTiles(tn, k)) for m in range(256, cap + 1, 128)
+                     for tn in (128, 192, 256) for k in exp_gemms._DX_SPLITS}, key=cost)
+    unsplit = next(o for o in ranked if o[1].split == 1)
+    old = (-(-cap // 128) * 128, exp_gemms.DxTiles(192 if D % 192 == 0 else 256))
+    named = {best: "plan", old: "old", unsplit: "unsplit"}
+    variants = list(named) + [o for o in ranked if o not in named][:2]
     real = cute.plan
     res = {o: [] for o in variants}
-    peaks = {}
+    peaks, grads = {}, {}
     try:
         for _ in range(2):
             for o in variants:
                 cute.plan = lambda *a, o=o: o
                 f = with_backend("exp", step(x, w, t))
-                f()
+                grads[o] = f()[1]
                 torch.cuda.reset_peak_memory_stats()
                 res[o].append(median_time(f, "cuda", reps=10, warmup=1) * 1e3)
                 peaks[o] = torch.cuda.max_memory_allocated() / 2**30
     finally:
         cute.plan = real
     for o in variants:
-        tag = "plan" if o == best else "old" if o == old else "alt"
-        cost = exp_gemms._chunk_cost(o[0], N, D, V, o[1], sms) * 1e3
-        print(f"  {tag:4s} rows {o[0]:5d} dx tile_N {o[1]}: {min(res[o]):7.2f} ms "
-              f"(model {cost:.2f} ms) peak {peaks[o]:.2f} GiB", flush=True)
+        print(f"  {named.get(o, 'alt'):7s} rows {o[0]:5d} dx tile_N {o[1].tile_n} split "
+              f"{o[1].split}: {min(res[o]):7.2f} ms (model {cost(o) * 1e3:.2f} ms) peak "
+              f"{peaks[o]:.2f} GiB, dx vs unsplit rel {rel(grads[o], grads[unsplit]):.1e}",
+              flush=True)
 
 
 def workspaces(shape, mibs):

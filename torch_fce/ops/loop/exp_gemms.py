@@ -108,31 +108,47 @@ def logits(x, w, col, tile_n, E):
     return ExpTile(E, e.sum(2), k, zy)
 
 
+class DxTiles(NamedTuple):
+    """The dx GEMM's plan: tile_n, its output tiles' width over D, and split, the serial
+    splits of V (its K) each tile's float32 sums run in. A split makes more, shorter
+    tiles to fill a wave; the splits commit in split order (quack's SplitKMode.SERIAL),
+    so the sums are deterministic run to run and rounded once, in the epilogue."""
+    tile_n: int
+    split: int = 1
+
+
 def plan(N, D, V, rows, device):
-    """(rows, tile_n) of the chunk loop: rows whole tiles of ROWS within the workspace's
-    (rows), one tile at the least; tile_n the dx GEMM's (None: the twin has none)."""
+    """(rows, dx) of the chunk loop: rows whole tiles of ROWS within the workspace's
+    (rows), one tile at the least; dx the dx GEMM's DxTiles (None: the twin has none)."""
     return max(ROWS, min(rows, N) // ROWS * ROWS), None
 
 
-# wave_plan's cost model, in seconds: a dx tile's time (2 x 128 x tile_N x V FLOP at an
-# SM's share of a Hopper GPU's bf16 rate) per wave, and a chunk's fixed cost (its dW
-# GEMM's reduce-add reads and writes the float32 sum, 8 V D bytes, at about HBM speed).
+# wave_plan's cost model, in seconds: a dx tile's time (2 x 128 x tile_N x V / split
+# FLOP at an SM's share of a Hopper GPU's bf16 rate) per wave, and a chunk's fixed cost
+# (its dW GEMM's reduce-add reads and writes the float32 sum, 8 V D bytes, at about HBM
+# speed).
 _SM_FLOPS = 5.0e12
 _HBM_BYTES = 3.5e12
 # dx tile_N -> its time per FLOP against the widest (a narrower tile does fewer MMAs per
 # byte loaded: on an H100 at the same chunk, tile_N 128 made E's and A's steps 8% and
-# 10% slower than 256, its dx about 1.3x); ties go to the wider tile
+# 10% slower than 256, its dx about 1.3x); ties go to the wider tile, then fewer splits
 _DX_TILES_N = {256: 1.0, 192: 1.0, 128: 1.3}
+_DX_SPLITS = (1, 2, 3, 4)
+# a split tile's time per FLOP, more per extra split (fitted on an H100, 2026-12-07:
+# three splits made E's step 1.3% slower at the same modelled waves and A's 1.6% at a
+# tenth fewer; Q1024's 7% faster at a third fewer, docs/benchmarks.md)
+_SPLIT_COST = 0.05
 
 
-def _chunk_cost(m, N, D, V, tile_n, sms):
-    """Modelled seconds of N rows in chunks of m (a multiple of ROWS) at dx tile_n."""
+def _chunk_cost(m, N, D, V, dx, sms):
+    """Modelled seconds of N rows in chunks of m (a multiple of ROWS) at DxTiles dx."""
     waves = 0
     for s in range(0, N, m):
         tiles_m = -(-min(m, N - s) // ROWS)
-        clusters = -(-tiles_m // 2) * -(-D // tile_n)  # cluster_M 2: pairs of row tiles
+        clusters = -(-tiles_m // 2) * -(-D // dx.tile_n) * dx.split  # cluster_M 2
         waves += -(-clusters // (sms // 2))
-    return (waves * 2 * ROWS * tile_n * V * _DX_TILES_N[tile_n] / _SM_FLOPS
+    per_flop = _DX_TILES_N[dx.tile_n] * (1.0 + _SPLIT_COST * (dx.split - 1)) / _SM_FLOPS
+    return (waves * 2 * ROWS * dx.tile_n * V / dx.split * per_flop
             + -(-N // m) * 8 * V * D / _HBM_BYTES)
 
 
@@ -140,19 +156,20 @@ def wave_plan(N, D, V, rows, sms):
     """The CUDA twin's plan on a GPU of sms SMs. The dx GEMM's output is only chunk x D,
     so its tiles are few and each runs the whole V: a chunk whose tiles spill a few past
     a wave of the SMs costs a second wave (measured on an H100 at D 896: a 2816-row
-    chunk's dx 1.49x cuBLAS's E @ W, a 2048-row one's 1.07x). Of the balanced chunkings
-    within the workspace (up to 8 more chunks than it needs) and the dx tiles, the one
-    the cost model above finds fastest."""
+    chunk's dx 1.49x cuBLAS's E @ W, a 2048-row one's 1.07x), unless V is split. Of the
+    balanced chunkings within the workspace (up to 8 more chunks than it needs), the dx
+    tiles and splits, the one the cost model above finds fastest."""
     cap = max(ROWS, min(rows, N) // ROWS * ROWS)
     N, first = max(N, 1), -(-max(N, 1) // cap)
     sizes = {-(-(-(-N // n)) // ROWS) * ROWS for n in range(first, first + 9)}
-    return min(((m, tn) for m in sorted(sizes, reverse=True) if m <= cap
-                for tn in _DX_TILES_N), key=lambda o: _chunk_cost(o[0], N, D, V, o[1], sms))
+    return min(((m, DxTiles(tn, k)) for m in sorted(sizes, reverse=True) if m <= cap
+                for tn in _DX_TILES_N for k in _DX_SPLITS),
+               key=lambda o: _chunk_cost(o[0], N, D, V, o[1], sms))
 
 
-def dx(g, w, r, out, tile_n=None):
+def dx(g, w, r, out, tiles=None):
     """out (M, D) = dx of ExpGrad g (module doc), rounded once into out's dtype; r (D,)
-    float32 sum_c w_c W_c (zeros without smoothing); tile_n: the CUDA twin's."""
+    float32 sum_c w_c W_c (zeros without smoothing); tiles: the CUDA twin's DxTiles."""
     M, V = g.E.shape
     u = g.u.t().repeat_interleave(STRIP, 1).float()  # (M, V)
     acc = (g.E.float() * u).bfloat16().float() @ w.float()  # the transform's bf16 operand
@@ -207,7 +224,7 @@ def run_exp_chunks(hidden, weight, row_fn, outputs, needs_grad, chunk_rows, sele
     plan_of, logits_of, dx_of, dw_add_of = twin(hidden.device)
     N, D = hidden.shape
     V = weight.shape[0]
-    rows, dx_tile = plan_of(N, D, V, chunk_rows, hidden.device)
+    rows, dx_tiles = plan_of(N, D, V, chunk_rows, hidden.device)
     tile_n = tile_n_for(V)
     w = weight.to(hidden.dtype)
     f32 = dict(dtype=torch.float32, device=hidden.device)
@@ -235,10 +252,10 @@ def run_exp_chunks(hidden, weight, row_fn, outputs, needs_grad, chunk_rows, sele
             continue
         if gh is not None:
             if m == n:
-                dx_of(g, w, r, gh[s:e], dx_tile)
+                dx_of(g, w, r, gh[s:e], dx_tiles)
             else:  # the ragged last chunk's padding rows have nowhere to go in gh
                 part = hidden.new_empty(m, D)
-                dx_of(g, w, r, part, dx_tile)
+                dx_of(g, w, r, part, dx_tiles)
                 gh[s:e] = part[:n]
         if gw is not None:
             dw_add_of(g, x, gw, first=s == 0)

@@ -6,7 +6,8 @@ transforms (a per-(row, 64 classes) strip for dx, per-(64 classes, row) for dW).
 epilogue is this file's: v times the accumulator minus the one-hot and smoothing terms,
 in float32, rounded once. The logits GEMM's tiles are fixed (no autotuning), so a row's
 sums do not depend on the batch: the per-token outputs stay batch-invariant. The dx
-GEMM's tile_N and the chunk's rows are planned for the GPU's SMs (exp_gemms.wave_plan).
+GEMM's tile_N, its splits of V and the chunk's rows are planned for the GPU's SMs
+(exp_gemms.wave_plan).
 """
 
 import functools
@@ -16,6 +17,7 @@ from quack.epilogue.frontend import gemm_epilogue
 from quack.epilogue.library import identity_epi
 from quack.epilogue.ops import ColVecLoad, RowVecLoad
 from quack.epilogue.scaled_exp import scaled_exp_target_epi
+from quack.gemm_interface import SplitKMode
 from quack.operand_transform import a_transform
 from quack.operand_transform.host import transform_a_operand
 
@@ -70,13 +72,14 @@ def logits(x, w, col, tile_n, E):
     return ExpTile(E, sum_exp, k, zy)
 
 
-def dx(g, w, r, out, tile_n):
-    """exp_gemms.dx on the GPU, at the plan's tile_n."""
+def dx(g, w, r, out, tiles):
+    """exp_gemms.dx on the GPU, at the plan's DxTiles (serial splits: in split order)."""
     bundle = transform_a_operand(_dx_scale, g.E, {"u": g.u}, 128, 64)
     wy = w[g.col.clamp_min(0)]
     _dx_epi.gemm(bundle, w.mT, out, wy, epi_args=dict(v=g.v, b=g.b, cs=g.cs, r=r),
-                 transform_a=_dx_scale, tile_M=128, tile_N=tile_n,
-                 tile_K=64, cluster_M=2, cluster_N=1)
+                 transform_a=_dx_scale, tile_M=128, tile_N=tiles.tile_n,
+                 tile_K=64, cluster_M=2, cluster_N=1, split_k=tiles.split,
+                 split_k_mode=SplitKMode.SERIAL)
 
 
 def dw_add(g, x, dw, first):
