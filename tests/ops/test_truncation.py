@@ -455,22 +455,36 @@ def test_bad_values_are_named(option, value, error, op):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_truncated_backward_on_cuda_recomputes_the_forward_chunks(dtype):
+def test_the_truncated_backward_on_cuda_tiles_only_where_tiles_are_the_forward_bits(dtype):
     # A truncation's threshold test needs the forward's logits to the bit. On CUDA
     # cuBLAS rounds a column tile of an odd-width product apart from the whole (an H100,
-    # 34979 classes: 85% of float32 logits; the hidden gradient 1.4e-2 to 6.7e-2 off,
-    # docs/data/raw/probe_truncated_bwd_logits_bits_h100_53a1df0.txt), so there the
-    # backward cuts the forward's token chunks; untruncated bf16 keeps its tiles, and
-    # off CUDA fixed GEMM units make the tiles the forward's bits.
+    # 34979 classes: 85% of float32 logits, 47% of bf16 ones; the hidden gradient 1.4e-2
+    # to 6.7e-2 off) and a tile of a whole-128-tile width as the whole (128256 and
+    # 151936: none; docs/data/raw/probe_truncated_bwd_logits_bits_h100_53a1df0.txt), so
+    # there a truncated bf16 backward tiles only such widths, else cuts the forward's
+    # token chunks; untruncated bf16 tiles any width (as exact against float64: raw
+    # probe_odd_width_untruncated_h100_035200c.txt); float32 inputs tile both ways,
+    # truncated neither; off CUDA fixed GEMM units make tiles the forward's bits.
+    from torch_fce.ops.loop.chunked import vocab_tiles
+
     class Tensor:  # the shapes, dtype and device _cuts_vocab reads
         def __init__(self, shape, device):
             self.shape, self.dtype = shape, dtype
             self.device = torch.device(device)
 
-    w = Tensor((34979, 16), "cpu")
-    for truncation in (dict(top_k=50, top_p=0.95), dict(top_p=0.9), dict(min_p=0.05)):
-        opts = room.LogProbOptions(**truncation)
-        assert room._cuts_vocab(Tensor((8192, 16), "cuda"), w, opts) == (False, False)
-        assert room._cuts_vocab(Tensor((8192, 16), "cpu"), w, opts) == (False, True)
-    tiles = (False, True) if dtype == torch.bfloat16 else (True, True)
-    assert room._cuts_vocab(Tensor((8192, 16), "cuda"), w, room.LogProbOptions()) == tiles
+    h = {d: Tensor((8192, 16), d) for d in ("cuda", "cpu")}
+    for V in (34979, 274 * 128):
+        w, whole = Tensor((V, 16), "cpu"), V % 128 == 0
+        for truncation in (dict(), dict(top_k=50, top_p=0.95), dict(top_p=0.9),
+                           dict(min_p=0.05)):
+            opts = room.LogProbOptions(**truncation)
+            assert room._cuts_vocab(h["cpu"], w, opts) == (False, True)
+            if dtype == torch.bfloat16:
+                want = (False, whole or not truncation)
+            else:
+                want = (False, False) if truncation else (True, True)
+            assert room._cuts_vocab(h["cuda"], w, opts) == want, (V, truncation)
+        # a whole-128-tile width's tiles are whole GEMM tiles, however small the chunk
+        for chunk_rows in (1, 7, 100, 4096):
+            cols = vocab_tiles(8192, V, chunk_rows, cuda=True)[1]
+            assert not whole or cols % 128 == 0, (chunk_rows, cols)

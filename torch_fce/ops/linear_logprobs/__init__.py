@@ -15,7 +15,7 @@ from ..contract import checks
 from ..contract.entry import (autocast_operands, flat, int64_if_needed, refuse_transforms,
                              token_rows)
 from ..contract.options import check_bool, schema_args, take
-from ..loop.chunked import (ONE_DEVICE, VocabShard, after_first_gemm, by_vocab,
+from ..loop.chunked import (GEMM_TILE, ONE_DEVICE, VocabShard, after_first_gemm, by_vocab,
                            chunk_rows_for, grad_outputs, inverse_temperature,
                            logits_dtype_for, math_dtype_for, no_autocast, run_chunks)
 from ..machinery import grads
@@ -315,18 +315,21 @@ def _joined(blocks):
 def _cuts_vocab(hidden, weight, opts):
     """(forward, backward): whether each cuts vocabulary tiles. The backward does with
     fewer tokens than classes (its float32 sum is then N x D), where it recomputes the
-    forward's logits bit for bit: on the CPU (fixed GEMM units) and for bf16 inputs on
-    CUDA (cuBLAS measured row- and column-invariant, docs/numerics.md) the forward cuts
-    token chunks whatever N (batch invariance); other inputs on CUDA cut as the
-    backward (the same tiles: the same GEMMs). A truncation's threshold test needs the
-    forward's logits to the bit, which on CUDA only the same GEMMs promise (cuBLAS is
-    not column-invariant at every width: an odd shard's tiles rounded some logits
-    apart), so there both cut the forward's token chunks."""
+    forward's logits; a truncation's threshold test needs them to the bit. The forward
+    cuts token chunks whatever N (batch invariance) on the CPU (fixed GEMM units: a tile
+    has the whole product's bits) and for bf16 inputs on CUDA, where cuBLAS gives a tile
+    the whole product's bits only at widths of whole 128-class GEMM tiles (measured; at
+    an odd width every tile rounds apart, docs/numerics.md): there a truncation's
+    backward cuts the forward's token chunks, an untruncated one tiles anyway (a logit a
+    rounding apart moves its p as little: as exact against float64, measured). Other
+    inputs on CUDA cut as the backward (the same tiles: the same GEMMs), but a
+    truncation needs whole rows there, so both cut token chunks."""
     tiles = by_vocab(hidden.shape[0], weight.shape[0])
     if hidden.device.type != "cuda":
         return False, tiles
-    if truncation.truncating(opts):
-        return False, False
+    truncates = truncation.truncating(opts)
     if hidden.dtype == torch.bfloat16:
-        return False, tiles
+        return False, tiles and not (truncates and weight.shape[0] % GEMM_TILE)
+    if truncates:
+        return False, False
     return tiles, tiles

@@ -167,6 +167,10 @@ UNIT_ROWS, UNIT_COLS = 256, 4096
 # On CUDA, chunks of fewer rows run zero-padded to this many (a one-row float32-logit
 # product took another kernel, with other rounding: docs/numerics.md)
 CUDA_MIN_ROWS = 128
+# The classes of a CUDA logits GEMM tile: a vocabulary tile's width is a whole number of
+# them (cuBLAS then rounds a tile as the whole product, at a width that is one too:
+# docs/numerics.md)
+GEMM_TILE = 128
 
 
 class LogitsGemm:
@@ -272,11 +276,13 @@ def vocab_tiles(N, V, chunk_rows, cuda):
     logits: every token's logits of cols classes, in whole GEMM tiles (off CUDA, whole
     units of the logits GEMM); where the smallest such tile of all N tokens would not
     fit, blocks of rows (whole units too) cut it, down to one unit (UNIT_ROWS x
-    UNIT_COLS off CUDA, 128 x 128 on CUDA: the workspace's floor)."""
+    UNIT_COLS off CUDA, 128 x GEMM_TILE on CUDA: the workspace's floor)."""
     cols = max(1, chunk_rows * V // max(1, N))
-    if cols >= 128:  # tiles of even width (no thin last one), in whole GEMM tiles
+    if cols >= GEMM_TILE or cuda:  # tiles of even width (no thin last one), in whole
+        # GEMM tiles (on CUDA at least one: cuBLAS gives a tile the whole product's bits
+        # only at such widths)
         cols = -(-V // -(-V // cols))
-        cols = -(-cols // 128) * 128
+        cols = -(-cols // GEMM_TILE) * GEMM_TILE
     unit = CUDA_MIN_ROWS if cuda else UNIT_ROWS
     if not cuda:  # off CUDA: whole units of the logits GEMM
         cols = -(-cols // UNIT_COLS) * UNIT_COLS
