@@ -536,17 +536,22 @@ def _check_truncation(rank, world):
             lp = torch.where(out.logprob > -math.inf, out.logprob, 0.0)
             return out, torch.autograd.grad((lp * cl + out.entropy * ce).sum(), leaves)
 
-        want, want_g = run(torch_fce.linear_logprobs, w, b)
-        assert (want.logprob == -math.inf).any() and (want.logprob > -math.inf).any()
-        with torch_fce.workspace(3 * -(-vocab // world) * 4 * 12):
-            got, got_g = run(vocab_parallel_linear_logprobs, w[start:end], b[start:end],
-                             vocab_start=start, vocab_size=vocab)
-        assert torch.equal(got.logprob == -math.inf, want.logprob == -math.inf), opts
-        for a, r in ((got.logprob, want.logprob), (got.entropy, want.entropy)):
-            assert rel_err(torch.where(r > -math.inf, a, 0.0),
-                           torch.where(r > -math.inf, r, 0.0)) <= LOSS_TOL, opts
-        for a, r in zip(got_g, (want_g[0], want_g[1][start:end], want_g[2][start:end])):
-            assert rel_err(a, r) <= grad_tol(torch.float32, vocab), opts
+        # the top-k candidates also on the Triton rows (the shards' own top-k merged),
+        # against their own one device
+        for triton_rows in _ROWS[world] if opts.get("top_k") == 7 else (False,):
+            with _triton_rows(triton_rows):
+                want, want_g = run(torch_fce.linear_logprobs, w, b)
+                with torch_fce.workspace(3 * -(-vocab // world) * 4 * 12):
+                    got, got_g = run(vocab_parallel_linear_logprobs, w[start:end],
+                                     b[start:end], vocab_start=start, vocab_size=vocab)
+            name = (opts, triton_rows)
+            assert (want.logprob == -math.inf).any() and (want.logprob > -math.inf).any()
+            assert torch.equal(got.logprob == -math.inf, want.logprob == -math.inf), name
+            for a, r in ((got.logprob, want.logprob), (got.entropy, want.entropy)):
+                assert rel_err(torch.where(r > -math.inf, a, 0.0),
+                               torch.where(r > -math.inf, r, 0.0)) <= LOSS_TOL, name
+            for a, r in zip(got_g, (want_g[0], want_g[1][start:end], want_g[2][start:end])):
+                assert rel_err(a, r) <= grad_tol(torch.float32, vocab), name
         if vocab != V:
             continue
         dt = torch_fce.linear_logprobs(x["hidden"], distribute_tensor(w, mesh, [Shard(0)]),

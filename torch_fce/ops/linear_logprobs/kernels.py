@@ -194,22 +194,28 @@ def _gather_z_kernel(logits_ptr, idx_ptr, inv_t_ptr, out_ptr, V, k, stride_ln, s
 
 
 def triton_candidates(logits, target, inv_t, opts, math_dtype, shard):
-    """TruncationRows.candidates on the Triton kernels (one device, top_k <= 256): the
-    top-k rows' classes and target log-prob, then the candidates' and the target's z
-    gathered by _gather_z_kernel."""
-    assert math_dtype == torch.float32 and shard.group is None and logits.stride(1) == 1
+    """TruncationRows.candidates on the Triton kernels (top_k <= 256, one device or a
+    vocabulary shard): the top-k rows' classes and target log-prob (a shard's: the
+    group's, merged), then the candidates' and the target's z gathered by
+    _gather_z_kernel (on a shard from the rank holding each, the others' 0 summed)."""
+    assert math_dtype == torch.float32 and logits.stride(1) == 1
     n, V = logits.shape
     classes, _, logprob = triton_topk_rows(
-        logits, target, inv_t, TopKRecord(min(opts.top_k, V), softcap=opts.softcap,
-                                          ignore_index=opts.ignore_index), math_dtype)
+        logits, target, inv_t, TopKRecord(min(opts.top_k, V if shard.group is None else shard.vocab_size),
+                                          softcap=opts.softcap,
+                                          ignore_index=opts.ignore_index),
+        math_dtype, shard)
     valid = target != opts.ignore_index
-    idx = torch.cat([classes, torch.where(valid, target, -1)[:, None]], 1).contiguous()
+    idx = torch.cat([classes, torch.where(valid, target, -1)[:, None]], 1)
+    idx = torch.where(idx >= 0, idx - shard.vocab_start, -1).contiguous()  # local columns
     z = torch.empty(idx.shape, dtype=torch.float32, device=logits.device)
     if n:
         _gather_z_kernel[(n,)](logits, idx, inv_t.float().contiguous(), z, V, idx.shape[1],
                                logits.stride(0), float(opts.softcap or 1.0),
                                HAS_SOFTCAP=opts.softcap is not None,
                                BLOCK_K=triton.next_power_of_2(idx.shape[1]))
+    if shard.group is not None:
+        z = shard.all_reduce(z, "sum")
     return z[:, :-1], classes, z[:, -1], logprob
 
 

@@ -25,7 +25,7 @@ without top-k candidates finds (v, c) by a search of values (sharded_kept_stats:
 rank sorts its classes once, the group's counts and masses above a value are
 all-reduced). A TruncationRows family gives them and the gradient on one backend: the
 PyTorch members in truncation_rows.py (any device, any shard), the Triton ones in
-kernels.py (one device, top-k candidates or no top-k: `serves`).
+kernels.py (top-k candidates on one device or a shard, no top-k on one device: `serves`).
 The forward's candidate values and the backward's recomputed z come from the same
 backend's formula, so the backward's threshold test sees the forward's bits.
 """
@@ -116,11 +116,11 @@ def _by_thresholds(rows, opts, vocab_size, shard=ONE_DEVICE):
 
 
 def serves(rows, opts, shard, vocab_size):
-    """Whether a backend's truncation rows serve these options (one device, top-k
-    candidates or their own search of K); else the PyTorch ones do (forward and
-    backward pick alike)."""
-    return shard.group is None and (not whole_row_sort(opts, vocab_size)
-                                    or _by_thresholds(rows, opts, vocab_size))
+    """Whether a backend's truncation rows serve these options (top-k candidates, on one
+    device or a shard, or their own search of K on one device); else the PyTorch ones
+    do (forward and backward pick alike, every rank alike)."""
+    return not whole_row_sort(opts, vocab_size) or _by_thresholds(rows, opts, vocab_size,
+                                                                  shard)
 
 
 def _kept(values, opts, kept_mass=None):
