@@ -536,9 +536,9 @@ def _check_truncation(rank, world):
             lp = torch.where(out.logprob > -math.inf, out.logprob, 0.0)
             return out, torch.autograd.grad((lp * cl + out.entropy * ce).sum(), leaves)
 
-        # the top-k candidates also on the Triton rows (the shards' own top-k merged),
-        # against their own one device
-        for triton_rows in _ROWS[world] if opts.get("top_k") == 7 else (False,):
+        # also on the Triton rows (the shards' own top-k merged, the search's tally a
+        # sweep), against their own one device
+        for triton_rows in _ROWS[world]:
             with _triton_rows(triton_rows):
                 want, want_g = run(torch_fce.linear_logprobs, w, b)
                 with torch_fce.workspace(3 * -(-vocab // world) * 4 * 12):

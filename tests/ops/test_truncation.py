@@ -245,18 +245,25 @@ def test_threshold_rows_match_the_sorted_rows(truncation, backend, sizes):
                                         dict(top_p=0.999), dict(top_p=0.01), dict(min_p=0.1),
                                         dict(top_k=300), dict(top_k=1000, top_p=0.7),
                                         dict(top_k=2999, min_p=0.05, top_p=0.9)])
-def test_value_search_matches_the_sorted_rows(truncation):
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_value_search_matches_the_sorted_rows(truncation, backend):
     # a vocabulary shard's search of values (truncation.sharded_kept_stats: the
     # quartered bracket of images, ties counted out by class) on the whole row as one
-    # rank against the sort of the whole row; the multi-rank merge: the gloo tests
+    # rank against the sort of the whole row, on either rows' tally (the PyTorch rows'
+    # search of the sorted row, the Triton rows' sweeps); the multi-rank merge: the gloo
+    # tests
     from torch_fce.ops.loop.chunked import VocabShard
     from torch_fce.ops.linear_logprobs import truncation as rows
+    from torch_fce.ops.linear_logprobs.kernels import TRITON_TRUNCATION_ROWS
+
+    search = TRITON_TRUNCATION_ROWS if backend == "triton" else TORCH_TRUNCATION_ROWS
 
     z, y, inv_t = (t.cpu() for t in _threshold_rows_problem())
     opts = room.LogProbOptions(entropy=True, **truncation)
     one_rank = VocabShard(vocab_size=z.shape[1])
     want = rows.kept_stats(_sorted_rows(), z, y, inv_t, opts, torch.float32)
-    got = rows.sharded_kept_stats(z.clone(), y, inv_t, opts, torch.float32, one_rank)
+    got = rows.sharded_kept_stats(search, z.clone(), y, inv_t, opts, torch.float32,
+                                  one_rank)
     _assert_outputs_match(got, want)
     # (v, c) the same class where the sort's rows end K (min_p alone: the smallest kept
     # value's last class here, V - 1 or below there: the same K)
@@ -268,7 +275,7 @@ def test_value_search_matches_the_sorted_rows(truncation):
     assert ((stats - ref).abs()[ok] <= 1e-5 * (1 + ref.abs()[ok])).all()
     nan_row = z.clone()
     nan_row[2, 17] = float("nan")
-    got = rows.sharded_kept_stats(nan_row, y, inv_t, opts, torch.float32, one_rank)
+    got = rows.sharded_kept_stats(search, nan_row, y, inv_t, opts, torch.float32, one_rank)
     assert got[1][2].isnan() and got[2][2].isnan()
 
 
@@ -286,8 +293,8 @@ def test_value_search_matches_the_float64_reference_of_vllms_rules(p):
     N, V = logits.shape
     T = torch.as_tensor(p["T"], dtype=torch.float64).expand(N)
     opts = room.LogProbOptions(entropy=True, softcap=p["softcap"], **p["truncation"])
-    got = rows.sharded_kept_stats(logits.clone(), p["target"], 1.0 / T, opts,
-                                  torch.float64, VocabShard(vocab_size=V))
+    got = rows.sharded_kept_stats(TORCH_TRUNCATION_ROWS, logits.clone(), p["target"],
+                                  1.0 / T, opts, torch.float64, VocabShard(vocab_size=V))
     want = logprobs_reference(p["h"], p["w"], p["target"], p["b"], temperature=p["T"],
                               softcap=p["softcap"], **p["truncation"])
     for name, a, r in zip(("logprob", "entropy", "lse"), got, want[:3]):

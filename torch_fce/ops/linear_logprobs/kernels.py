@@ -6,7 +6,10 @@ entropy's sum_c p_c z_c and the argmax online (on a vocabulary tile, it merges t
 tile's sums into the running ones, as logprob.merge_tile_stats); the backward,
 given the forward's row statistics relative to the row max (rows.py), sweeps it
 once more, writing the logits gradient over the recomputed logits in place: each pass
-reads a chunk once (and the backward writes it once), in its own dtype.
+reads a chunk once (and the backward writes it once), in its own dtype. Below it the
+sampler's truncation on these kernels (TRITON_TRUNCATION_ROWS): the candidates' z, the
+threshold kernel's host side, and a vocabulary shard's processed z and tally for the
+search of values (truncation.sharded_kept_stats).
 """
 
 import math
@@ -193,6 +196,72 @@ def _gather_z_kernel(logits_ptr, idx_ptr, inv_t_ptr, out_ptr, V, k, stride_ln, s
     tl.store(out_ptr + row * k + offs, tl.where(read, z, 0.0), mask=inside)
 
 
+@triton.jit
+def _processed_kernel(logits_ptr, inv_t_ptr, z_ptr, V, stride_ln, softcap,
+                      HAS_SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr):
+    """z (n, V) float32 <- softcap(l) * inv_t, the gradient sweep's formula (so a
+    shard's search sees its bits); programs (row, block of BLOCK_V classes)."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    inside = offs < V
+    z = _load_z(logits_ptr + row * stride_ln + offs, inside, softcap, HAS_SOFTCAP)
+    tl.store(z_ptr + row * V + offs, z * tl.load(inv_t_ptr + row), mask=inside)
+
+
+@triton.jit
+def _tally_kernel(z_ptr, t_ptr, top_ptr, out_ptr, V, P: tl.constexpr,
+                  BLOCK_V: tl.constexpr):
+    """out (n, 2, P) float32: per row the count of its classes with z > t and their mass
+    exp(z - top), for its P values t (n, P); one program a row, one sweep of it."""
+    row = tl.program_id(0).to(tl.int64)
+    j = tl.arange(0, P)
+    t = tl.load(t_ptr + row * P + j)
+    top = tl.load(top_ptr + row)
+    cnt = tl.zeros([P], tl.int32)
+    mass = tl.zeros([P], tl.float32)
+    for v0 in range(0, V, BLOCK_V):
+        offs = v0 + tl.arange(0, BLOCK_V)
+        z = tl.load(z_ptr + row * V + offs, mask=offs < V, other=float("-inf"))
+        up = z[None, :] > t[:, None]  # (NaN: never)
+        cnt += tl.sum(up.to(tl.int32), axis=1)
+        mass += tl.sum(tl.where(up, tl.exp(z - top)[None, :], 0.0), axis=1)
+    tl.store(out_ptr + row * 2 * P + j, cnt.to(tl.float32))
+    tl.store(out_ptr + row * 2 * P + P + j, mass)
+
+
+def triton_processed(logits, opts, inv_t, math_dtype):
+    """TruncationRows.processed on the Triton kernel: the gradient sweep's z."""
+    assert math_dtype == torch.float32 and logits.stride(1) == 1
+    n, V = logits.shape
+    z = torch.empty((n, V), dtype=torch.float32, device=logits.device)
+    if n and V:
+        _processed_kernel[(n, triton.cdiv(V, _BLOCK))](
+            logits, inv_t.float().contiguous(), z, V, logits.stride(0),
+            float(opts.softcap or 1.0), HAS_SOFTCAP=opts.softcap is not None,
+            BLOCK_V=_BLOCK, num_warps=_WARPS)
+    return z
+
+
+_TALLY_P = 4  # the tally's values a sweep (the search asks for 1 to 3)
+
+
+def triton_tally(z, top):
+    """TruncationRows.tally on the Triton kernel: a sweep of the shard's z per query."""
+    n, V = z.shape
+    top = top.float().contiguous()
+
+    def above(t):
+        P = t.shape[1]
+        pad = t.new_full((n, _TALLY_P), math.inf)  # (nothing above +inf)
+        pad[:, :P] = t
+        out = z.new_empty((n, 2, _TALLY_P))
+        if n:
+            _tally_kernel[(n,)](z, pad, top, out, V, P=_TALLY_P,
+                                BLOCK_V=min(_block_v(V), _BLOCK), num_warps=_WARPS)
+        return out[:, 0, :P], out[:, 1, :P]
+    return above
+
+
 def triton_candidates(logits, target, inv_t, opts, math_dtype, shard):
     """TruncationRows.candidates on the Triton kernels (top_k <= 256, one device or a
     vocabulary shard): the top-k rows' classes and target log-prob (a shard's: the
@@ -342,6 +411,8 @@ def _launch(logits, target, inv_t, opts, entropy, grad, col0=None, into=None, dz
 TRITON_LOGPROB_ROWS = LogProbRows(triton_logprob_stats, triton_logprob_tile_stats,
                                   triton_logprob_grad, triton_logprob_stats_then_grad)
 # the top-k rows' scratch and the candidates: a few bytes per row, none per logit; the
-# threshold kernel's scratch: a byte a logit at most (scratch_classes)
+# threshold kernel's scratch: a byte a logit at most (scratch_classes); a shard's
+# search: its z and the search's float32, bool and int32 temporaries
 TRITON_TRUNCATION_ROWS = TruncationRows(triton_candidates, triton_kept_grad, 0,
-                                        triton_threshold_stats, 1)
+                                        triton_threshold_stats, 1, triton_processed,
+                                        triton_tally, 24)

@@ -21,11 +21,12 @@ min_p only) the rows find K without a sort of the row: the Triton rows by sweeps
 (truncation_kernels.py: bisection on top_p's mass), the PyTorch rows on the CPU from
 its largest classes or value buckets (truncation_rows.torch_thresholds; off the CPU
 they sort it). A vocabulary shard
-without top-k candidates finds (v, c) by a search of values (sharded_kept_stats: each
-rank sorts its classes once, the group's counts and masses above a value are
-all-reduced). A TruncationRows family gives them and the gradient on one backend: the
-PyTorch members in truncation_rows.py (any device, any shard), the Triton ones in
-kernels.py (top-k candidates on one device or a shard, no top-k on one device: `serves`).
+without top-k candidates finds (v, c) by a search of values (sharded_kept_stats: the
+group's counts and masses above a value, each rank's tally of its classes all-reduced:
+the PyTorch rows' a search of them sorted once, the Triton rows' a sweep of them). A
+TruncationRows family gives them and the gradient on one backend: the PyTorch members
+in truncation_rows.py, the Triton ones in kernels.py (every device and shard they run
+on: `serves`).
 The forward's candidate values and the backward's recomputed z come from the same
 backend's formula, so the backward's threshold test sees the forward's bits.
 """
@@ -86,12 +87,22 @@ class TruncationRows(NamedTuple):
       thresholds(logits, target, inv_t, opts, math_dtype) -> kept_stats' outputs
           without a top-k (top_p, min_p) and without candidates (None: the whole row
           sorted instead)
-      thresholds_per_logit: the bytes per logit thresholds holds beyond per_logit"""
+      thresholds_per_logit: the bytes per logit thresholds holds beyond per_logit
+      processed(logits, opts, inv_t, math_dtype) -> z (n, cols) float32, the processed
+          logits in grad's formula (a copy: logits stays intact)
+      tally(z, top) -> above: a vocabulary shard's search of values (sharded_kept_stats)
+          over processed's z, top (n,) the group's max; above(t) of values t (n, P) ->
+          this rank's (count, mass) of its classes with z > t, mass their exp(z - top),
+          each (n, P) float32 (None: the PyTorch rows search instead)
+      tally_per_logit: the bytes per logit that search holds beyond per_logit"""
     candidates: Callable
     grad: Callable
     per_logit: int
     thresholds: Optional[Callable] = None
     thresholds_per_logit: int = 0
+    processed: Optional[Callable] = None
+    tally: Optional[Callable] = None
+    tally_per_logit: int = 0
 
 
 def _processed(logits, opts, inv_t, math_dtype):
@@ -117,10 +128,12 @@ def _by_thresholds(rows, opts, vocab_size, shard=ONE_DEVICE):
 
 def serves(rows, opts, shard, vocab_size):
     """Whether a backend's truncation rows serve these options (top-k candidates, on one
-    device or a shard, or their own search of K on one device); else the PyTorch ones
-    do (forward and backward pick alike, every rank alike)."""
-    return not whole_row_sort(opts, vocab_size) or _by_thresholds(rows, opts, vocab_size,
-                                                                  shard)
+    device or a shard, or their own search of K); else the PyTorch ones do (forward and
+    backward pick alike, every rank alike)."""
+    if not whole_row_sort(opts, vocab_size):
+        return True
+    return rows.tally is not None if shard.group is not None else _by_thresholds(
+        rows, opts, vocab_size)
 
 
 def _kept(values, opts, kept_mass=None):
@@ -148,7 +161,7 @@ def kept_stats(rows, logits, target, inv_t, opts, math_dtype, shard=ONE_DEVICE):
     if _by_thresholds(rows, opts, V, shard):
         return rows.thresholds(logits, target, inv_t, opts, math_dtype)
     if shard.group is not None and whole_row_sort(opts, V):
-        return sharded_kept_stats(logits, target, inv_t, opts, math_dtype, shard)
+        return sharded_kept_stats(rows, logits, target, inv_t, opts, math_dtype, shard)
     values, classes, z_y, logprob_all = rows.candidates(logits, target, inv_t, opts,
                                                         math_dtype, shard)
     values, classes = _ordered(values, classes)
@@ -196,6 +209,8 @@ def per_logit(rows, logits_dtype, dz_dtype, opts, vocab_size, shard=ONE_DEVICE):
         sort = 0
     elif _by_thresholds(rows, opts, vocab_size, shard):
         sort = rows.thresholds_per_logit
+    elif shard.group is not None:
+        sort = rows.tally_per_logit
     else:
         sort = 24
     return logits_bytes(logits_dtype, dz_dtype) + rows.per_logit + sort
@@ -203,14 +218,16 @@ def per_logit(rows, logits_dtype, dz_dtype, opts, vocab_size, shard=ONE_DEVICE):
 
 # ---- a vocabulary shard without top-k candidates: K's last class by a search of values
 
-def sharded_kept_stats(logits, target, inv_t, opts, math_dtype, shard):
+def sharded_kept_stats(rows, logits, target, inv_t, opts, math_dtype, shard):
     """kept_stats on a vocabulary shard where no top-k rows bound K (top_p or min_p
-    without top_k, or top_k > MAX_CANDIDATES). Each rank sorts its z once; the group's
-    count and mass of the classes above a value t (above(t)) are then a search of each
-    rank's sorted values and one all-reduce. With H(t) either, nonincreasing and
+    without top_k, or top_k > MAX_CANDIDATES), on the TruncationRows rows (their z, their
+    tally). The group's count and mass of the classes above a value t (above(t)) are each
+    rank's tally of its classes (the PyTorch rows: a search of them sorted once; the
+    Triton ones: a sweep) and one all-reduce. With H(t) either, nonincreasing and
     constant between the row's values, a prefix of the order ends at the smallest value
     u with H(u) < its goal (_smallest_below: a fixed number of rounds, no host sync):
       min_p  the classes at or above m + log(min_p): n1 of them, u0 their smallest value
+             (min_p alone: K is those, counted, no search)
       top_k  v2: the goal n2 = min(k, n1) in counts; n2 - count(z > v2) of its ties kept
       top_p  v: the goal T = top_p S2 in masses, over [v2, m] (S2 the first n2's mass);
              of v's ties the first by class while the mass before each, H(v) + i
@@ -218,36 +235,39 @@ def sharded_kept_stats(logits, target, inv_t, opts, math_dtype, shard):
              boundary met within rounding may fall on the other side)
     c is the last kept tie's class (_nth_tie). NaN is ranked as -inf; a row holding one
     gives NaN, as on one device."""
-    z, _ = _processed(logits, opts, inv_t, math_dtype)
-    V, n = shard.vocab_size, z.shape[0]
+    z = rows.processed(logits, opts, inv_t, math_dtype)
+    V = shard.vocab_size
     mine, col = first_max(z)  # NaN as -inf
     # the search's max (NaN-free) and the sums' (NaN where the row holds one)
     top, m = shard.all_reduce(torch.stack([mine, z.amax(-1)]), "max").clamp_min(
         torch.finfo(math_dtype).min).unbind(0)
     argmax = shard.all_reduce(torch.where(mine == top, col + shard.vocab_start, V), "min")
-    # the rank's -z ascending (z > t <=> -z < -t), NaN as -inf, and the masses before each
-    neg = torch.sort(torch.where(z.isnan(), math.inf, -z), dim=-1).values
-    mass = torch.cat([neg.new_zeros(n, 1), torch.exp(-neg - top[:, None]).cumsum_(-1)], 1)
-
-    def above(t):  # values (n, P) -> the group's (count, mass) of z > t, each (n, P)
-        cnt = torch.searchsorted(neg, -t.contiguous(), side="left")
-        return shard.all_reduce(torch.stack([cnt.to(math_dtype), mass.gather(1, cnt)]),
-                                "sum").unbind(0)
-
     floor = (top + math.log(opts.min_p) if opts.min_p not in (None, 0.0)
              else torch.full_like(top, -math.inf))
-    kept = (neg <= -floor[:, None]) & (neg < math.inf)  # finite, at or above the floor
-    n1, s_all = shard.all_reduce(torch.stack([kept.sum(-1).to(math_dtype), mass[:, -1]]),
+    kept = (z >= floor[:, None]) & (z > -math.inf)  # finite, at or above the floor
+    e_all = torch.where(z.isnan(), 0.0, (z - top[:, None]).exp())
+    n1, s_all = shard.all_reduce(torch.stack([kept.sum(-1).to(math_dtype), row_sum(e_all)]),
                                  "sum").unbind(0)
-    v = shard.all_reduce(torch.where(kept, -neg, math.inf).amin(-1), "min")  # u0
-    del kept
+    v = shard.all_reduce(torch.where(kept, z, math.inf).amin(-1), "min")  # u0
+    del kept, e_all
+    top_k = opts.top_k is not None and opts.top_k < V
+    top_p = opts.top_p not in (None, 1.0)
+    if top_k or top_p:
+        local = rows.tally(z, top)
+
+        def above(t):  # values (n, P) -> the group's (count, mass) of z > t, each (n, P)
+            return shard.all_reduce(torch.stack(local(t.contiguous())), "sum").unbind(0)
+    else:  # min_p alone: only the classes above u0 counted
+        def above(t):
+            return shard.all_reduce((z > t).sum(-1, keepdim=True).to(math_dtype),
+                                    "sum"), None
     goal = n1
-    if opts.top_k is not None and opts.top_k < V:
+    if top_k:
         goal = n1.clamp_max(opts.top_k)
         v = _smallest_below(lambda t: above(t)[0], v, top, goal)
-    cnt, ms = (x[:, 0] for x in above(v[:, None]))
+    cnt, ms = (None if x is None else x[:, 0] for x in above(v[:, None]))
     ties = goal - cnt  # v's ties in the prefix so far
-    if opts.top_p not in (None, 1.0):
+    if top_p:
         v2 = v
         goal = opts.top_p * (ms + ties * (v2 - top).exp())
         v = _smallest_below(lambda t: above(t)[1], v2, top, goal)
@@ -317,6 +337,6 @@ def _nth_tie(z, v, nth, shard):
     gathered = shard.all_gather(torch.cat([start, counts])[None])  # (world, n + 1)
     before = torch.where(gathered[:, :1] < shard.vocab_start, gathered[:, 1:], 0).sum(0)
     j = nth.long() - before  # this rank's jth tie, if it holds it
-    col = (tie.cumsum(-1) < j[:, None]).sum(-1)
+    col = (tie.cumsum(-1, dtype=torch.int32) < j[:, None]).sum(-1)
     return shard.all_reduce(torch.where((j >= 1) & (j <= counts), col + shard.vocab_start,
                                         -1), "max")

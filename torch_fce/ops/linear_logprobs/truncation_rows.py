@@ -1,7 +1,7 @@
 """The sampler's truncation rows in PyTorch (any device, any vocabulary shard): the
-candidates, the gradient over K, and K found without a sort of the row where no top-k
-bounds it (torch_thresholds); vLLM's rules themselves and the outputs they give are
-truncation.py's."""
+candidates, the gradient over K, K found without a sort of the row where no top-k
+bounds it (torch_thresholds), and a shard's tally for the search of values
+(torch_tally); vLLM's rules themselves and the outputs they give are truncation.py's."""
 
 import math
 
@@ -138,7 +138,24 @@ def _bucket_cut(z, top, mass, kept_mass, floor, opts):
     return values.gather(1, last), classes.gather(1, last)
 
 
+def torch_tally(z, top):
+    """TruncationRows.tally in PyTorch: the shard's -z sorted ascending once (NaN as
+    -inf) with the masses before each, a query's count a search of it."""
+    neg = torch.sort(torch.where(z.isnan(), math.inf, -z), dim=-1).values
+    mass = torch.cat([neg.new_zeros(z.shape[0], 1),
+                      torch.exp(-neg - top[:, None]).cumsum_(-1)], 1)
+
+    def above(t):
+        cnt = torch.searchsorted(neg, -t, side="left")  # z > t <=> -z < -t
+        return cnt.to(z.dtype), mass.gather(1, cnt)
+    return above
+
+
 # the processed logits' copy, a few float32 / bool temporaries of the chunk's shape and
-# dz (never written over the logits here); the threshold search's sort off the CPU
-TORCH_TRUNCATION_ROWS = TruncationRows(torch_candidates, torch_kept_grad, 16,
-                                       torch_thresholds, thresholds_per_logit=24)
+# dz (never written over the logits here); the threshold search's sort off the CPU; a
+# shard's search: its sort (values and masses) and the search's temporaries
+TORCH_TRUNCATION_ROWS = TruncationRows(
+    torch_candidates, torch_kept_grad, 16, torch_thresholds, thresholds_per_logit=24,
+    processed=lambda logits, opts, inv_t, math_dtype: _processed(logits, opts, inv_t,
+                                                                 math_dtype)[0],
+    tally=torch_tally, tally_per_logit=24)
