@@ -160,7 +160,9 @@ def test_bench_shapes_rl_objectives_write_their_rows(objective, tmp_path):
     rows = json.loads((tmp_path / "rows.json").read_text())["rows"]
     assert {r["method"] for r in rows} == {"torch", "fce-fp32", "fce-input", "fce-f32logits"}
     # the same objective: torch_fce's loss and gradients are the float32 composition's
-    assert all(r["loss_err"] < 1e-5 and r["dW_err"] < 1e-5 for r in rows)
+    # (the errors named: the GPU tier's run at 750bc9f failed this once, unseen since)
+    assert all(r["loss_err"] < 1e-5 and r["dW_err"] < 1e-5 for r in rows), [
+        (r["method"], r["loss_err"], r["dW_err"]) for r in rows]
 
 
 def test_bench_grpo_tiny_runs_both_losses_and_they_agree():
