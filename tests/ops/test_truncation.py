@@ -258,7 +258,9 @@ def test_value_search_matches_the_sorted_rows(truncation, backend):
 
     search = TRITON_TRUNCATION_ROWS if backend == "triton" else TORCH_TRUNCATION_ROWS
 
-    z, y, inv_t = (t.cpu() for t in _threshold_rows_problem())
+    # (the Triton rows' kernels on the suite's device: compiled on CUDA, interpreted on
+    # the CPU; the PyTorch rows' search on the CPU)
+    z, y, inv_t = (t if backend == "triton" else t.cpu() for t in _threshold_rows_problem())
     opts = room.LogProbOptions(entropy=True, **truncation)
     one_rank = VocabShard(vocab_size=z.shape[1])
     want = rows.kept_stats(_sorted_rows(), z, y, inv_t, opts, torch.float32)
