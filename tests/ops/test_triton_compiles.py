@@ -108,9 +108,20 @@ for top_p, min_p in [(True, False), (True, True), (False, True)]:
            "V": "i32", "ignore_index": "i32",
            "top_p": "fp32", "log_min_p": "fp32", "softcap": "fp32", "stride_ln": "i32"},
           dict(HAS_SOFTCAP=False, HAS_TOP_P=top_p, HAS_MIN_P=min_p,
-               LANES=logprobs._BLOCK // logprobs._U, U=logprobs._U, C=logprobs._C,
-               CAP=logprobs._CAP, VALUE_STEPS=logprobs._VALUE_STEPS,
-               STAGES=logprobs._STAGES), logprobs._WARPS)
+               LANES=truncation._BLOCK // truncation._U, U=truncation._U, C=truncation._C,
+               CAP=truncation._CAP, VALUE_STEPS=truncation._VALUE_STEPS,
+               STAGES=truncation._STAGES), truncation._WARPS)
+build(truncation._gather_z_kernel,
+      {"logits_ptr": "*bf16", "idx_ptr": "*i64", "inv_t_ptr": "*fp32", "out_ptr": "*fp32",
+       "V": "i32", "k": "i32", "stride_ln": "i32", "softcap": "fp32"},
+      dict(HAS_SOFTCAP=True, BLOCK_K=64), 4)
+build(truncation._processed_kernel,
+      {"logits_ptr": "*bf16", "inv_t_ptr": "*fp32", "z_ptr": "*fp32", "V": "i32",
+       "stride_ln": "i32", "softcap": "fp32"},
+      dict(HAS_SOFTCAP=False, BLOCK_V=truncation._BLOCK), truncation._WARPS)
+build(truncation._tally_kernel,
+      {"z_ptr": "*fp32", "t_ptr": "*fp32", "top_ptr": "*fp32", "out_ptr": "*fp32", "V": "i32"},
+      dict(P=truncation._TALLY_P, BLOCK_V=truncation._BLOCK), truncation._WARPS)
 '''
 
 # The sparse divergence's row kernels' registers at sm_90 (8 warps), as measured before
@@ -133,7 +144,7 @@ def test_kernels_compile_for_cuda():
                          text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
     lines = run.stdout.splitlines()
-    assert sum(line.startswith("compiled") for line in lines) == 43
+    assert sum(line.startswith("compiled") for line in lines) == 46
     regs = {}
     for line in lines:
         name, rest = line.split(" ", 2)[1:]

@@ -92,7 +92,7 @@ def test_threshold_kernel_scratch(truncation):
     # the next sweeps read them, then the C slots (scratch and slots small: every row
     # through both)
     from torch_fce.ops.linear_logprobs import LogProbOptions
-    from torch_fce.ops.linear_logprobs.kernels import triton_threshold_stats
+    from torch_fce.ops.linear_logprobs.truncation_kernels import triton_threshold_stats
 
     g = torch.Generator().manual_seed(5)
     z = torch.randn(3, 1500, generator=g) * torch.tensor([0.5, 2.0, 4.0])[:, None]

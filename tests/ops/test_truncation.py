@@ -211,8 +211,8 @@ def test_threshold_rows_match_the_sorted_rows(truncation, backend, sizes):
     # the PyTorch rows' search (truncation_rows.torch_thresholds: the 256 largest classes
     # of a peaked row, value buckets of a flat one)
     from torch_fce.ops.linear_logprobs import truncation as rows
-    from torch_fce.ops.linear_logprobs.kernels import TRITON_TRUNCATION_ROWS
-    from torch_fce.ops.linear_logprobs.kernels import triton_threshold_stats
+    from torch_fce.ops.linear_logprobs.truncation_kernels import TRITON_TRUNCATION_ROWS
+    from torch_fce.ops.linear_logprobs.truncation_kernels import triton_threshold_stats
 
     z, y, inv_t = _threshold_rows_problem()
     opts = room.LogProbOptions(entropy=True, **truncation)
@@ -254,7 +254,7 @@ def test_value_search_matches_the_sorted_rows(truncation, backend):
     # tests
     from torch_fce.ops.loop.chunked import VocabShard
     from torch_fce.ops.linear_logprobs import truncation as rows
-    from torch_fce.ops.linear_logprobs.kernels import TRITON_TRUNCATION_ROWS
+    from torch_fce.ops.linear_logprobs.truncation_kernels import TRITON_TRUNCATION_ROWS
 
     search = TRITON_TRUNCATION_ROWS if backend == "triton" else TORCH_TRUNCATION_ROWS
 

@@ -20,7 +20,7 @@ import torch_fce
 from torch_fce.bench.measure import median_time
 from torch_fce.bench.shapes import SHAPES, shape_inputs
 from torch_fce.ops.linear_logprobs import LogProbOptions
-from torch_fce.ops.linear_logprobs.kernels import triton_threshold_stats
+from torch_fce.ops.linear_logprobs.truncation_kernels import triton_threshold_stats
 
 TRUNCATIONS = [dict(), dict(top_k=50, top_p=0.95), dict(top_p=0.95), dict(top_p=0.9),
                dict(min_p=0.05), dict(top_p=0.95, min_p=0.05)]

@@ -194,7 +194,7 @@ def truncation_rows(backend, opts, shard, vocab_size):
     if not truncation.truncating(opts):
         return None
     if backend.triton:
-        from .kernels import TRITON_TRUNCATION_ROWS as rows
+        from .truncation_kernels import TRITON_TRUNCATION_ROWS as rows
     else:
         rows = TORCH_TRUNCATION_ROWS
     return rows if truncation.serves(rows, opts, shard, vocab_size) else TORCH_TRUNCATION_ROWS

@@ -1,10 +1,14 @@
-"""Triton row kernel: the sampler's kept set under top_p and min_p without a top-k
-(truncation.py's rules), found by sweeps of the row instead of a sort of it.
+"""Triton rows for the sampler's truncation (truncation.py's rules; TRITON_TRUNCATION_ROWS
+below): the candidates' z under a top-k, the kept set's gradient on the log-probs' sweep
+(kernels.py), the kept set under top_p and min_p without a top-k, found by sweeps of the row
+instead of a sort of it (the threshold kernel), and a vocabulary shard's processed z and
+tally for the search of values (truncation.sharded_kept_stats).
 
-One program per token row, z = softcap(l) / T as the log-probs' gradient sweep forms it
-(so its kept-set test sees these bits), NaN ranked as -inf. A sweep's step is LANES lanes
-of U consecutive classes: a lane loads a vector and keeps its sums in its thread, the
-lanes' sums merged once after the sweep (no block-wide scan in a step).
+The threshold kernel: one program per token row, z = softcap(l) / T as the log-probs'
+gradient sweep forms it (so its kept-set test sees these bits), NaN ranked as -inf. A
+sweep's step is LANES lanes of U consecutive classes: a lane loads a vector and keeps its
+sums in its thread, the lanes' sums merged once after the sweep (no block-wide scan in a
+step).
   sweep 1  the max m, its first class, the sum s of exp(z - m), the smallest finite z,
            the count, mean and deviation of the finite z; z at the target.
   min_p    one sweep: the mass S0 of the classes at or above m + log(min_p) (without
@@ -36,12 +40,24 @@ Per row (m, s, s_K, sum over K of exp(z - m)(z - m), v, c, argmax, z_y): K is th
 with z > v, or z == v and class <= c.
 """
 
+import math
+
+import torch
 import triton
 import triton.language as tl
 
-from ..linear_topk_logprobs.kernels import _EMPTY, _ranked, _sort_key
-from ..rowmath.kernels import (_NEG_BIG, _below, _from_image, _image, _load_z, _phi,
-                               _phi_inv, _unkey)
+from ..linear_topk_logprobs.kernels import _EMPTY, _ranked, _sort_key, triton_topk_rows
+from ..rowmath.kernels import (_NEG_BIG, _below, _block_v, _from_image, _image, _load_z,
+                               _phi, _phi_inv, _unkey, dz_buffer)
+from .kernels import _launch
+from .truncation import TopKRecord, TruncationRows, kept_outputs
+
+_C = 256  # the threshold kernel's sort of the bracket's classes
+_CAP = 8192  # its scratch's classes a row at most (V / 8 at most: a byte a logit)
+_BLOCK, _STAGES = 1024, 1  # its sweeps' classes a step, their loads in flight
+_U = 8  # a step's lanes' consecutive classes (a lane's sums folded in its thread)
+_WARPS = 4
+_VALUE_STEPS = 24  # its sweeps at quarters of the values, then of their int32 images
 
 
 @triton.jit
@@ -430,3 +446,162 @@ def _threshold_kernel(
     tl.store(out + 5, c)
     tl.store(out + 6, argmax.to(tl.float32))
     tl.store(out + 7, tl.where(read, z_y, 0.0))
+
+
+@triton.jit
+def _gather_z_kernel(logits_ptr, idx_ptr, inv_t_ptr, out_ptr, V, k, stride_ln, softcap,
+                     HAS_SOFTCAP: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out (n, k) <- z = softcap(l) * inv_t at the classes idx (n, k) of each row, with
+    the gradient sweep's formula (so its threshold test sees these bits); 0 where a
+    class is outside [0, V)."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_K)
+    inside = offs < k
+    j = tl.load(idx_ptr + row * k + offs, mask=inside, other=0)
+    read = inside & (j >= 0) & (j < V)
+    c = _load_z(logits_ptr + row * stride_ln + tl.where(read, j, 0), read, softcap,
+                HAS_SOFTCAP)
+    z = c * tl.load(inv_t_ptr + row)
+    tl.store(out_ptr + row * k + offs, tl.where(read, z, 0.0), mask=inside)
+
+
+@triton.jit
+def _processed_kernel(logits_ptr, inv_t_ptr, z_ptr, V, stride_ln, softcap,
+                      HAS_SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr):
+    """z (n, V) float32 <- softcap(l) * inv_t, the gradient sweep's formula (so a
+    shard's search sees its bits); programs (row, block of BLOCK_V classes)."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    inside = offs < V
+    z = _load_z(logits_ptr + row * stride_ln + offs, inside, softcap, HAS_SOFTCAP)
+    tl.store(z_ptr + row * V + offs, z * tl.load(inv_t_ptr + row), mask=inside)
+
+
+@triton.jit
+def _tally_kernel(z_ptr, t_ptr, top_ptr, out_ptr, V, P: tl.constexpr,
+                  BLOCK_V: tl.constexpr):
+    """out (n, 2, P) float32: per row the count of its classes with z > t and their mass
+    exp(z - top), for its P values t (n, P); one program a row, one sweep of it."""
+    row = tl.program_id(0).to(tl.int64)
+    j = tl.arange(0, P)
+    t = tl.load(t_ptr + row * P + j)
+    top = tl.load(top_ptr + row)
+    cnt = tl.zeros([P], tl.int32)
+    mass = tl.zeros([P], tl.float32)
+    for v0 in range(0, V, BLOCK_V):
+        offs = v0 + tl.arange(0, BLOCK_V)
+        z = tl.load(z_ptr + row * V + offs, mask=offs < V, other=float("-inf"))
+        up = z[None, :] > t[:, None]  # (NaN: never)
+        cnt += tl.sum(up.to(tl.int32), axis=1)
+        mass += tl.sum(tl.where(up, tl.exp(z - top)[None, :], 0.0), axis=1)
+    tl.store(out_ptr + row * 2 * P + j, cnt.to(tl.float32))
+    tl.store(out_ptr + row * 2 * P + P + j, mass)
+
+
+def triton_processed(logits, opts, inv_t, math_dtype):
+    """TruncationRows.processed on the Triton kernel: the gradient sweep's z."""
+    assert math_dtype == torch.float32 and logits.stride(1) == 1
+    n, V = logits.shape
+    z = torch.empty((n, V), dtype=torch.float32, device=logits.device)
+    if n and V:
+        _processed_kernel[(n, triton.cdiv(V, _BLOCK))](
+            logits, inv_t.float().contiguous(), z, V, logits.stride(0),
+            float(opts.softcap or 1.0), HAS_SOFTCAP=opts.softcap is not None,
+            BLOCK_V=_BLOCK, num_warps=_WARPS)
+    return z
+
+
+_TALLY_P = 4  # the tally's values a sweep (the search asks for 1 to 3)
+
+
+def triton_tally(z, top):
+    """TruncationRows.tally on the Triton kernel: a sweep of the shard's z per query."""
+    n, V = z.shape
+    top = top.float().contiguous()
+
+    def above(t):
+        P = t.shape[1]
+        pad = t.new_full((n, _TALLY_P), math.inf)  # (nothing above +inf)
+        pad[:, :P] = t
+        out = z.new_empty((n, 2, _TALLY_P))
+        if n:
+            _tally_kernel[(n,)](z, pad, top, out, V, P=_TALLY_P,
+                                BLOCK_V=min(_block_v(V), _BLOCK), num_warps=_WARPS)
+        return out[:, 0, :P], out[:, 1, :P]
+    return above
+
+
+def triton_candidates(logits, target, inv_t, opts, math_dtype, shard):
+    """TruncationRows.candidates on the Triton kernels (top_k <= 256, one device or a
+    vocabulary shard): the top-k rows' classes and target log-prob (a shard's: the
+    group's, merged), then the candidates' and the target's z gathered by
+    _gather_z_kernel (on a shard from the rank holding each, the others' 0 summed)."""
+    assert math_dtype == torch.float32 and logits.stride(1) == 1
+    n, V = logits.shape
+    classes, _, logprob = triton_topk_rows(
+        logits, target, inv_t,
+        TopKRecord(min(opts.top_k, V if shard.group is None else shard.vocab_size),
+                   softcap=opts.softcap, ignore_index=opts.ignore_index),
+        math_dtype, shard)
+    valid = target != opts.ignore_index
+    idx = torch.cat([classes, torch.where(valid, target, -1)[:, None]], 1)
+    idx = torch.where(idx >= 0, idx - shard.vocab_start, -1).contiguous()  # local columns
+    z = torch.empty(idx.shape, dtype=torch.float32, device=logits.device)
+    if n:
+        _gather_z_kernel[(n,)](logits, idx, inv_t.float().contiguous(), z, V, idx.shape[1],
+                               logits.stride(0), float(opts.softcap or 1.0),
+                               HAS_SOFTCAP=opts.softcap is not None,
+                               BLOCK_K=triton.next_power_of_2(idx.shape[1]))
+    if shard.group is not None:
+        z = shard.all_reduce(z, "sum")
+    return z[:, :-1], classes, z[:, -1], logprob
+
+
+def triton_kept_grad(logits, target, inv_t, opts, g_lp, g_h, row_stats, math_dtype, col0,
+                     dz_dtype):
+    """TruncationRows.grad: the log-probs' gradient sweep with the kept set's test."""
+    assert math_dtype == torch.float32
+    return _launch(logits, target, inv_t, opts, False, (g_lp, g_h, row_stats), col0,
+                   dz=dz_buffer(logits, dz_dtype), truncated=True)[5]
+
+
+def scratch_classes(vocab_size):
+    """The scratch's classes a row: V / 8 at most (a byte a logit, rows.thresholds_per_logit)
+    rounded down to a power of two, at most _CAP, and at least _C."""
+    return max(_C, min(_CAP, 1 << max(vocab_size // 8, 1).bit_length() - 1))
+
+
+def triton_threshold_stats(logits, target, inv_t, opts, math_dtype, slots=_C, cap=None):
+    """TruncationRows.thresholds (truncation.py) on the Triton kernel, one
+    device: kept_stats' outputs under top_p and min_p without a top-k. slots and cap
+    (the sort's classes, the scratch's: scratch_classes(V) by default) for tests that
+    take the rows through every path."""
+    assert math_dtype == torch.float32 and logits.stride(1) == 1
+    n, V = logits.shape
+    cap = scratch_classes(V) if cap is None else cap
+    out = logits.new_empty((n, 8), dtype=torch.float32)
+    lanes = max(min(min(_block_v(V), _BLOCK) // _U, cap), 1)  # a lane's scratch region >= 1
+    if n:
+        top_p = opts.top_p if opts.top_p not in (None, 1.0) else None
+        min_p = opts.min_p if opts.min_p not in (None, 0.0) else None
+        _threshold_kernel[(n,)](
+            logits, target.contiguous(), inv_t.float().contiguous(),
+            logits.new_empty((n, slots), dtype=torch.int64),
+            logits.new_empty((n, cap), dtype=torch.int64), out,
+            logits.new_empty(n, dtype=torch.int32), V, opts.ignore_index,
+            float(top_p or 1.0), math.log(min_p or 1.0),
+            float(opts.softcap or 1.0), logits.stride(0),
+            HAS_SOFTCAP=opts.softcap is not None, HAS_TOP_P=top_p is not None,
+            HAS_MIN_P=min_p is not None, LANES=lanes, U=_U, C=slots, CAP=cap,
+            VALUE_STEPS=_VALUE_STEPS, STAGES=_STAGES,
+            num_warps=_WARPS)
+    m, s, s_k, g_k, v, c, argmax, z_y = out.unbind(1)
+    return kept_outputs(m, s_k, g_k, v, c, z_y, (z_y - m) - s.log(), argmax.long(), target,
+                        opts, V)
+
+
+# threshold kernel's scratch: a byte a logit at most (scratch_classes); a shard's
+# search: its z and the search's float32, bool and int32 temporaries
+TRITON_TRUNCATION_ROWS = TruncationRows(triton_candidates, triton_kept_grad, 0,
+                                        triton_threshold_stats, 1, triton_processed,
+                                        triton_tally, 24)
