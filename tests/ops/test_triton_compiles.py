@@ -110,7 +110,8 @@ for top_p, min_p in [(True, False), (True, True), (False, True)]:
           dict(HAS_SOFTCAP=False, HAS_TOP_P=top_p, HAS_MIN_P=min_p,
                LANES=truncation._BLOCK // truncation._U, U=truncation._U, C=truncation._C,
                CAP=truncation._CAP, VALUE_STEPS=truncation._VALUE_STEPS,
-               STAGES=truncation._STAGES), truncation._WARPS)
+               STAGES=truncation._STAGES, BRACKET_STAGES=truncation._BRACKET_STAGES),
+          truncation._WARPS)
 build(truncation._gather_z_kernel,
       {"logits_ptr": "*bf16", "idx_ptr": "*i64", "inv_t_ptr": "*fp32", "out_ptr": "*fp32",
        "V": "i32", "k": "i32", "stride_ln": "i32", "softcap": "fp32"},
@@ -120,8 +121,10 @@ build(truncation._processed_kernel,
        "stride_ln": "i32", "softcap": "fp32"},
       dict(HAS_SOFTCAP=False, BLOCK_V=truncation._BLOCK), truncation._WARPS)
 build(truncation._tally_kernel,
-      {"z_ptr": "*fp32", "t_ptr": "*fp32", "top_ptr": "*fp32", "out_ptr": "*fp32", "V": "i32"},
-      dict(P=truncation._TALLY_P, BLOCK_V=truncation._BLOCK), truncation._WARPS)
+      {"z_ptr": "*fp32", "t_ptr": "*fp32", "top_ptr": "*fp32", "out_ptr": "*fp32", "V": "i32",
+       "S": "i32"},
+      dict(P=truncation._TALLY_P, BLOCK_V=truncation._TALLY_BLOCK,
+           SPAN=truncation._TALLY_SPAN), truncation._WARPS)
 '''
 
 # The sparse divergence's row kernels' registers at sm_90 (8 warps), as measured before

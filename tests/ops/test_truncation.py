@@ -281,6 +281,29 @@ def test_value_search_matches_the_sorted_rows(truncation, backend):
     assert got[1][2].isnan() and got[2][2].isnan()
 
 
+def test_triton_tally_spans_match_the_sorted_count(monkeypatch):
+    # the Triton tally's spans (a row over several programs, the last one partial; their
+    # sums added in a fixed order) against the PyTorch rows' sorted search: the counts
+    # equal, the sums to rounding, a row's bits the same alone as in the batch
+    from torch_fce.ops.linear_logprobs import truncation_kernels as kernels
+    from torch_fce.ops.linear_logprobs.truncation_rows import torch_tally
+
+    monkeypatch.setattr(kernels, "_TALLY_BLOCK", 256)
+    monkeypatch.setattr(kernels, "_TALLY_SPAN", 1024)  # 3000 classes: three spans
+    z, _, inv_t = _threshold_rows_problem()
+    z = (z * inv_t[:, None]).to(DEVICE).contiguous()
+    z[4, 2500] = float("nan")
+    top = torch.where(z.isnan(), -math.inf, z).amax(-1)
+    t = torch.stack([top - 0.5, top - 3.0, torch.full_like(top, -math.inf)], 1)
+    got = kernels.triton_tally(z, top)(t)
+    want = torch_tally(z.cpu(), top.cpu())(t.cpu())
+    assert torch.equal(got[0].cpu(), want[0])  # counts
+    for a, b in zip(got[1:], want[1:]):  # masses, their sums times z - top
+        assert torch.allclose(a.cpu(), b, rtol=1e-5, atol=1e-6 * b.abs().max().item())
+    alone = kernels.triton_tally(z[5:6].clone(), top[5:6])(t[5:6])
+    assert all(torch.equal(a, b[5:6]) for a, b in zip(alone, got))
+
+
 @given(problems())
 def test_value_search_matches_the_float64_reference_of_vllms_rules(p):
     # the shard path's search of values (one rank, float64: the 34-round search) on the

@@ -92,8 +92,9 @@ class TruncationRows(NamedTuple):
           logits in grad's formula (a copy: logits stays intact)
       tally(z, top) -> above: a vocabulary shard's search of values (sharded_kept_stats)
           over processed's z, top (n,) the group's max; above(t) of values t (n, P) ->
-          this rank's (count, mass) of its classes with z > t, mass their exp(z - top),
-          each (n, P) float32 (None: the PyTorch rows search instead)
+          this rank's (count, mass, g) of its classes with z > t, mass their
+          exp(z - top) and g their exp(z - top) (z - top), each (n, P) float32 (None:
+          the PyTorch rows search instead)
       tally_per_logit: the bytes per logit that search holds beyond per_logit"""
     candidates: Callable
     grad: Callable
@@ -233,8 +234,9 @@ def sharded_kept_stats(rows, logits, target, inv_t, opts, math_dtype, shard):
              of v's ties the first by class while the mass before each, H(v) + i
              exp(v - m), is < T (masses summed in another order than one device's: a
              boundary met within rounding may fall on the other side)
-    c is the last kept tie's class (_nth_tie). NaN is ranked as -inf; a row holding one
-    gives NaN, as on one device."""
+    c is the last kept tie's class (_nth_tie). K's sums are the tally's above v and its
+    kept ties' (so no pass of the chunk of its own). NaN is ranked as -inf; a row holding
+    one gives NaN, as on one device."""
     z = rows.processed(logits, opts, inv_t, math_dtype)
     V = shard.vocab_size
     mine, col = first_max(z)  # NaN as -inf
@@ -243,50 +245,55 @@ def sharded_kept_stats(rows, logits, target, inv_t, opts, math_dtype, shard):
         torch.finfo(math_dtype).min).unbind(0)
     argmax = shard.all_reduce(torch.where(mine == top, col + shard.vocab_start, V), "min")
     floor = (top + math.log(opts.min_p) if opts.min_p not in (None, 0.0)
-             else torch.full_like(top, -math.inf))
-    kept = (z >= floor[:, None]) & (z > -math.inf)  # finite, at or above the floor
-    e_all = torch.where(z.isnan(), 0.0, (z - top[:, None]).exp())
-    n1, s_all = shard.all_reduce(torch.stack([kept.sum(-1).to(math_dtype), row_sum(e_all)]),
-                                 "sum").unbind(0)
-    v = shard.all_reduce(torch.where(kept, z, math.inf).amin(-1), "min")  # u0
-    del kept, e_all
+             else torch.full_like(top, -math.inf)).clamp_min(torch.finfo(math_dtype).min)
+    # u0, the smallest value kept (z >= floor: finite)
+    v = shard.all_reduce(torch.where(z >= floor[:, None], z, math.inf).amin(-1), "min")
     top_k = opts.top_k is not None and opts.top_k < V
     top_p = opts.top_p not in (None, 1.0)
     if top_k or top_p:
         local = rows.tally(z, top)
+    else:  # min_p alone: two calls, no search (the PyTorch rows' tally sorts the row)
+        def local(t):
+            sums = []
+            for q in t.unbind(1):
+                up = z > q[:, None]
+                x = z - top[:, None]
+                e = x.exp().masked_fill_(~up, 0.0)
+                sums.append((up.sum(-1).to(math_dtype), row_sum(e),
+                             row_sum(x.mul_(e).masked_fill_(~up, 0.0))))
+            return [torch.stack(col, 1) for col in zip(*sums)]
 
-        def above(t):  # values (n, P) -> the group's (count, mass) of z > t, each (n, P)
-            return shard.all_reduce(torch.stack(local(t.contiguous())), "sum").unbind(0)
-    else:  # min_p alone: only the classes above u0 counted
-        def above(t):
-            return shard.all_reduce((z > t).sum(-1, keepdim=True).to(math_dtype),
-                                    "sum"), None
+    def above(t):  # values (n, P) -> the group's (count, mass, g) of z > t, each (n, P)
+        return shard.all_reduce(torch.stack(local(t.contiguous())), "sum").unbind(0)
+    # n1: the finite classes at or above the floor; the row's whole mass: above -inf
+    cnt, ms, _ = above(torch.stack([_below(floor), torch.full_like(floor, -math.inf)], 1))
+    n1, s_all = cnt[:, 0], ms[:, 1]
     goal = n1
     if top_k:
         goal = n1.clamp_max(opts.top_k)
         v = _smallest_below(lambda t: above(t)[0], v, top, goal)
-    cnt, ms = (None if x is None else x[:, 0] for x in above(v[:, None]))
+    cnt, ms, g = (x[:, 0] for x in above(v[:, None]))
     ties = goal - cnt  # v's ties in the prefix so far
     if top_p:
         v2 = v
         goal = opts.top_p * (ms + ties * (v2 - top).exp())
         v = _smallest_below(lambda t: above(t)[1], v2, top, goal)
-        cnt, ms = above(torch.stack([v, _below(v)], 1))
+        cnt, ms, g = above(torch.stack([v, _below(v)], 1))
         avail = torch.where(v == v2, ties, cnt[:, 1] - cnt[:, 0])
         e = (v - top).exp()
         ties = torch.where(e > 0, ((goal - ms[:, 0]) / e).ceil().clamp_min(1.0), avail)
         ties = torch.minimum(ties, avail)
+        ms, g = ms[:, 0], g[:, 0]
     empty = n1 == 0  # every class -inf: the first class alone, as on one device
     v = torch.where(empty, -math.inf, v)
+    ties = torch.where(empty, 0.0, ties)
     c = torch.where(empty, 0.0, _nth_tie(z, v, ties, shard).to(math_dtype))
-    # K's sums over this rank's classes in class order, then the group's
-    cols = torch.arange(shard.vocab_start, shard.vocab_start + z.shape[1], device=z.device,
-                        dtype=math_dtype)
-    x = z - m[:, None]
-    e = torch.where((z > v[:, None]) | ((z == v[:, None]) & (cols <= c[:, None])),
-                    x.exp(), 0.0)
-    s, ez = shard.all_reduce(torch.stack([row_sum(e), row_sum(torch.where(
-        e > 0, e * x, 0.0))]), "sum").unbind(0)
+    # K's sums: the group's above v and v's kept ties, relative to top, then to m (the
+    # same, or NaN where the row holds one)
+    e = (v - top).exp()
+    drift = top - m
+    s = (ms + ties * e) * drift.exp()
+    ez = g + torch.where(e > 0, ties * e * (v - top), 0.0) + drift
     valid = target != opts.ignore_index
     read = valid & (target >= 0) & (target < V)
     z_y = at_classes(z, target[:, None], read[:, None], shard)[:, 0]
@@ -314,14 +321,19 @@ def _below(x):
 
 def _smallest_below(H, lo, hi, goal):
     """The smallest value u in [lo, hi] (n,) of a row with H(u) < goal (n,), H(t) (n, P)
-    nonincreasing in t, given H(_below(lo)) >= goal > H(hi): quarters of the bracket of
-    their images, which narrows it to two adjacent images in a fixed number of rounds
-    (17 and 33 from the widest float32 and float64 brackets)."""
+    nonincreasing in t, given H(_below(lo)) >= goal > H(hi): eighths of the bracket of
+    their images (a round's seven points, one tally and one all-reduce), which narrows
+    it to two adjacent images in a fixed number of rounds (11 and 22 from the widest
+    float32 and float64 brackets, one more each kept)."""
     dtype = lo.dtype
     lo, hi = _image(lo) - 1, _image(hi)
-    for _ in range(18 if dtype == torch.float32 else 34):
-        half = (hi >> 1) - (lo >> 1)  # about half the bracket, without overflow
-        points = torch.stack([lo + half // 2, lo + half, lo + half + half // 2], 1)
+    k = torch.arange(1, 8, device=lo.device)
+    for _ in range(12 if dtype == torch.float32 else 23):
+        # an eighth of the bracket, and (narrow ones) its width, without overflow
+        eighth = ((hi >> 3) - (lo >> 3))[:, None]
+        d = eighth.clamp_max(16) * 8 + ((hi & 7) - (lo & 7))[:, None]
+        wide = torch.cat([lo[:, None] + eighth, eighth.expand(-1, 6)], 1).cumsum(1)
+        points = torch.where(eighth < 16, lo[:, None] + (k * d // 8).clamp_min(1), wide)
         under = H(_from_image(points, dtype)) < goal[:, None]
         hi = torch.where(under, points, hi[:, None]).amin(-1)
         lo = torch.where(under, lo[:, None], points).amax(-1)

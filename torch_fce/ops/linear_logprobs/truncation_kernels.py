@@ -55,6 +55,7 @@ from .truncation import TopKRecord, TruncationRows, kept_outputs
 _C = 256  # the threshold kernel's sort of the bracket's classes
 _CAP = 8192  # its scratch's classes a row at most (V / 8 at most: a byte a logit)
 _BLOCK, _STAGES = 1024, 1  # its sweeps' classes a step, their loads in flight
+_BRACKET_STAGES = 3  # the bracket's sweeps of the row's (H100: 0.9x the kernel at 1)
 _U = 8  # a step's lanes' consecutive classes (a lane's sums folded in its thread)
 _WARPS = 4
 _VALUE_STEPS = 24  # its sweeps at quarters of the values, then of their int32 images
@@ -142,7 +143,7 @@ def _threshold_kernel(
     # meta-parameters
     HAS_SOFTCAP: tl.constexpr, HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr,
     LANES: tl.constexpr, C: tl.constexpr, CAP: tl.constexpr, U: tl.constexpr,
-    VALUE_STEPS: tl.constexpr, STAGES: tl.constexpr,
+    VALUE_STEPS: tl.constexpr, STAGES: tl.constexpr, BRACKET_STAGES: tl.constexpr,
 ):
     """Logits rows (n, V) -> out (n, 8) float32 (module docstring); buf (n, C) and scr
     (n, CAP) int64 the rows' scratch."""
@@ -304,7 +305,7 @@ def _threshold_kernel(
                     base = f_hi * 0.0
                     g_base = base
                     w = tl.zeros([LANES], tl.int32)  # each lane's keys written
-                    for v0 in tl.range(0, V, STEP, num_stages=STAGES):
+                    for v0 in tl.range(0, V, STEP, num_stages=BRACKET_STAGES):
                         offs = v0 + cols
                         _, r = _z(row_ptr, offs, V, inv_t, softcap, HAS_SOFTCAP)
                         e = tl.where(r > q1, tl.exp(r - m), 0.0)
@@ -478,24 +479,34 @@ def _processed_kernel(logits_ptr, inv_t_ptr, z_ptr, V, stride_ln, softcap,
 
 
 @triton.jit
-def _tally_kernel(z_ptr, t_ptr, top_ptr, out_ptr, V, P: tl.constexpr,
-                  BLOCK_V: tl.constexpr):
-    """out (n, 2, P) float32: per row the count of its classes with z > t and their mass
-    exp(z - top), for its P values t (n, P); one program a row, one sweep of it."""
+def _tally_kernel(z_ptr, t_ptr, top_ptr, out_ptr, V, S, P: tl.constexpr,
+                  BLOCK_V: tl.constexpr, SPAN: tl.constexpr):
+    """out (n, S, 3, P) float32: per row and span of SPAN classes the count of its
+    classes with z > t, their mass exp(z - top) and its exp(z - top) (z - top), for the
+    row's P values t (n, P). Programs (row, span): a shard's chunk holds few rows, so
+    one program a row would leave most of the GPU idle; sums kept per class slot,
+    reduced once at the end."""
     row = tl.program_id(0).to(tl.int64)
+    span = tl.program_id(1)
     j = tl.arange(0, P)
     t = tl.load(t_ptr + row * P + j)
     top = tl.load(top_ptr + row)
-    cnt = tl.zeros([P], tl.int32)
-    mass = tl.zeros([P], tl.float32)
-    for v0 in range(0, V, BLOCK_V):
-        offs = v0 + tl.arange(0, BLOCK_V)
+    cnt = tl.zeros([P, BLOCK_V], tl.int32)
+    mass = tl.zeros([P, BLOCK_V], tl.float32)
+    g = tl.zeros([P, BLOCK_V], tl.float32)
+    for v0 in range(0, SPAN, BLOCK_V):
+        offs = span * SPAN + v0 + tl.arange(0, BLOCK_V)
         z = tl.load(z_ptr + row * V + offs, mask=offs < V, other=float("-inf"))
         up = z[None, :] > t[:, None]  # (NaN: never)
-        cnt += tl.sum(up.to(tl.int32), axis=1)
-        mass += tl.sum(tl.where(up, tl.exp(z - top)[None, :], 0.0), axis=1)
-    tl.store(out_ptr + row * 2 * P + j, cnt.to(tl.float32))
-    tl.store(out_ptr + row * 2 * P + P + j, mass)
+        x = z - top
+        e = tl.exp(x)
+        cnt += up.to(tl.int32)
+        mass += tl.where(up, e[None, :], 0.0)
+        g += tl.where(up & (e > 0.0)[None, :], (e * x)[None, :], 0.0)
+    out = out_ptr + (row * S + span) * 3 * P
+    tl.store(out + j, tl.sum(cnt, axis=1).to(tl.float32))
+    tl.store(out + P + j, tl.sum(mass, axis=1))
+    tl.store(out + 2 * P + j, tl.sum(g, axis=1))
 
 
 def triton_processed(logits, opts, inv_t, math_dtype):
@@ -511,23 +522,29 @@ def triton_processed(logits, opts, inv_t, math_dtype):
     return z
 
 
-_TALLY_P = 4  # the tally's values a sweep (the search asks for 1 to 3)
+_TALLY_P = 8  # the tally's values a sweep (the search asks for 1 to 7)
+_TALLY_BLOCK, _TALLY_SPAN = 512, 16384  # its step's classes, a program's
 
 
 def triton_tally(z, top):
-    """TruncationRows.tally on the Triton kernel: a sweep of the shard's z per query."""
+    """TruncationRows.tally on the Triton kernel: a sweep of the shard's z per query, its
+    spans' sums added in a fixed order (the same bits in any batch)."""
     n, V = z.shape
     top = top.float().contiguous()
+    block = min(_TALLY_BLOCK, triton.next_power_of_2(max(V, 1)))
+    span = min(_TALLY_SPAN, triton.cdiv(V, block) * block)  # (a narrow shard: one span)
+    S = triton.cdiv(V, span)
 
     def above(t):
         P = t.shape[1]
         pad = t.new_full((n, _TALLY_P), math.inf)  # (nothing above +inf)
         pad[:, :P] = t
-        out = z.new_empty((n, 2, _TALLY_P))
-        if n:
-            _tally_kernel[(n,)](z, pad, top, out, V, P=_TALLY_P,
-                                BLOCK_V=min(_block_v(V), _BLOCK), num_warps=_WARPS)
-        return out[:, 0, :P], out[:, 1, :P]
+        out = z.new_empty((n, S, 3, _TALLY_P))
+        if n and V:
+            _tally_kernel[(n, S)](z, pad, top, out, V, S, P=_TALLY_P,
+                                  BLOCK_V=block, SPAN=span, num_warps=_WARPS)
+        out = out.sum(1)
+        return out[:, 0, :P], out[:, 1, :P], out[:, 2, :P]
     return above
 
 
@@ -593,7 +610,7 @@ def triton_threshold_stats(logits, target, inv_t, opts, math_dtype, slots=_C, ca
             float(opts.softcap or 1.0), logits.stride(0),
             HAS_SOFTCAP=opts.softcap is not None, HAS_TOP_P=top_p is not None,
             HAS_MIN_P=min_p is not None, LANES=lanes, U=_U, C=slots, CAP=cap,
-            VALUE_STEPS=_VALUE_STEPS, STAGES=_STAGES,
+            VALUE_STEPS=_VALUE_STEPS, STAGES=_STAGES, BRACKET_STAGES=_BRACKET_STAGES,
             num_warps=_WARPS)
     m, s, s_k, g_k, v, c, argmax, z_y = out.unbind(1)
     return kept_outputs(m, s_k, g_k, v, c, z_y, (z_y - m) - s.log(), argmax.long(), target,
@@ -601,7 +618,8 @@ def triton_threshold_stats(logits, target, inv_t, opts, math_dtype, slots=_C, ca
 
 
 # threshold kernel's scratch: a byte a logit at most (scratch_classes); a shard's
-# search: its z and the search's float32, bool and int32 temporaries
+# search: its z, and float32, bool and int32 temporaries of a chunk's shape (the
+# largest: the first maxima's and the last tie's)
 TRITON_TRUNCATION_ROWS = TruncationRows(triton_candidates, triton_kept_grad, 0,
                                         triton_threshold_stats, 1, triton_processed,
-                                        triton_tally, 24)
+                                        triton_tally, 16)

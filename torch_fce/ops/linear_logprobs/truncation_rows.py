@@ -140,22 +140,29 @@ def _bucket_cut(z, top, mass, kept_mass, floor, opts):
 
 def torch_tally(z, top):
     """TruncationRows.tally in PyTorch: the shard's -z sorted ascending once (NaN as
-    -inf) with the masses before each, a query's count a search of it."""
+    -inf) with the sums before each (in float64: K's sums are read from them), a
+    query's count a search of it."""
     neg = torch.sort(torch.where(z.isnan(), math.inf, -z), dim=-1).values
-    mass = torch.cat([neg.new_zeros(z.shape[0], 1),
-                      torch.exp(-neg - top[:, None]).cumsum_(-1)], 1)
+    x = neg.neg().sub_(top[:, None])  # z - top, descending
+    e = x.exp()
+    zero = neg.new_zeros(z.shape[0], 1)
+    mass = torch.cat([zero, e.cumsum(-1, dtype=torch.float64).to(z.dtype)], 1)
+    g = torch.cat([zero, x.mul_(e).masked_fill_(e == 0, 0.0).cumsum(
+        -1, dtype=torch.float64).to(z.dtype)], 1)
+    del x, e
 
     def above(t):
         cnt = torch.searchsorted(neg, -t, side="left")  # z > t <=> -z < -t
-        return cnt.to(z.dtype), mass.gather(1, cnt)
+        return cnt.to(z.dtype), mass.gather(1, cnt), g.gather(1, cnt)
     return above
 
 
 # the processed logits' copy, a few float32 / bool temporaries of the chunk's shape and
 # dz (never written over the logits here); the threshold search's sort off the CPU; a
-# shard's search: its sort (values and masses) and the search's temporaries
+# shard's search: its sort (values and sums, their float64 cumsums) and the search's
+# temporaries
 TORCH_TRUNCATION_ROWS = TruncationRows(
     torch_candidates, torch_kept_grad, 16, torch_thresholds, thresholds_per_logit=24,
     processed=lambda logits, opts, inv_t, math_dtype: _processed(logits, opts, inv_t,
                                                                  math_dtype)[0],
-    tally=torch_tally, tally_per_logit=24)
+    tally=torch_tally, tally_per_logit=32)
