@@ -117,8 +117,8 @@ build(truncation._gather_z_kernel,
        "V": "i32", "k": "i32", "stride_ln": "i32", "softcap": "fp32"},
       dict(HAS_SOFTCAP=True, BLOCK_K=64), 4)
 build(truncation._processed_kernel,
-      {"logits_ptr": "*bf16", "inv_t_ptr": "*fp32", "z_ptr": "*fp32", "V": "i32",
-       "stride_ln": "i32", "softcap": "fp32"},
+      {"logits_ptr": "*bf16", "inv_t_ptr": "*fp32", "z_ptr": "*fp32", "part_ptr": "*fp32",
+       "V": "i32", "NB": "i32", "stride_ln": "i32", "softcap": "fp32"},
       dict(HAS_SOFTCAP=False, BLOCK_V=truncation._BLOCK), truncation._WARPS)
 build(truncation._tally_kernel,
       {"z_ptr": "*fp32", "t_ptr": "*fp32", "top_ptr": "*fp32", "out_ptr": "*fp32", "V": "i32",

@@ -281,6 +281,33 @@ def test_value_search_matches_the_sorted_rows(truncation, backend):
     assert got[1][2].isnan() and got[2][2].isnan()
 
 
+def test_triton_processed_first_maxima_match_the_torch_rows(monkeypatch):
+    # a shard's z and its first maxima from the Triton blocks' (several blocks a row)
+    # against the PyTorch rows': a maximum tied across blocks (the first class), rows of
+    # -inf, of NaN and holding one NaN, a softcap
+    from torch_fce.ops.linear_logprobs import truncation_kernels as kernels
+    from torch_fce.ops.linear_logprobs.truncation_rows import torch_processed
+
+    monkeypatch.setattr(kernels, "_BLOCK", 128)
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(6, 1000, generator=g) * 3
+    logits[0, [300, 700, 999]] = 20.0  # ties in three blocks
+    logits[1] = -math.inf
+    logits[2] = math.nan
+    logits[3, 512] = math.nan
+    logits[4, :] = 1.5
+    inv_t = torch.tensor([1.0, 1.0, 1.0, 0.5, 2.0, 1.3])
+    for softcap in (None, 5.0):
+        opts = room.LogProbOptions(entropy=True, top_p=0.9, softcap=softcap)
+        got = kernels.triton_processed(logits.to(DEVICE), opts, inv_t.to(DEVICE),
+                                       torch.float32)
+        want = torch_processed(logits, opts, inv_t, torch.float32)
+        assert torch.allclose(got[0].cpu(), want[0], rtol=1e-6, atol=0, equal_nan=True)
+        for a, b in zip(got[1:], want[1:]):  # first max, its class, max with NaN
+            assert torch.allclose(a.cpu(), b.to(a.dtype), rtol=1e-6, atol=0, equal_nan=True)
+        assert got[2].tolist()[:5] == [300, 0, 0, want[2][3].item(), 0]
+
+
 def test_triton_tally_spans_match_the_sorted_count(monkeypatch):
     # the Triton tally's spans (a row over several programs, the last one partial; their
     # sums added in a fixed order) against the PyTorch rows' sorted search: the counts

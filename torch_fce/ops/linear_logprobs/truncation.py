@@ -38,7 +38,7 @@ import torch
 
 from ..loop.chunked import ONE_DEVICE, logits_bytes
 from ..linear_topk_logprobs.rows import at_classes
-from ..rowmath.common import first_max, row_sum, softcapped
+from ..rowmath.common import row_sum, softcapped
 
 MAX_CANDIDATES = 256  # the top-k rows' largest k
 # row_stats' columns after the log-probs' (m, log s_K, d_K): the kept set's last class
@@ -227,47 +227,38 @@ def sharded_kept_stats(rows, logits, target, inv_t, opts, math_dtype, shard):
     Triton ones: a sweep) and one all-reduce. With H(t) either, nonincreasing and
     constant between the row's values, a prefix of the order ends at the smallest value
     u with H(u) < its goal (_smallest_below: a fixed number of rounds, no host sync):
-      min_p  the classes at or above m + log(min_p): n1 of them, u0 their smallest value
-             (min_p alone: K is those, counted, no search)
-      top_k  v2: the goal n2 = min(k, n1) in counts; n2 - count(z > v2) of its ties kept
-      top_p  v: the goal T = top_p S2 in masses, over [v2, m] (S2 the first n2's mass);
+      min_p  the classes at or above the floor m + log(min_p): n1 of them (min_p alone:
+             K is those, v their smallest value, no search)
+      top_k  v2: the goal n2 = min(k, n1) in counts, over [floor, m]; n2 - count(z > v2)
+             of its ties kept
+      top_p  v: the goal T = top_p S2 in masses, over [v2, m] (S2 the first n2's mass;
+             v2 the floor without top_k);
              of v's ties the first by class while the mass before each, H(v) + i
              exp(v - m), is < T (masses summed in another order than one device's: a
              boundary met within rounding may fall on the other side)
     c is the last kept tie's class (_nth_tie). K's sums are the tally's above v and its
     kept ties' (so no pass of the chunk of its own). NaN is ranked as -inf; a row holding
     one gives NaN, as on one device."""
-    z = rows.processed(logits, opts, inv_t, math_dtype)
+    z, mine, col, m = rows.processed(logits, opts, inv_t, math_dtype)
     V = shard.vocab_size
-    mine, col = first_max(z)  # NaN as -inf
     # the search's max (NaN-free) and the sums' (NaN where the row holds one)
-    top, m = shard.all_reduce(torch.stack([mine, z.amax(-1)]), "max").clamp_min(
+    top, m = shard.all_reduce(torch.stack([mine, m]), "max").clamp_min(
         torch.finfo(math_dtype).min).unbind(0)
     argmax = shard.all_reduce(torch.where(mine == top, col + shard.vocab_start, V), "min")
     floor = (top + math.log(opts.min_p) if opts.min_p not in (None, 0.0)
              else torch.full_like(top, -math.inf)).clamp_min(torch.finfo(math_dtype).min)
-    # u0, the smallest value kept (z >= floor: finite)
-    v = shard.all_reduce(torch.where(z >= floor[:, None], z, math.inf).amin(-1), "min")
     top_k = opts.top_k is not None and opts.top_k < V
     top_p = opts.top_p not in (None, 1.0)
-    if top_k or top_p:
-        local = rows.tally(z, top)
-    else:  # min_p alone: two calls, no search (the PyTorch rows' tally sorts the row)
-        def local(t):
-            sums = []
-            for q in t.unbind(1):
-                up = z > q[:, None]
-                x = z - top[:, None]
-                e = x.exp().masked_fill_(~up, 0.0)
-                sums.append((up.sum(-1).to(math_dtype), row_sum(e),
-                             row_sum(x.mul_(e).masked_fill_(~up, 0.0))))
-            return [torch.stack(col, 1) for col in zip(*sums)]
+    local = rows.tally(z, top)
 
     def above(t):  # values (n, P) -> the group's (count, mass, g) of z > t, each (n, P)
         return shard.all_reduce(torch.stack(local(t.contiguous())), "sum").unbind(0)
     # n1: the finite classes at or above the floor; the row's whole mass: above -inf
     cnt, ms, _ = above(torch.stack([_below(floor), torch.full_like(floor, -math.inf)], 1))
     n1, s_all = cnt[:, 0], ms[:, 1]
+    v = floor  # the searches' lower end: H(_below(floor)) counts the n1
+    if not (top_k or top_p):  # min_p alone: K those n1, v their smallest value u0
+        v = shard.all_reduce(torch.where(z >= floor[:, None], z, math.inf).amin(-1), "min")
     goal = n1
     if top_k:
         goal = n1.clamp_max(opts.top_k)

@@ -467,15 +467,26 @@ def _gather_z_kernel(logits_ptr, idx_ptr, inv_t_ptr, out_ptr, V, k, stride_ln, s
 
 
 @triton.jit
-def _processed_kernel(logits_ptr, inv_t_ptr, z_ptr, V, stride_ln, softcap,
+def _processed_kernel(logits_ptr, inv_t_ptr, z_ptr, part_ptr, V, NB, stride_ln, softcap,
                       HAS_SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr):
     """z (n, V) float32 <- softcap(l) * inv_t, the gradient sweep's formula (so a
-    shard's search sees its bits); programs (row, block of BLOCK_V classes)."""
+    shard's search sees its bits), and part (n, NB, 3) float32: each block's largest z
+    (NaN as -inf), its first class, and 1 where it holds a NaN; programs (row, block of
+    BLOCK_V classes)."""
     row = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    block = tl.program_id(1)
+    offs = block * BLOCK_V + tl.arange(0, BLOCK_V)
     inside = offs < V
     z = _load_z(logits_ptr + row * stride_ln + offs, inside, softcap, HAS_SOFTCAP)
-    tl.store(z_ptr + row * V + offs, z * tl.load(inv_t_ptr + row), mask=inside)
+    z = z * tl.load(inv_t_ptr + row)
+    tl.store(z_ptr + row * V + offs, z, mask=inside)
+    r = tl.where(z == z, z, float("-inf"))  # (past V: -inf)
+    top = tl.max(r, axis=0)
+    first = tl.min(tl.where(inside & (r == top), offs, V), axis=0)
+    out = part_ptr + (row * NB + block) * 3
+    tl.store(out, top)
+    tl.store(out + 1, first.to(tl.float32))
+    tl.store(out + 2, tl.max((z != z).to(tl.float32), axis=0))
 
 
 @triton.jit
@@ -498,11 +509,11 @@ def _tally_kernel(z_ptr, t_ptr, top_ptr, out_ptr, V, S, P: tl.constexpr,
         offs = span * SPAN + v0 + tl.arange(0, BLOCK_V)
         z = tl.load(z_ptr + row * V + offs, mask=offs < V, other=float("-inf"))
         up = z[None, :] > t[:, None]  # (NaN: never)
-        x = z - top
-        e = tl.exp(x)
+        e = tl.exp(z - top)
+        ex = tl.where(e > 0.0, e * (z - top), 0.0)
         cnt += up.to(tl.int32)
         mass += tl.where(up, e[None, :], 0.0)
-        g += tl.where(up & (e > 0.0)[None, :], (e * x)[None, :], 0.0)
+        g += tl.where(up, ex[None, :], 0.0)
     out = out_ptr + (row * S + span) * 3 * P
     tl.store(out + j, tl.sum(cnt, axis=1).to(tl.float32))
     tl.store(out + P + j, tl.sum(mass, axis=1))
@@ -510,16 +521,22 @@ def _tally_kernel(z_ptr, t_ptr, top_ptr, out_ptr, V, S, P: tl.constexpr,
 
 
 def triton_processed(logits, opts, inv_t, math_dtype):
-    """TruncationRows.processed on the Triton kernel: the gradient sweep's z."""
+    """TruncationRows.processed on the Triton kernel: the gradient sweep's z, its first
+    maxima from the blocks' ones."""
     assert math_dtype == torch.float32 and logits.stride(1) == 1
     n, V = logits.shape
+    NB = triton.cdiv(V, _BLOCK)
     z = torch.empty((n, V), dtype=torch.float32, device=logits.device)
+    part = z.new_empty((n, NB, 3))
     if n and V:
-        _processed_kernel[(n, triton.cdiv(V, _BLOCK))](
-            logits, inv_t.float().contiguous(), z, V, logits.stride(0),
+        _processed_kernel[(n, NB)](
+            logits, inv_t.float().contiguous(), z, part, V, NB, logits.stride(0),
             float(opts.softcap or 1.0), HAS_SOFTCAP=opts.softcap is not None,
             BLOCK_V=_BLOCK, num_warps=_WARPS)
-    return z
+    top, first, nan = part.unbind(-1)
+    mine = top.amax(-1)
+    col = torch.where(top == mine[:, None], first, V).amin(-1).long()
+    return z, mine, col, torch.where(nan.amax(-1) > 0, math.nan, mine)
 
 
 _TALLY_P = 8  # the tally's values a sweep (the search asks for 1 to 7)

@@ -138,23 +138,53 @@ def _bucket_cut(z, top, mass, kept_mass, floor, opts):
     return values.gather(1, last), classes.gather(1, last)
 
 
+def torch_processed(logits, opts, inv_t, math_dtype):
+    """TruncationRows.processed in PyTorch: z (a copy), its first maxima."""
+    z = _processed(logits, opts, inv_t, math_dtype)[0]
+    mine, col = first_max(z)
+    return z, mine, col, z.amax(-1)
+
+
 def torch_tally(z, top):
-    """TruncationRows.tally in PyTorch: the shard's -z sorted ascending once (NaN as
-    -inf) with the sums before each (in float64: K's sums are read from them), a
-    query's count a search of it."""
+    """TruncationRows.tally in PyTorch: the first two calls (all min_p alone asks) a pass
+    of the shard per value; from the third, a search of the shard's -z sorted once (NaN
+    as -inf) with the sums before each (in float64: K's sums are read from them)."""
+    calls, table = 0, None
+
+    def above(t):
+        nonlocal calls, table
+        calls += 1
+        if calls <= 2:
+            return _passes(z, top, t)
+        if table is None:
+            table = _sorted_sums(z, top)
+        neg, mass, g = table
+        cnt = torch.searchsorted(neg, -t, side="left")  # z > t <=> -z < -t
+        return cnt.to(z.dtype), mass.gather(1, cnt), g.gather(1, cnt)
+    return above
+
+
+def _sorted_sums(z, top):
+    """-z sorted ascending (NaN as -inf), and the mass and g of the classes before each."""
     neg = torch.sort(torch.where(z.isnan(), math.inf, -z), dim=-1).values
     x = neg.neg().sub_(top[:, None])  # z - top, descending
     e = x.exp()
     zero = neg.new_zeros(z.shape[0], 1)
     mass = torch.cat([zero, e.cumsum(-1, dtype=torch.float64).to(z.dtype)], 1)
-    g = torch.cat([zero, x.mul_(e).masked_fill_(e == 0, 0.0).cumsum(
-        -1, dtype=torch.float64).to(z.dtype)], 1)
-    del x, e
+    g = x.mul_(e).masked_fill_(e == 0, 0.0).cumsum(-1, dtype=torch.float64).to(z.dtype)
+    return neg, mass, torch.cat([zero, g], 1)
 
-    def above(t):
-        cnt = torch.searchsorted(neg, -t, side="left")  # z > t <=> -z < -t
-        return cnt.to(z.dtype), mass.gather(1, cnt), g.gather(1, cnt)
-    return above
+
+def _passes(z, top, t):
+    """The tally of values t (n, P) by passes of z, one value at a time."""
+    sums = []
+    for q in t.unbind(1):
+        up = z > q[:, None]
+        x = z - top[:, None]
+        e = x.exp().masked_fill_(~up, 0.0)
+        sums.append((up.sum(-1).to(z.dtype), row_sum(e),
+                     row_sum(x.mul_(e).masked_fill_(~up, 0.0))))
+    return [torch.stack(col, 1) for col in zip(*sums)]
 
 
 # the processed logits' copy, a few float32 / bool temporaries of the chunk's shape and
@@ -163,6 +193,4 @@ def torch_tally(z, top):
 # temporaries
 TORCH_TRUNCATION_ROWS = TruncationRows(
     torch_candidates, torch_kept_grad, 16, torch_thresholds, thresholds_per_logit=24,
-    processed=lambda logits, opts, inv_t, math_dtype: _processed(logits, opts, inv_t,
-                                                                 math_dtype)[0],
-    tally=torch_tally, tally_per_logit=32)
+    processed=torch_processed, tally=torch_tally, tally_per_logit=32)
