@@ -88,8 +88,10 @@ class TruncationRows(NamedTuple):
           without a top-k (top_p, min_p) and without candidates (None: the whole row
           sorted instead)
       thresholds_per_logit: the bytes per logit thresholds holds beyond per_logit
-      processed(logits, opts, inv_t, math_dtype) -> z (n, cols) float32, the processed
-          logits in grad's formula (a copy: logits stays intact)
+      processed(logits, opts, inv_t, math_dtype) -> (z, top, col, m): z (n, cols)
+          float32, the processed logits in grad's formula (a copy: logits stays
+          intact); each row's first maximum (NaN as -inf) and its column, and its max
+          (NaN where the row holds one)
       tally(z, top) -> above: a vocabulary shard's search of values (sharded_kept_stats)
           over processed's z, top (n,) the group's max; above(t) of values t (n, P) ->
           this rank's (count, mass, g) of its classes with z > t, mass their
