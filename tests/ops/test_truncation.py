@@ -322,13 +322,17 @@ def test_triton_tally_spans_match_the_sorted_count(monkeypatch):
     z[4, 2500] = float("nan")
     top = torch.where(z.isnan(), -math.inf, z).amax(-1)
     t = torch.stack([top - 0.5, top - 3.0, torch.full_like(top, -math.inf)], 1)
-    got = kernels.triton_tally(z, top)(t)
-    want = torch_tally(z.cpu(), top.cpu())(t.cpu())
+    got = kernels.triton_tally(z, top, True)(t)
+    want = torch_tally(z.cpu(), top.cpu(), True)(t.cpu())
     assert torch.equal(got[0].cpu(), want[0])  # counts
     for a, b in zip(got[1:], want[1:]):  # masses, their sums times z - top
         assert torch.allclose(a.cpu(), b, rtol=1e-5, atol=1e-6 * b.abs().max().item())
-    alone = kernels.triton_tally(z[5:6].clone(), top[5:6])(t[5:6])
+    alone = kernels.triton_tally(z[5:6].clone(), top[5:6], True)(t[5:6])
     assert all(torch.equal(a, b[5:6]) for a, b in zip(alone, got))
+    passes = torch_tally(z.cpu(), top.cpu(), False)(t.cpu())  # min_p alone's: no sort
+    assert torch.equal(passes[0], want[0])
+    for a, b in zip(passes[1:], want[1:]):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6 * b.abs().max().item())
 
 
 @given(problems())

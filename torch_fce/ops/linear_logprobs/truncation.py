@@ -92,8 +92,9 @@ class TruncationRows(NamedTuple):
           float32, the processed logits in grad's formula (a copy: logits stays
           intact); each row's first maximum (NaN as -inf) and its column, and its max
           (NaN where the row holds one)
-      tally(z, top) -> above: a vocabulary shard's search of values (sharded_kept_stats)
-          over processed's z, top (n,) the group's max; above(t) of values t (n, P) ->
+      tally(z, top, search) -> above: a vocabulary shard's search of values
+          (sharded_kept_stats) over processed's z, top (n,) the group's max, search
+          whether one follows (else three values alone); above(t) of values t (n, P) ->
           this rank's (count, mass, g) of its classes with z > t, mass their
           exp(z - top) and g their exp(z - top) (z - top), each (n, P) float32 (None:
           the PyTorch rows search instead)
@@ -251,7 +252,7 @@ def sharded_kept_stats(rows, logits, target, inv_t, opts, math_dtype, shard):
              else torch.full_like(top, -math.inf)).clamp_min(torch.finfo(math_dtype).min)
     top_k = opts.top_k is not None and opts.top_k < V
     top_p = opts.top_p not in (None, 1.0)
-    local = rows.tally(z, top)
+    local = rows.tally(z, top, top_k or top_p)
 
     def above(t):  # values (n, P) -> the group's (count, mass, g) of z > t, each (n, P)
         return shard.all_reduce(torch.stack(local(t.contiguous())), "sum").unbind(0)

@@ -543,9 +543,9 @@ _TALLY_P = 8  # the tally's values a sweep (the search asks for 1 to 7)
 _TALLY_BLOCK, _TALLY_SPAN = 512, 16384  # its step's classes, a program's
 
 
-def triton_tally(z, top):
+def triton_tally(z, top, search):
     """TruncationRows.tally on the Triton kernel: a sweep of the shard's z per query, its
-    spans' sums added in a fixed order (the same bits in any batch)."""
+    spans' sums added in a fixed order (the same bits in any batch), search or not."""
     n, V = z.shape
     top = top.float().contiguous()
     block = min(_TALLY_BLOCK, triton.next_power_of_2(max(V, 1)))

@@ -145,20 +145,28 @@ def torch_processed(logits, opts, inv_t, math_dtype):
     return z, mine, col, z.amax(-1)
 
 
-def torch_tally(z, top):
-    """TruncationRows.tally in PyTorch: the first two calls (all min_p alone asks) a pass
-    of the shard per value; from the third, a search of the shard's -z sorted once (NaN
-    as -inf) with the sums before each (in float64: K's sums are read from them)."""
-    calls, table = 0, None
+def torch_tally(z, top, search):
+    """TruncationRows.tally in PyTorch: with a search to come, a search of the shard's -z
+    sorted once (NaN as -inf) with the sums before each (in float64: K's sums are read
+    from them); without one (min_p alone: three values), the classes' masses and their
+    g formed once and a few passes of them a value."""
+    if not search:
+        x = z - top[:, None]
+        e = x.exp()
+        ex = x.mul_(e).masked_fill_(e == 0, 0.0)  # (exp(-inf) (-inf): 0)
+
+        def passes(t):
+            sums = []
+            for q in t.unbind(1):
+                up = z > q[:, None]  # (NaN: never)
+                sums.append((up.sum(-1, dtype=torch.int32).to(z.dtype),
+                             row_sum(torch.where(up, e, 0.0)),
+                             row_sum(torch.where(up, ex, 0.0))))
+            return [torch.stack(col, 1) for col in zip(*sums)]
+        return passes
+    neg, mass, g = _sorted_sums(z, top)
 
     def above(t):
-        nonlocal calls, table
-        calls += 1
-        if calls <= 2:
-            return _passes(z, top, t)
-        if table is None:
-            table = _sorted_sums(z, top)
-        neg, mass, g = table
         cnt = torch.searchsorted(neg, -t, side="left")  # z > t <=> -z < -t
         return cnt.to(z.dtype), mass.gather(1, cnt), g.gather(1, cnt)
     return above
@@ -173,18 +181,6 @@ def _sorted_sums(z, top):
     mass = torch.cat([zero, e.cumsum(-1, dtype=torch.float64).to(z.dtype)], 1)
     g = x.mul_(e).masked_fill_(e == 0, 0.0).cumsum(-1, dtype=torch.float64).to(z.dtype)
     return neg, mass, torch.cat([zero, g], 1)
-
-
-def _passes(z, top, t):
-    """The tally of values t (n, P) by passes of z, one value at a time."""
-    sums = []
-    for q in t.unbind(1):
-        up = z > q[:, None]
-        x = z - top[:, None]
-        e = x.exp().masked_fill_(~up, 0.0)
-        sums.append((up.sum(-1).to(z.dtype), row_sum(e),
-                     row_sum(x.mul_(e).masked_fill_(~up, 0.0))))
-    return [torch.stack(col, 1) for col in zip(*sums)]
 
 
 # the processed logits' copy, a few float32 / bool temporaries of the chunk's shape and
