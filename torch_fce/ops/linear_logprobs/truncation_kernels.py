@@ -477,10 +477,9 @@ def _processed_kernel(logits_ptr, inv_t_ptr, z_ptr, part_ptr, V, NB, stride_ln, 
     block = tl.program_id(1)
     offs = block * BLOCK_V + tl.arange(0, BLOCK_V)
     inside = offs < V
-    z = _load_z(logits_ptr + row * stride_ln + offs, inside, softcap, HAS_SOFTCAP)
-    z = z * tl.load(inv_t_ptr + row)
+    z, r = _z(logits_ptr + row * stride_ln, offs, V, tl.load(inv_t_ptr + row), softcap,
+              HAS_SOFTCAP)  # (r past V: -inf)
     tl.store(z_ptr + row * V + offs, z, mask=inside)
-    r = tl.where(z == z, z, float("-inf"))  # (past V: -inf)
     top = tl.max(r, axis=0)
     first = tl.min(tl.where(inside & (r == top), offs, V), axis=0)
     out = part_ptr + (row * NB + block) * 3
