@@ -125,6 +125,13 @@ build(truncation._tally_kernel,
        "S": "i32"},
       dict(P=truncation._TALLY_P, BLOCK_V=truncation._TALLY_BLOCK,
            SPAN=truncation._TALLY_SPAN), truncation._WARPS)
+for mass in (False, True):
+    build(truncation._search_kernel,
+          {"z_ptr": "*fp32", "top_ptr": "*fp32", "state_ptr": "*i64", "h_ptr": "*fp32",
+           "goal_ptr": "*fp32", "out_ptr": "*fp32", "next_ptr": "*i64", "V": "i32",
+           "S": "i32"},
+          dict(FIRST=False, MASS=mass, BLOCK_V=truncation._TALLY_BLOCK,
+               SPAN=truncation._TALLY_SPAN), truncation._WARPS)
 '''
 
 # The sparse divergence's row kernels' registers at sm_90 (8 warps), as measured before
@@ -147,7 +154,7 @@ def test_kernels_compile_for_cuda():
                          text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
     lines = run.stdout.splitlines()
-    assert sum(line.startswith("compiled") for line in lines) == 46
+    assert sum(line.startswith("compiled") for line in lines) == 48
     regs = {}
     for line in lines:
         name, rest = line.split(" ", 2)[1:]

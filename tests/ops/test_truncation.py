@@ -335,6 +335,48 @@ def test_triton_tally_spans_match_the_sorted_count(monkeypatch):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-6 * b.abs().max().item())
 
 
+def test_triton_search_rounds_match_the_tallys_search(monkeypatch):
+    # the Triton rows' search (one launch a round: the last round's narrowing, this
+    # one's points and span sums) against _smallest_below over the Triton tally: the same
+    # u for counts and masses; and from brackets spanning every float32 (signs,
+    # subnormals, -0.0 and +0.0) against a brute force
+    from torch_fce.ops.linear_logprobs import truncation_kernels as kernels
+    from torch_fce.ops.linear_logprobs.truncation import _smallest_below
+
+    monkeypatch.setattr(kernels, "_TALLY_BLOCK", 256)
+    monkeypatch.setattr(kernels, "_TALLY_SPAN", 1024)  # 3000 classes: three spans
+    calls = []
+
+    def reduce(x):
+        calls.append(x.shape)
+        return x
+    z, _, inv_t = _threshold_rows_problem()
+    z = (z * inv_t[:, None]).to(DEVICE).contiguous()
+    top = z.amax(-1)
+    lo = torch.full_like(top, torch.finfo(torch.float32).min)
+    above = kernels.triton_tally(z, top, True)
+    g = torch.Generator().manual_seed(9)
+    for mass in (False, True):
+        whole = above(torch.full_like(top, -math.inf)[:, None])[int(mass)][:, 0]
+        goal = whole * torch.rand(whole.shape, generator=g).to(DEVICE)
+        got = kernels.triton_search(z, top, lo, goal, mass, reduce)
+        want = _smallest_below(lambda t: above(t)[int(mass)], lo, top, goal)
+        assert torch.equal(got, want), mass
+    assert calls == [(z.shape[0], 8)] * 24  # one reduce a round, 12 rounds a search
+    big, tiny = torch.finfo(torch.float32).max, torch.finfo(torch.float32).smallest_normal / 4
+    values = torch.cat([
+        torch.randn(4, 40, generator=g) * 10,
+        torch.empty(4, 40).uniform_(-1, 1, generator=g) * big,
+        torch.tensor([[-big, big / 2, 0.0, -0.0, tiny, -tiny, 1.0, big] * 5] * 4)])
+    goal = torch.randint(1, 40, (12,), generator=g).float()
+    got = kernels.triton_search(values.to(DEVICE), values.amax(-1).to(DEVICE),
+                                values.amin(-1).to(DEVICE), goal.to(DEVICE), False,
+                                lambda x: x).cpu()
+    for row, u, k in zip(values, got, goal):
+        present = sorted(set(row.tolist()))
+        assert u.item() == min(x for x in present if (row > x).sum() < k)
+
+
 @given(problems())
 def test_value_search_matches_the_float64_reference_of_vllms_rules(p):
     # the shard path's search of values (one rank, float64: the 34-round search) on the

@@ -98,7 +98,11 @@ class TruncationRows(NamedTuple):
           this rank's (count, mass, g) of its classes with z > t, mass their
           exp(z - top) and g their exp(z - top) (z - top), each (n, P) float32 (None:
           the PyTorch rows search instead)
-      tally_per_logit: the bytes per logit that search holds beyond per_logit"""
+      tally_per_logit: the bytes per logit that search holds beyond per_logit
+      search(z, top, lo, goal, mass, reduce) -> _smallest_below's u over [lo, top] with
+          H the group's count (mass False) or mass of the classes above a value, each
+          round's tally of this rank's and reduce (the all-reduce's sum) of it; its
+          rounds and their points _smallest_below's (None: _smallest_below over tally)"""
     candidates: Callable
     grad: Callable
     per_logit: int
@@ -107,6 +111,7 @@ class TruncationRows(NamedTuple):
     processed: Optional[Callable] = None
     tally: Optional[Callable] = None
     tally_per_logit: int = 0
+    search: Optional[Callable] = None
 
 
 def _processed(logits, opts, inv_t, math_dtype):
@@ -256,22 +261,31 @@ def sharded_kept_stats(rows, logits, target, inv_t, opts, math_dtype, shard):
 
     def above(t):  # values (n, P) -> the group's (count, mass, g) of z > t, each (n, P)
         return shard.all_reduce(torch.stack(local(t.contiguous())), "sum").unbind(0)
-    # n1: the finite classes at or above the floor; the row's whole mass: above -inf
-    cnt, ms, _ = above(torch.stack([_below(floor), torch.full_like(floor, -math.inf)], 1))
+
+    def smallest_below(lo, goal, mass):  # the group's u over [lo, top] (_smallest_below)
+        if rows.search is not None:
+            return rows.search(z, top, lo, goal, mass, lambda x: shard.all_reduce(x, "sum"))
+        return _smallest_below(lambda t: above(t)[int(mass)], lo, top, goal)
+    # n1: the finite classes at or above the floor; the row's whole mass: above -inf;
+    # the sums above the floor (K's, without top_k)
+    cnt, ms, g = above(torch.stack([_below(floor), torch.full_like(floor, -math.inf),
+                                    floor], 1))
     n1, s_all = cnt[:, 0], ms[:, 1]
+    cnt, ms, g = cnt[:, 2], ms[:, 2], g[:, 2]
     v = floor  # the searches' lower end: H(_below(floor)) counts the n1
     if not (top_k or top_p):  # min_p alone: K those n1, v their smallest value u0
         v = shard.all_reduce(torch.where(z >= floor[:, None], z, math.inf).amin(-1), "min")
     goal = n1
     if top_k:
         goal = n1.clamp_max(opts.top_k)
-        v = _smallest_below(lambda t: above(t)[0], v, top, goal)
-    cnt, ms, g = (x[:, 0] for x in above(v[:, None]))
+        v = smallest_below(v, goal, False)
+    if top_k or not top_p:
+        cnt, ms, g = (x[:, 0] for x in above(v[:, None]))
     ties = goal - cnt  # v's ties in the prefix so far
     if top_p:
         v2 = v
         goal = opts.top_p * (ms + ties * (v2 - top).exp())
-        v = _smallest_below(lambda t: above(t)[1], v2, top, goal)
+        v = smallest_below(v2, goal, True)
         cnt, ms, g = above(torch.stack([v, _below(v)], 1))
         avail = torch.where(v == v2, ties, cnt[:, 1] - cnt[:, 0])
         e = (v - top).exp()
@@ -321,17 +335,31 @@ def _smallest_below(H, lo, hi, goal):
     float32 and float64 brackets, one more each kept)."""
     dtype = lo.dtype
     lo, hi = _image(lo) - 1, _image(hi)
-    k = torch.arange(1, 8, device=lo.device)
-    for _ in range(12 if dtype == torch.float32 else 23):
-        # an eighth of the bracket, and (narrow ones) its width, without overflow
-        eighth = ((hi >> 3) - (lo >> 3))[:, None]
-        d = eighth.clamp_max(16) * 8 + ((hi & 7) - (lo & 7))[:, None]
-        wide = torch.cat([lo[:, None] + eighth, eighth.expand(-1, 6)], 1).cumsum(1)
-        points = torch.where(eighth < 16, lo[:, None] + (k * d // 8).clamp_min(1), wide)
-        under = H(_from_image(points, dtype)) < goal[:, None]
-        hi = torch.where(under, points, hi[:, None]).amin(-1)
-        lo = torch.where(under, lo[:, None], points).amax(-1)
+    for _ in range(search_rounds(dtype)):
+        points = eighths(lo, hi)
+        lo, hi = narrowed(lo, hi, points, H(_from_image(points, dtype)) < goal[:, None])
     return _from_image(hi, dtype)
+
+
+def search_rounds(dtype):
+    return 12 if dtype == torch.float32 else 23
+
+
+def eighths(lo, hi):
+    """A round's seven points (n, 7) cutting the bracket (lo, hi] of images (n,) in
+    eighths: an eighth of it, and (narrow ones) its width, without overflow."""
+    k = torch.arange(1, 8, device=lo.device)
+    eighth = ((hi >> 3) - (lo >> 3))[:, None]
+    d = eighth.clamp_max(16) * 8 + ((hi & 7) - (lo & 7))[:, None]
+    wide = torch.cat([lo[:, None] + eighth, eighth.expand(-1, 6)], 1).cumsum(1)
+    return torch.where(eighth < 16, lo[:, None] + (k * d // 8).clamp_min(1), wide)
+
+
+def narrowed(lo, hi, points, under):
+    """The bracket (lo, hi] of images drawn in to the points (n, 7) at which H < goal
+    (under) and those at which not."""
+    return (torch.where(under, lo[:, None], points).amax(-1),
+            torch.where(under, points, hi[:, None]).amin(-1))
 
 
 def _nth_tie(z, v, nth, shard):

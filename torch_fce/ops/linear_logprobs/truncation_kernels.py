@@ -50,7 +50,9 @@ from ..linear_topk_logprobs.kernels import _EMPTY, _ranked, _sort_key, triton_to
 from ..rowmath.kernels import (_NEG_BIG, _below, _block_v, _from_image, _image, _load_z,
                                _phi, _phi_inv, _unkey, dz_buffer)
 from .kernels import _launch
-from .truncation import TopKRecord, TruncationRows, kept_outputs
+from .truncation import TopKRecord, TruncationRows, eighths, kept_outputs, narrowed, \
+    search_rounds
+from .truncation import _from_image as value_of_image, _image as image_of
 
 _C = 256  # the threshold kernel's sort of the bracket's classes
 _CAP = 8192  # its scratch's classes a row at most (V / 8 at most: a byte a logit)
@@ -489,18 +491,10 @@ def _processed_kernel(logits_ptr, inv_t_ptr, z_ptr, part_ptr, V, NB, stride_ln, 
 
 
 @triton.jit
-def _tally_kernel(z_ptr, t_ptr, top_ptr, out_ptr, V, S, P: tl.constexpr,
-                  BLOCK_V: tl.constexpr, SPAN: tl.constexpr):
-    """out (n, S, 3, P) float32: per row and span of SPAN classes the count of its
-    classes with z > t, their mass exp(z - top) and its exp(z - top) (z - top), for the
-    row's P values t (n, P). Programs (row, span): a shard's chunk holds few rows, so
-    one program a row would leave most of the GPU idle; sums kept per class slot,
-    reduced once at the end."""
-    row = tl.program_id(0).to(tl.int64)
-    span = tl.program_id(1)
-    j = tl.arange(0, P)
-    t = tl.load(t_ptr + row * P + j)
-    top = tl.load(top_ptr + row)
+def _span_sums(z_ptr, t, top, row, span, V, P: tl.constexpr, BLOCK_V: tl.constexpr,
+               SPAN: tl.constexpr):
+    """A span's count of its classes with z > t (P,), their mass exp(z - top) and its
+    exp(z - top) (z - top): sums kept per class slot, reduced once at the end."""
     cnt = tl.zeros([P, BLOCK_V], tl.int32)
     mass = tl.zeros([P, BLOCK_V], tl.float32)
     g = tl.zeros([P, BLOCK_V], tl.float32)
@@ -513,10 +507,64 @@ def _tally_kernel(z_ptr, t_ptr, top_ptr, out_ptr, V, S, P: tl.constexpr,
         cnt += up.to(tl.int32)
         mass += tl.where(up, e[None, :], 0.0)
         g += tl.where(up, ex[None, :], 0.0)
+    return tl.sum(cnt, axis=1).to(tl.float32), tl.sum(mass, axis=1), tl.sum(g, axis=1)
+
+
+@triton.jit
+def _tally_kernel(z_ptr, t_ptr, top_ptr, out_ptr, V, S, P: tl.constexpr,
+                  BLOCK_V: tl.constexpr, SPAN: tl.constexpr):
+    """out (n, S, 3, P) float32: per row and span of SPAN classes _span_sums for the
+    row's P values t (n, P). Programs (row, span): a shard's chunk holds few rows, so
+    one program a row would leave most of the GPU idle."""
+    row = tl.program_id(0).to(tl.int64)
+    span = tl.program_id(1)
+    j = tl.arange(0, P)
+    cnt, mass, g = _span_sums(z_ptr, tl.load(t_ptr + row * P + j), tl.load(top_ptr + row),
+                              row, span, V, P, BLOCK_V, SPAN)
     out = out_ptr + (row * S + span) * 3 * P
-    tl.store(out + j, tl.sum(cnt, axis=1).to(tl.float32))
-    tl.store(out + P + j, tl.sum(mass, axis=1))
-    tl.store(out + 2 * P + j, tl.sum(g, axis=1))
+    tl.store(out + j, cnt)
+    tl.store(out + P + j, mass)
+    tl.store(out + 2 * P + j, g)
+
+
+@triton.jit
+def _eighths(lo, hi, j):
+    """truncation.eighths in a kernel: the points lo < .. <= hi (int64 images) at
+    j + 1 eighths of (lo, hi], j = 0 .. 6 (7: hi's image or beyond, unused)."""
+    k = (j + 1).to(tl.int64)
+    eighth = (hi >> 3) - (lo >> 3)
+    d = tl.minimum(eighth, 16) * 8 + ((hi & 7) - (lo & 7))
+    return tl.where(eighth < 16, lo + tl.maximum(k * d // 8, 1), lo + k * eighth)
+
+
+@triton.jit
+def _search_kernel(z_ptr, top_ptr, state_ptr, h_ptr, goal_ptr, out_ptr, next_ptr, V, S,
+                   FIRST: tl.constexpr, MASS: tl.constexpr, BLOCK_V: tl.constexpr,
+                   SPAN: tl.constexpr):
+    """A round of truncation._smallest_below, programs (row, span): the bracket (lo, hi]
+    of images in state (n, 2) int64 narrowed at the last round's points by its reduced
+    H there (h (n, 8); not in the FIRST round) and stored to next (by span 0), then
+    this round's points' span sums of the count (MASS: the mass) to out (n, S, 8)."""
+    row = tl.program_id(0).to(tl.int64)
+    span = tl.program_id(1)
+    j = tl.arange(0, 8)
+    lo = tl.load(state_ptr + row * 2)
+    hi = tl.load(state_ptr + row * 2 + 1)
+    if not FIRST:  # (every program alike: the same bracket)
+        points = _eighths(lo, hi, j)
+        point = j < 7
+        under = point & (tl.load(h_ptr + row * 8 + j) < tl.load(goal_ptr + row))
+        lo, hi = (tl.max(tl.where(under | ~point, lo, points), axis=0),
+                  tl.min(tl.where(under, points, hi), axis=0))
+    if span == 0:
+        tl.store(next_ptr + row * 2, lo)
+        tl.store(next_ptr + row * 2 + 1, hi)
+    bits = _eighths(lo, hi, j)
+    bits = tl.where(bits < 0, -2147483648 - bits, bits).to(tl.int32)  # truncation._from_image
+    t = tl.where(j < 7, bits.to(tl.float32, bitcast=True), float("inf"))
+    cnt, mass, _ = _span_sums(z_ptr, t, tl.load(top_ptr + row), row, span, V, 8, BLOCK_V,
+                              SPAN)
+    tl.store(out_ptr + (row * S + span) * 8 + j, mass if MASS else cnt)
 
 
 def triton_processed(logits, opts, inv_t, math_dtype):
@@ -542,14 +590,19 @@ _TALLY_P = 8  # the tally's values a sweep (the search asks for 1 to 7)
 _TALLY_BLOCK, _TALLY_SPAN = 512, 16384  # its step's classes, a program's
 
 
+def _spans(V):
+    """The tally's (step, span, spans) over V classes (a narrow shard: one span)."""
+    block = min(_TALLY_BLOCK, triton.next_power_of_2(max(V, 1)))
+    span = min(_TALLY_SPAN, triton.cdiv(max(V, 1), block) * block)
+    return block, span, triton.cdiv(V, span)
+
+
 def triton_tally(z, top, search):
     """TruncationRows.tally on the Triton kernel: a sweep of the shard's z per query, its
     spans' sums added in a fixed order (the same bits in any batch), search or not."""
     n, V = z.shape
     top = top.float().contiguous()
-    block = min(_TALLY_BLOCK, triton.next_power_of_2(max(V, 1)))
-    span = min(_TALLY_SPAN, triton.cdiv(V, block) * block)  # (a narrow shard: one span)
-    S = triton.cdiv(V, span)
+    block, span, S = _spans(V)
 
     def above(t):
         P = t.shape[1]
@@ -562,6 +615,31 @@ def triton_tally(z, top, search):
         out = out.sum(1)
         return out[:, 0, :P], out[:, 1, :P], out[:, 2, :P]
     return above
+
+
+def triton_search(z, top, lo, goal, mass, reduce):
+    """TruncationRows.search on the Triton kernel: each round one launch (the last
+    round's narrowing, this one's points and their span sums, _search_kernel), the
+    spans' sum and reduce (no PyTorch step of its own a round: a shard's chunk holds few
+    rows, so the rounds' small steps, not their sweeps, set the search's time); the
+    span sums _tally_kernel's, so H at a value is the tally's."""
+    n, V = z.shape
+    block, span, S = _spans(V)
+    S = max(S, 1)  # (an empty shard still runs every round's bracket and reduce)
+    state = torch.stack([image_of(lo.float()) - 1, image_of(top.float())], 1).contiguous()
+    top, goal = top.float().contiguous(), goal.float().contiguous()
+    h = z.new_zeros((n, 8))  # the last round's reduced H at its points
+    out = z.new_empty((n, S, 8))
+    spare = torch.empty_like(state)
+    for r in range(search_rounds(torch.float32)):
+        if n:
+            _search_kernel[(n, S)](z, top, state, h, goal, out, spare, V, S, FIRST=r == 0,
+                                   MASS=mass, BLOCK_V=block, SPAN=span, num_warps=_WARPS)
+        h = reduce(out.sum(1))
+        state, spare = spare, state
+    _, hi = narrowed(state[:, 0], state[:, 1], eighths(state[:, 0], state[:, 1]),
+                     h[:, :7] < goal[:, None])
+    return value_of_image(hi, torch.float32)
 
 
 def triton_candidates(logits, target, inv_t, opts, math_dtype, shard):
@@ -638,4 +716,4 @@ def triton_threshold_stats(logits, target, inv_t, opts, math_dtype, slots=_C, ca
 # largest: the first maxima's and the last tie's)
 TRITON_TRUNCATION_ROWS = TruncationRows(triton_candidates, triton_kept_grad, 0,
                                         triton_threshold_stats, 1, triton_processed,
-                                        triton_tally, 16)
+                                        triton_tally, 16, triton_search)
