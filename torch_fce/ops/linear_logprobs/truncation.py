@@ -99,10 +99,10 @@ class TruncationRows(NamedTuple):
           exp(z - top) and g their exp(z - top) (z - top), each (n, P) float32 (None:
           the PyTorch rows search instead)
       tally_per_logit: the bytes per logit that search holds beyond per_logit
-      search(z, top, lo, goal, mass, reduce) -> _smallest_below's u over [lo, top] with
-          H the group's count (mass False) or mass of the classes above a value, each
-          round's tally of this rank's and reduce (the all-reduce's sum) of it; its
-          rounds and their points _smallest_below's (None: _smallest_below over tally)"""
+      search(z, top, lo, goal, mass, reduce) -> u: _smallest_below over [lo, top] of
+          the group's count (mass False) or mass of the classes above a value, each
+          round this rank's tally summed by reduce (the group's all-reduce), in
+          _smallest_below's rounds and points (None: _smallest_below over tally's)"""
     candidates: Callable
     grad: Callable
     per_logit: int
