@@ -377,6 +377,38 @@ def test_triton_search_rounds_match_the_tallys_search(monkeypatch):
         assert u.item() == min(x for x in present if (row > x).sum() < k)
 
 
+def test_triton_search_round_is_one_launch_and_its_reduce(monkeypatch):
+    # a shard's chunk holds a few hundred rows, so the search's time is its rounds' host
+    # steps (docs/rl.md): the Triton rows' round is its launch, the spans' sum and the
+    # reduce, no PyTorch step more (the launches stubbed, the dispatcher's calls counted)
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch_fce.ops.linear_logprobs import truncation_kernels as kernels
+
+    class Calls(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Calls.n += 1
+            return func(*args, **(kwargs or {}))
+    launches = []
+
+    class Stub:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append(grid)
+    monkeypatch.setattr(kernels, "_search_kernel", Stub())
+    z = torch.randn(4, 600)
+    counts = []
+    for rounds in (12, 13):
+        monkeypatch.setattr(kernels, "search_rounds", lambda dtype, r=rounds: r)
+        Calls.n = 0
+        with Calls():
+            kernels.triton_search(z, z.amax(-1), z.amin(-1), torch.ones(4), True,
+                                  lambda x: x.clone())
+        counts.append(Calls.n)
+    assert len(launches) == 25
+    assert counts[1] - counts[0] == 2  # the spans' sum and the reduce's
+
+
 @given(problems())
 def test_value_search_matches_the_float64_reference_of_vllms_rules(p):
     # the shard path's search of values (one rank, float64: the 34-round search) on the
