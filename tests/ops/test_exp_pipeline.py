@@ -8,7 +8,7 @@ import torch
 
 import torch_fce
 from tests.helpers import DEVICE, confident_inputs
-from tests.references import logits_ce_reference
+from tests.references import logits_ce_reference, policy_reference
 from torch_fce.ops.linear_ce import CEOptions, exp_rows
 from torch_fce.ops.loop import exp_gemms, sparse
 from torch_fce.ops.machinery.dispatch import backend_for, exp_on_cuda
@@ -253,6 +253,133 @@ def test_wave_plan(shape):
     assert exp_gemms.wave_plan(100, D, V, cap, 132)[0] == 128  # one tile of few tokens
 
 
+# ---- the policy loss on the pipeline (a tempered logits GEMM) -----------------------
+
+POLICY_SETS = [
+    dict(loss_type="clip", epsilon_high=0.28, beta=0.04, kl="k3", temperature="token",
+         old=True, ref=True),
+    dict(loss_type="cispo", epsilon_high=5.0, temperature=0.7, old=True),
+    dict(loss_type="sapo", temperature="sequence", token_weights=True, ref=True),
+    dict(loss_type="reinforce", kl_ratio=True, beta=0.1, kl="k2", ref=True, old=True),
+    dict(loss_type="clip", delta=1.5),  # no old log-probs: the ratio 1, its derivative lp's
+]
+
+
+def _policy_problem(spec, N, D, V, device="cpu", seed=0, confident=False):
+    """(hidden, weight, target, options) of a POLICY_SETS entry, bf16 operands: a fifth
+    of the tokens ignored (the last among them), old / ref log-probs near the current
+    ones (some ratios clip), per-token or per-sequence temperatures."""
+    spec = dict(spec)
+    g = torch.Generator().manual_seed(seed)
+    if confident:
+        h, w, t = confident_inputs(N, D, V, offset=30.0, spread=30.0, seed=seed)
+    else:
+        x = make_inputs(N, D, V, torch.float32, seed=seed)
+        h, w, t = x["hidden"], x["weight"] * 2, x["target"]
+    h, w, t = h.bfloat16(), w.bfloat16(), t.clone()
+    t[torch.rand(N, generator=g) < 0.2] = -100
+    t[-1] = -100
+    T = spec.pop("temperature", 1.0)
+    if T == "token":
+        T = torch.rand(N, generator=g) + 0.3
+    elif T == "sequence":
+        T = (torch.rand(2, generator=g) + 0.3).repeat_interleave(N // 2)
+    with torch.no_grad():
+        lp = torch_fce.linear_logprobs(h.float(), w.float(), t, temperature=T).logprob
+    opts = dict(advantages=torch.randn(N, generator=g), temperature=T, **spec)
+    for name, sign in (("old", 1.0), ("ref", -1.0)):
+        if opts.pop(name, False):
+            opts[f"{name}_logprobs"] = lp + sign * 0.3 * torch.randn(N, generator=g)
+    if opts.pop("token_weights", False):
+        opts["token_weights"] = torch.rand(N, generator=g)
+    opts = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in opts.items()}
+    return h.to(device), w.to(device), t.to(device), opts
+
+
+def _policy_run(problem, backend, monkeypatch, double=False):
+    """(loss, logprob, entropy, grad_hidden, grad_weight) of torch_fce on a backend, or
+    of the float64 reference (double) on the same bf16 operands' exact logits."""
+    h, w, t, opts = problem
+    h, w = (x.detach().clone().to(torch.float64 if double else x.dtype).requires_grad_()
+            for x in (h, w))
+    opts = dict(opts)
+    A = opts.pop("advantages")
+    if double:
+        old, ref = opts.pop("old_logprobs", None), opts.pop("ref_logprobs", None)
+        loss, lp, ent = policy_reference(dict(hidden=h, weight=w), t, A, old, ref, **opts)
+    else:
+        monkeypatch.setenv("TORCH_FCE_BACKEND", backend)
+        loss, stats = torch_fce.linear_policy_loss(h, w, t, A, **opts)
+        lp, ent = stats.logprob, stats.entropy
+    loss.backward()
+    return loss.detach(), lp.detach(), ent.detach(), h.grad, w.grad
+
+
+@pytest.mark.parametrize("spec", POLICY_SETS)
+@pytest.mark.parametrize("V", [256, 384, 640])  # n-tiles of 256, 192 and 128
+def test_exp_policy_twin_matches_float64(spec, V, monkeypatch):
+    """The log-probs and entropies to float32's rounding (the GEMM's sums: nothing in
+    bf16 before the softmax), the gradients within bf16's rounding of E and the strips
+    and no less exact than the chunk loop; ragged chunks, ignored tokens."""
+    problem = _policy_problem(spec, 300, 24, V)
+    ref = _policy_run(problem, None, monkeypatch, double=True)
+    with torch_fce.workspace(128 * V * 3):
+        exp = _policy_run(problem, "exp", monkeypatch)
+        rows = _policy_run(problem, "triton", monkeypatch)
+    err, rows_err = ([rel_err(a, e) for a, e in zip(out, ref)] for out in (exp, rows))
+    assert err[0] <= 1e-5 and err[1] <= 1e-6 and err[2] <= 1e-6
+    for i in (3, 4):
+        assert err[i] <= max(1.1 * rows_err[i], 1e-3) and err[i] <= 2 ** -7
+
+
+def test_exp_policy_twin_confident_rows(monkeypatch):
+    """Confident rows at large magnitudes (lse about 100 at T 0.7): the log-probs near 0
+    and the small entropies held relative to k_r, not to the logits' magnitude."""
+    problem = _policy_problem(POLICY_SETS[1], 256, 16, 384, confident=True)
+    ref = _policy_run(problem, None, monkeypatch, double=True)
+    exp = _policy_run(problem, "exp", monkeypatch)
+    rows = _policy_run(problem, "triton", monkeypatch)
+    err, rows_err = ([rel_err(a, e) for a, e in zip(out, ref)] for out in (exp, rows))
+    assert err[1] <= 1e-5 and err[2] <= 1e-4, err
+    assert err[3] <= max(1.1 * rows_err[3], 1e-3) and err[4] <= max(1.1 * rows_err[4], 1e-3)
+
+
+def _policy_ignored_reach_nothing(device, monkeypatch):
+    h, w, t, opts = _policy_problem(POLICY_SETS[0], 130, 16, 256, device=device)
+    t[[3, 129]] = -100
+    h[[3, 129]] = float("nan")
+    if device == "cuda":  # values unchecked there (the CPU refuses a temperature of 0)
+        opts["temperature"][[3, 129]] = 0.0
+    loss, lp, ent, gh, gw = _policy_run((h, w, t, opts), "exp", monkeypatch)
+    assert loss.isfinite() and lp[[3, 129]].eq(0).all() and ent[[3, 129]].eq(0).all()
+    assert gh[[3, 129]].eq(0).all() and gh.isfinite().all() and gw.isfinite().all()
+
+
+def test_exp_policy_ignored_tokens_reach_nothing(monkeypatch):
+    """An ignored token's hidden state (NaN) touches no output or gradient (on the GPU
+    nor its temperature of 0, whose 1 / T is NaN: test_cute_policy_...)."""
+    _policy_ignored_reach_nothing("cpu", monkeypatch)
+
+
+@pytest.mark.parametrize("case", ["entropy_coef", "softcap", "top_p", "bias"])
+def test_exp_policy_not_served_runs_the_rows(case, monkeypatch):
+    """What the pipeline does not serve (the entropy's gradient, softcap, a truncation,
+    a bias) runs the chunk loop: bitwise today's result."""
+    h, w, t, opts = _policy_problem(POLICY_SETS[4], 64, 16, 256)  # finite at lp -inf
+    opts.update({"entropy_coef": dict(entropy_coef=0.01), "softcap": dict(softcap=20.0),
+                 "top_p": dict(top_p=0.9), "bias": {}}[case])
+    bias = torch.randn(256) if case == "bias" else None
+    out = []
+    for backend in ("exp", "triton"):
+        monkeypatch.setenv("TORCH_FCE_BACKEND", backend)
+        leaves = [x.detach().clone().requires_grad_() for x in (h, w)]
+        loss, stats = torch_fce.linear_policy_loss(*leaves, t, bias=bias, **opts)
+        loss.backward()
+        out.append([loss, stats.logprob, stats.entropy, leaves[0].grad, leaves[1].grad])
+    for a, b in zip(*out):
+        assert torch.equal(a, b)
+
+
 # ---- the CuTe twin, on an sm_90 GPU with quack-kernels ----------------------------
 
 _CUTE = torch.cuda.is_available() and exp_on_cuda(torch.cuda.current_device())
@@ -272,6 +399,13 @@ def test_cute_pieces_as_twin(V):
     b = cute.logits(h, w, col, tile_n, h.new_empty(M, V))
     assert rel_err(b.E, a.E) <= 2e-3 and rel_err(b.sum_exp, a.sum_exp) <= 2e-3
     assert rel_err(b.zy[t >= 0], a.zy[t >= 0]) <= 1e-5
+    # tempered (the policy loss's): z t, and the entropy's partial sum_ey
+    inv_t = 1.0 / (torch.rand(M, device="cuda") + 0.3)
+    at = exp_gemms.logits(h, w, col, tile_n, h.new_empty(M, V), inv_t)
+    bt = cute.logits(h, w, col, tile_n, h.new_empty(M, V), inv_t)
+    assert rel_err(bt.E, at.E) <= 2e-3 and rel_err(bt.sum_exp, at.sum_exp) <= 2e-3
+    assert rel_err(bt.sum_ey, at.sum_ey) <= 2e-3 and (bt.k - at.k).abs().max() <= 1
+    assert torch.equal(bt.zy, b.zy)
     sc = (torch.ones(M, device="cuda"), torch.zeros(M, device="cuda"))
     _, g = exp_rows.exp_rows(a, torch.where(t >= 0, t, -100), None, sc,
                              CEOptions(reduction="sum"), V, None)
@@ -315,3 +449,40 @@ def test_cute_batch_invariant_no_host_sync(monkeypatch):
     leaves = _leaves(x)
     with no_host_sync():
         torch_fce.linear_cross_entropy(*leaves, t).backward()
+
+
+@cute_only
+@pytest.mark.parametrize("spec", POLICY_SETS)
+def test_cute_policy_matches_float64(spec, monkeypatch):
+    """The policy loss on the CuTe kernels: the log-probs and entropies to float32's
+    rounding, the gradients within bf16's and no less exact than the Triton rows; V an
+    odd multiple of 128, a ragged last chunk, ignored tokens."""
+    V = 128 * 97
+    problem = _policy_problem(spec, 2000, 256, V, device="cuda")
+    ref = _policy_run(problem, None, monkeypatch, double=True)
+    with torch_fce.workspace(1024 * V * 3):
+        exp = _policy_run(problem, "exp", monkeypatch)
+        rows = _policy_run(problem, "triton", monkeypatch)
+    err, rows_err = ([rel_err(a, e) for a, e in zip(out, ref)] for out in (exp, rows))
+    assert err[0] <= 1e-5 and err[1] <= 1e-5 and err[2] <= 1e-5, err
+    assert err[3] <= max(1.1 * rows_err[3], 1e-3) and err[4] <= max(1.1 * rows_err[4], 1e-3)
+
+
+@cute_only
+def test_cute_policy_batch_invariant_no_host_sync_ignored(monkeypatch):
+    """Per-token outputs bitwise batch-invariant, no host sync, and an ignored token's
+    NaN hidden state and temperature of 0 (1 / T NaN: values unchecked on CUDA) reach
+    nothing."""
+    from tests.helpers import no_host_sync
+    h, w, t, opts = _policy_problem(POLICY_SETS[0], 1500, 128, 128 * 33, device="cuda")
+    monkeypatch.setenv("TORCH_FCE_BACKEND", "exp")
+    A, T = opts["advantages"], opts["temperature"]
+    _, whole = torch_fce.linear_policy_loss(h, w, t, A, temperature=T)
+    _, part = torch_fce.linear_policy_loss(h[1000:1300], w, t[1000:1300], A[1000:1300],
+                                           temperature=T[1000:1300])
+    assert torch.equal(part.logprob, whole.logprob[1000:1300])
+    assert torch.equal(part.entropy, whole.entropy[1000:1300])
+    leaves = [x.detach().clone().requires_grad_() for x in (h, w)]
+    with no_host_sync():
+        torch_fce.linear_policy_loss(*leaves, t, **opts)[0].backward()
+    _policy_ignored_reach_nothing("cuda", monkeypatch)

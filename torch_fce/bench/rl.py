@@ -9,7 +9,8 @@ per shape (policy_data), the advantages per sequence of SEQUENCES sequences (as 
 Methods: the unfused computation as TRL writes it from logits (eager, compiled), TRL
 1.16's fused head (trl.kernels.ChunkedLogProbFunction, as its GRPOTrainer calls it) and,
 for policy, Liger's LigerFusedLinearGRPOLoss (at its defaults) where installed, and
-torch_fce (with --sweep also at the workspaces of the time-memory sweep).
+torch_fce (with --sweep also at the workspaces of the time-memory sweep; for policy on an
+sm_90 GPU with quack-kernels also "fce-exp", the exp-GEMM pipeline, docs/api.md).
 """
 
 import sys
@@ -18,7 +19,8 @@ import torch
 import torch.nn.functional as F
 
 import torch_fce
-from torch_fce.bench.measure import compiled, with_workspace
+from torch_fce.bench.measure import backend, compiled, with_context, with_workspace
+from torch_fce.ops.machinery.dispatch import exp_on_cuda
 
 TEMPERATURE = 0.7
 EPSILON_LOW, EPSILON_HIGH, BETA = 0.2, 0.28, 0.04
@@ -163,6 +165,8 @@ def methods(objective, device, with_compile, sweep=()):
     for acc in ("fp32", "input"):
         out[f"fce-{acc}"] = fce(acc)
     out["fce-f32logits"] = fce("fp32", torch.float32)
+    if objective == "policy" and device == "cuda" and exp_on_cuda(torch.cuda.current_device()):
+        out["fce-exp"] = with_context(fce("fp32"), lambda: backend("exp"))
     for mib in sweep:
         out[f"fce-fp32@{mib}"] = with_workspace(fce("fp32"), mib)
     return out

@@ -181,8 +181,8 @@ def main(argv=None):
                         "torch.compile-chunker (Inductor's auto_chunker; with --compile), "
                         "liger, cce, cce-exact, quack-{base,fused}-{4096,8192} (CUDA, where "
                         "installed), fce-{fp32,kahan,input}, fce-f32logits "
-                        "(logits_dtype=torch.float32), fce-exp (the exp-GEMM pipeline, on an "
-                        "sm_90 GPU with quack-kernels), fce-fp32@MiB (with --sweep) "
+                        "(logits_dtype=torch.float32), fce-exp (the exp-GEMM pipeline, ce and "
+                        "policy, on an sm_90 GPU with quack-kernels), fce-fp32@MiB (with --sweep) "
                         "(default: all available)")
     p.add_argument("--compile", action="store_true",
                    help="include torch.compile, as is and with Inductor's auto_chunker")

@@ -27,6 +27,7 @@ from ..contract import checks
 from ..contract.entry import (autocast_operands, flat, forward_needs_grad, int64_if_needed,
                              refuse_transforms, token_rows)
 from ..contract.options import as_float, check_choice, got, take, tensor_record
+from ..loop import exp_gemms
 from ..loop.chunked import (ONE_DEVICE, VocabShard, after_first_gemm, chunk_rows_for,
                            grad_outputs, inverse_temperature, logits_dtype_for,
                            math_dtype_for, no_autocast, run_chunks)
@@ -35,6 +36,7 @@ from ..machinery import grads
 from ..machinery.dispatch import LIB, kernel
 from ..linear_logprobs import logprob_rows, truncation, truncation_rows
 from ..linear_logprobs.rows import shard_stats
+from . import exp_rows
 
 
 class PolicyOptions(NamedTuple):
@@ -277,6 +279,12 @@ def fwd(hidden, weight, target, advantages, bias, old_logprobs, ref_logprobs,
     N, mdt = hidden.shape[0], math_dtype_for(hidden.dtype)
     out = _Outputs(*(hidden.new_empty(N, dtype=mdt) for _ in _Outputs._fields))
     want = any(needs)
+    if backend.exp and shard.group is None and exp_rows.serves(hidden, weight, bias, opts):
+        gradients = _exp_chunks(hidden, weight, target, advantages, old_logprobs,
+                                ref_logprobs, token_weights_, temperature, opts, needs, out,
+                                backend.sums)
+        loss_t, *stats = out
+        return (loss_t.sum(), *grad_outputs(hidden, weight, bias, gradients, True), *stats)
 
     @after_first_gemm
     def per_token():  # 1 / T, whether counted, w_t
@@ -326,3 +334,38 @@ def fwd(hidden, weight, target, advantages, bias, old_logprobs, ref_logprobs,
                                         opts.accumulator == "fp32", shard.group is not None),
             *stats)
 
+
+
+def _exp_chunks(hidden, weight, target, advantages, old_logprobs, ref_logprobs,
+                token_weights_, temperature, opts, needs, out, triton):
+    """The chunks on the exp-GEMM pipeline (loop/exp_gemms.py, exp_rows.py): each
+    chunk's log-probs and entropies from the tempered logits GEMM's partials, `_terms`
+    their loss terms and derivatives, the gradient GEMMs the rest; out (an _Outputs of
+    (N,) float32) is written; triton: the loop's Triton sums. Returns the gradients."""
+    N, V, f32 = hidden.shape[0], weight.shape[0], torch.float32
+    valid = target != opts.ignore_index
+    inv_t = inverse_temperature(temperature, N, hidden.device, f32)
+    weights = token_weights(token_weights_, valid, f32)
+    want = any(needs)
+
+    def row_fn(tile, s, e, m, zsum):
+        terms = []
+
+        def upstream(logprob, entropy):
+            terms.append(_terms(
+                logprob, entropy, valid[s:e], advantages[s:e],
+                None if old_logprobs is None else old_logprobs[s:e],
+                None if ref_logprobs is None else ref_logprobs[s:e], weights[s:e], opts))
+            return terms[0].g_lp if want else None
+
+        lp, ent, g = exp_rows.policy_exp_rows(tile, target[s:e], valid[s:e], inv_t[s:e], V,
+                                              upstream)
+        t, = terms
+        return _Outputs(t.loss, lp, ent, t.ratio, t.clipped, t.kl), g
+
+    rows = chunk_rows_for(hidden, weight, logits_dtype=hidden.dtype,
+                          per_logit=exp_rows.BYTES_PER_LOGIT, log_prob_tiles=False)
+    with no_autocast(hidden):
+        return exp_gemms.run_exp_chunks(hidden, weight, row_fn, out, needs, rows,
+                                        torch.where(valid, target, -1).long(), valid,
+                                        triton=triton, inv_t=inv_t)

@@ -4,7 +4,9 @@ Per chunk of M token rows x (M, D) against the head W (V, D), bf16 (docs/design.
 - logits GEMM, whose epilogue stores, from the float32 sums z, E = bf16(2^(z log2e - k))
   with k = rne(max z log2e) per (row, n-tile of tile_n classes), and writes per (row,
   n-tile) sum_exp (the float32 e's sum) and k, and per row z at a selected column (the
-  target's): an `ExpTile`. The logits themselves are never stored.
+  target's): an `ExpTile`. The logits themselves are never stored. With a per-row
+  inverse temperature t it is z t in place of z, and the epilogue also writes per (row,
+  n-tile) sum_ey = sum e (z t log2e - k), the entropy's partial.
 - an op's row math (its glue, on (M, T) partials: ops/<op>/exp_rows.py) merges them into
   lse = k_r ln2 + log sum_t sum_exp 2^(k_t - k_r) (k_r = max_t k) and its per-token terms,
   and writes its logits gradient as an `ExpGrad`: dz[i, c] = v_i (E u)[i, c] - b_i [c ==
@@ -26,7 +28,7 @@ pipeline's token-chunk loop, at the end) the twin.
 """
 
 import math
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -40,11 +42,13 @@ BYTES_PER_LOGIT = 2 + 2 * 2 / STRIP + 8 / 64
 class ExpTile(NamedTuple):
     """The logits GEMM's output for a chunk of M rows (M a multiple of ROWS): E (M, V)
     bf16, sum_exp and k (M, T) float32 (T = V / tile_n n-tiles), zy (M,) float32: z at
-    each row's selected column (unwritten where it has none)."""
+    each row's selected column (unwritten where it has none), raw (not times t); sum_ey
+    (M, T) float32 where the GEMM ran at an inverse temperature, else None."""
     E: torch.Tensor
     sum_exp: torch.Tensor
     k: torch.Tensor
     zy: torch.Tensor
+    sum_ey: Optional[torch.Tensor] = None
 
 
 class ExpGrad(NamedTuple):
@@ -74,14 +78,30 @@ def served(hidden, weight):
             and tile_n_for(V) is not None and D % 8 == 0)
 
 
-def lse_of(tile):
-    """(lse, k_r, u) of an ExpTile's partials: lse and k_r = max_t k (M,) float32, and u
-    = 2^(k - k_r) (M, T) float32, exact powers of two (the strips' entries), 0 below
-    2^-126 (no subnormals: an n-tile that small is below S's rounding, S >= 1)."""
+def merged(tile):
+    """(k_r, u, S) of an ExpTile's partials: k_r = max_t k (M,), u = 2^(k - k_r) (M, T),
+    exact powers of two (the strips' entries), 0 below 2^-126 (no subnormals: an n-tile
+    that small is below S's rounding, S >= 1/sqrt 2), and S = sum_t sum_exp u (M,), so
+    that p = E u / S and lse = k_r ln2 + log S; all float32."""
     k_r = tile.k.amax(1)
     d = tile.k - k_r[:, None]
     u = torch.where(d >= -126.0, torch.exp2(d), torch.where(d.isnan(), d, 0.0))
-    return k_r * LN2 + torch.log((tile.sum_exp * u).sum(1)), k_r, u
+    return k_r, u, (tile.sum_exp * u).sum(1)
+
+
+def lse_of(tile):
+    """(lse, k_r, u) of an ExpTile's partials (merged's k_r and u), each float32."""
+    k_r, u, S = merged(tile)
+    return k_r * LN2 + torch.log(S), k_r, u
+
+
+def entropy_of(tile, k_r, u, S):
+    """The entropy -sum_c p_c log p_c (M,) float32 of a tempered ExpTile (its sum_ey)
+    from merged's k_r, u, S: ln2 (log2 S - sum_c p_c (y_c - k_r)), y = z t log2e, the
+    mean from the n-tiles' sum_e (y - k_t) and (k_t - k_r) sum_e, all relative to k_r
+    (no term of the logits' magnitude)."""
+    mean = ((tile.sum_ey + (tile.k - k_r[:, None]) * tile.sum_exp) * u).sum(1) / S
+    return LN2 * (torch.log2(S) - mean)
 
 
 def strips(u, v, tile_n):
@@ -94,18 +114,21 @@ def strips(u, v, tile_n):
 
 # ---- the PyTorch twin -------------------------------------------------------------
 
-def logits(x, w, col, tile_n, E):
+def logits(x, w, col, tile_n, E, inv_t=None):
     """ExpTile of x (M, D) against w (V, D), bf16, its E written into E (M, V) bf16; col
-    (M,) the selected columns."""
+    (M,) the selected columns; inv_t None or (M,) float32, the rows' 1 / T."""
     M, V = x.shape[0], w.shape[0]
     z = x.float() @ w.float().t()  # the float32 sums of bf16 products
     zt = z.view(M, V // tile_n, tile_n)
-    k = torch.round(zt.amax(2) * LOG2E)
-    e = torch.exp2(zt * LOG2E - k[:, :, None])
+    if inv_t is not None:
+        zt = zt * inv_t[:, None, None]
+    k = torch.round(zt.amax(2) * LOG2E)  # = max_c of y = zt log2e (rounding is monotone)
+    y = zt * LOG2E - k[:, :, None]
+    e = torch.exp2(y)
     here = (col >= 0) & (col < V)
     zy = torch.where(here, z.gather(1, col.clamp(0, V - 1)[:, None])[:, 0], 0.0)
     E.copy_(e.view(M, V))
-    return ExpTile(E, e.sum(2), k, zy)
+    return ExpTile(E, e.sum(2), k, zy, None if inv_t is None else (e * y).sum(2))
 
 
 class DxTiles(NamedTuple):
@@ -209,7 +232,7 @@ def twin(device):
 
 
 def run_exp_chunks(hidden, weight, row_fn, outputs, needs_grad, chunk_rows, select, keep,
-                   smoothing_w=None, triton=False):
+                   smoothing_w=None, triton=False, inv_t=None):
     """The token-chunk loop on the exp-GEMM pipeline (no logits, no dz), in chunks of at
     most about the workspace's chunk_rows (the twin's plan). Each chunk's rows are staged
     into whole GEMM tiles, those not `keep` (N,) bool (no loss term, no gradient: ignored
@@ -219,7 +242,8 @@ def run_exp_chunks(hidden, weight, row_fn, outputs, needs_grad, chunk_rows, sele
     term (else None), and returns (terms, ExpGrad or None), each term (m,).
     select (N,): the column of each row whose logit the GEMM gathers (-1: none).
     smoothing_w: None, or the (V,) class weights (ones) of a smoothing term in the
-    gradient (its r = W^T w feeds dx, its rank-1 term dW). Returns (grad_hidden in
+    gradient (its r = W^T w feeds dx, its rank-1 term dW). inv_t: None, or (N,) float32,
+    each row's 1 / T for the logits GEMM (a tempered ExpTile). Returns (grad_hidden in
     hidden's dtype, grad_weight float32, None), each None unless flagged."""
     plan_of, logits_of, dx_of, dw_add_of = twin(hidden.device)
     N, D = hidden.shape
@@ -234,6 +258,8 @@ def run_exp_chunks(hidden, weight, row_fn, outputs, needs_grad, chunk_rows, sele
     r = smoothing_w.float() @ w.float() if smooth else torch.zeros(D, **f32)
     s_vec = torch.zeros(D, **f32) if smooth else None  # sum_i cs_i x_i
     stage, zero = hidden.new_zeros(rows, D), hidden.new_zeros(())
+    t_stage = None if inv_t is None else torch.empty(rows, **f32)
+    one = torch.ones((), **f32)
     E = hidden.new_empty(rows, V)
     cols, bs = [], []
     for s in range(0, N, rows):
@@ -245,7 +271,12 @@ def run_exp_chunks(hidden, weight, row_fn, outputs, needs_grad, chunk_rows, sele
         col = select.new_full((m,), -1)
         col[:n] = select[s:e]
         zsum = x.float() @ r if smooth else None
-        terms, g = row_fn(logits_of(x, w, col, tile_n, E[:m]), s, e, m, zsum)
+        t = None
+        if inv_t is not None:  # 1 on the rows not kept and the padding (their z is 0)
+            t = t_stage[:m]
+            torch.where(keep[s:e], inv_t[s:e], one, out=t[:n])
+            t[n:] = 1.0
+        terms, g = row_fn(logits_of(x, w, col, tile_n, E[:m], t), s, e, m, zsum)
         for out, term in zip(outputs, terms):
             out[s:e] = term[:n]
         if g is None:
