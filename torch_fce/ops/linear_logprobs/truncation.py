@@ -267,11 +267,11 @@ def sharded_kept_stats(rows, logits, target, inv_t, opts, math_dtype, shard):
             return rows.search(z, top, lo, goal, mass, lambda x: shard.all_reduce(x, "sum"))
         return _smallest_below(lambda t: above(t)[int(mass)], lo, top, goal)
     # n1: the finite classes at or above the floor; the row's whole mass: above -inf;
-    # the sums above the floor (K's, without top_k)
-    cnt, ms, g = above(torch.stack([_below(floor), torch.full_like(floor, -math.inf),
-                                    floor], 1))
+    # for top_p alone also the sums above the floor (K's; the others tally v below)
+    first = [_below(floor), torch.full_like(floor, -math.inf)]
+    cnt, ms, g = above(torch.stack(first + ([floor] if top_p and not top_k else []), 1))
     n1, s_all = cnt[:, 0], ms[:, 1]
-    cnt, ms, g = cnt[:, 2], ms[:, 2], g[:, 2]
+    cnt, ms, g = cnt[:, -1], ms[:, -1], g[:, -1]
     v = floor  # the searches' lower end: H(_below(floor)) counts the n1
     if not (top_k or top_p):  # min_p alone: K those n1, v their smallest value u0
         v = shard.all_reduce(torch.where(z >= floor[:, None], z, math.inf).amin(-1), "min")

@@ -530,7 +530,7 @@ def _tally_kernel(z_ptr, t_ptr, top_ptr, out_ptr, V, S, P: tl.constexpr,
 @triton.jit
 def _eighths(lo, hi, j):
     """truncation.eighths in a kernel: the points lo < .. <= hi (int64 images) at
-    j + 1 eighths of (lo, hi], j = 0 .. 6 (7: hi's image or beyond, unused)."""
+    j + 1 eighths of (lo, hi], j = 0 .. 6 (7: unused; near hi, on either side)."""
     k = (j + 1).to(tl.int64)
     eighth = (hi >> 3) - (lo >> 3)
     d = tl.minimum(eighth, 16) * 8 + ((hi & 7) - (lo & 7))
