@@ -361,6 +361,53 @@ def test_exp_policy_ignored_tokens_reach_nothing(monkeypatch):
     _policy_ignored_reach_nothing("cpu", monkeypatch)
 
 
+@pytest.mark.parametrize("V", [1536, 1280, 640])  # n-tiles of 192, 256 and 128
+def test_policy_exp_rows_triton_as_torch(V):
+    """The policy's row math on its Triton kernels as its PyTorch twin: log-probs and
+    entropies to float32's rounding, the strips, col and b bit for bit, v to its
+    rounding; padding rows past the tokens, ignored tokens (at a NaN temperature), a
+    target out of range (NaN) and a NaN partial."""
+    from torch_fce.ops.linear_policy_loss import exp_rows as policy_rows
+    from torch_fce.ops.linear_policy_loss.exp_kernels import triton_policy_exp_rows
+    M, n = 272, 250
+    g = torch.Generator().manual_seed(4)
+    tile = _tile(M, V, 4, 200)
+    # sum_ey = sum e (y - k) of each n-tile: -sum_exp times a mean depth in [0, 6)
+    sum_ey = -tile.sum_exp * torch.rand(tile.k.shape, generator=g).to(DEVICE) * 6
+    tile = tile._replace(sum_ey=sum_ey.contiguous())
+    target = torch.randint(0, V, (n,), generator=g)
+    target[5] = V  # out of range: NaN log-prob
+    valid = torch.rand(n, generator=g) > 0.15
+    valid[5] = True
+    inv_t = torch.rand(n, generator=g) + 0.5
+    inv_t[~valid] = float("nan")
+    up = torch.randn(n, generator=g)
+    up[::11] = 0.0  # tokens with no gradient
+    args = [a.to(DEVICE) for a in (target, valid, inv_t)]
+    seen = []
+
+    def upstream(lp, ent):
+        seen.append((lp, ent))
+        return torch.where(args[1], up.to(DEVICE), 0.0)
+
+    ta = policy_rows.policy_exp_rows(tile, *args, V, upstream)
+    tb = triton_policy_exp_rows(tile, *args, V, upstream)
+    assert seen[0][0] is ta[0] and seen[1][1] is tb[1]  # upstream saw the outputs
+    for a, b in zip(ta[:2], tb[:2]):  # log-probs about -40..0, entropies 0..10
+        assert torch.equal(a.isnan(), b.isnan()) and a[~valid.to(DEVICE)].eq(0).all()
+        ok = a.isnan() | ((a - b).abs() <= 2 ** -20 * (1 + a.abs()))
+        assert ok.all(), (ok.logical_not().nonzero().flatten()[:8].tolist())
+    assert ta[0][5].isnan() and ta[0][2].isnan() and ta[1][2].isnan()
+    ga, gb = ta[2], tb[2]
+    assert torch.equal(ga.u, gb.u) and torch.equal(ga.col, gb.col)
+    assert torch.equal(ga.b, gb.b) and gb.cs.eq(0).all() and gb.v[n:].eq(0).all()
+    assert gb.col[n:].eq(-1).all() and gb.col[:n][up.to(DEVICE) == 0].eq(-1).all()
+    assert torch.allclose(ga.v, gb.v, rtol=2 ** -22, atol=0, equal_nan=True)
+    assert torch.allclose(ga.uv.float(), gb.uv.float(), rtol=2 ** -7, atol=2 ** -126,
+                          equal_nan=True)
+    assert triton_policy_exp_rows(tile, *args, V, lambda lp, ent: None)[2] is None
+
+
 @pytest.mark.parametrize("case", ["entropy_coef", "softcap", "top_p", "bias"])
 def test_exp_policy_not_served_runs_the_rows(case, monkeypatch):
     """What the pipeline does not serve (the entropy's gradient, softcap, a truncation,

@@ -3,7 +3,7 @@ Triton's code generator (ttir to cubin, for sm_90, no GPU needed) on the sparse
 divergence's row kernels in each of their variants (with the tail and without, one
 device and a vocabulary shard's), the sparse rows' logsumexp kernel, the loop's
 sparse-gradient kernels (the exp pipeline's one-hot scatter among them), the exp
-pipeline's cross-entropy rows and the log-probs' threshold kernel (top_p / min_p
+pipeline's cross-entropy rows and policy rows and the log-probs' threshold kernel (top_p / min_p
 without a top-k); the row kernels' registers (cuobjdump's count of the cubin) no
 more than before they were split.
 The interpreter runs Python, so what only the code generator refuses (a loop-carried
@@ -28,6 +28,7 @@ from triton.compiler import ASTSource
 from torch_fce.ops.linear_ce import exp_kernels as exp_rows
 from torch_fce.ops.linear_sparse_divergence import kernels as divergence
 from torch_fce.ops.linear_logprobs import kernels as logprobs, truncation_kernels as truncation
+from torch_fce.ops.linear_policy_loss import exp_kernels as policy_rows
 from torch_fce.ops.loop import sparse_kernels
 from torch_fce.ops.rowmath import sparse_rows_kernels as sparse_rows
 
@@ -101,6 +102,13 @@ for grad, weights, smoothing, dft in [(True, False, False, False), (True, True, 
     build(exp_rows._exp_ce_rows_kernel, exp_sig,
           dict(REP=3, HAS_GRAD=grad, HAS_CLASS_WEIGHT=weights, HAS_SMOOTHING=smoothing,
                DFT=dft, BLOCK_M=exp_rows.BLOCK_M, BLOCK_T=exp_rows.BLOCK_T), 4)
+policy_sig = dict(target_ptr="*i64", valid_ptr="*i1", M="i32", n="i32", T="i32", V="i32",
+                  col_ptr="*i64", u_ptr="*bf16", uv_ptr="*bf16")
+for kernel, constants in [(policy_rows._policy_stats_kernel, {}),
+                          (policy_rows._policy_grad_kernel, dict(REP=2))]:
+    build(kernel, {name: policy_sig.get(name, "*fp32") for name in kernel.arg_names
+                   if name.endswith("_ptr") or name in policy_sig},
+          dict(constants, BLOCK_M=policy_rows.BLOCK_M, BLOCK_T=policy_rows.BLOCK_T), 4)
 for top_p, min_p in [(True, False), (True, True), (False, True)]:
     build(truncation._threshold_kernel,
           {"logits_ptr": "*fp32", "target_ptr": "*i64", "inv_t_ptr": "*fp32",
@@ -154,7 +162,7 @@ def test_kernels_compile_for_cuda():
                          text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
     lines = run.stdout.splitlines()
-    assert sum(line.startswith("compiled") for line in lines) == 48
+    assert sum(line.startswith("compiled") for line in lines) == 50
     regs = {}
     for line in lines:
         name, rest = line.split(" ", 2)[1:]

@@ -16,19 +16,11 @@ import triton
 import triton.language as tl
 
 from ..loop import exp_gemms
+from ..rowmath.kernels import _pow2, _store_strips
 from .rows import CETerms
 
 BLOCK_M, BLOCK_T = 16, 128
 _LN2 = tl.constexpr(exp_gemms.LN2)
-
-
-@triton.jit
-def _pow2(d):
-    """exp_gemms.lse_of's 2^d of an integral float32 d <= 0 from its bits: exact (the
-    GPU's ex2.approx is not), 0 below 2^-126, NaN for NaN."""
-    normal = ((tl.where(d >= -126.0, d, 0.0).to(tl.int32) + 127) << 23).to(tl.float32,
-                                                                           bitcast=True)
-    return tl.where(d >= -126.0, normal, tl.where(d == d, 0.0, d))
 
 
 @triton.jit
@@ -96,18 +88,8 @@ def _exp_ce_rows_kernel(
         tl.store(col_ptr + rows, tl.where(here, t, -1), mask=live)
         cs = tl.where(valid, s_ce * (label_smoothing / V), 0.0) if HAS_SMOOTHING else 0.0
         tl.store(cs_ptr + rows, tl.zeros([BLOCK_M], tl.float32) + cs, mask=live)
-        # sweep 2: the strips, entry (t REP + j, row) for each n-tile t
-        for t0 in range(0, T, BLOCK_T):
-            tt = t0 + ts
-            mask = live[:, None] & (tt < T)[None, :]
-            k = tl.load(k_ptr + base + tt[None, :], mask=mask, other=0.0)
-            u = _pow2(k - k_r[:, None])
-            uv = (u * v[:, None]).to(tl.bfloat16)
-            at = (tt.to(tl.int64) * REP)[None, :] * M + rows[:, None]
-            for j in tl.static_range(REP):
-                tl.store(u_ptr + at + j * M, u.to(tl.bfloat16), mask=mask)
-                tl.store(uv_ptr + at + j * M, uv, mask=mask)
-
+        # sweep 2: the strips
+        _store_strips(k_ptr, u_ptr, uv_ptr, rows, live, k_r, v, M, T, REP, BLOCK_T)
 
 def triton_exp_rows(tile, target, class_weight, scales, opts, V, zsum):
     """exp_rows.exp_rows on the Triton kernel: target and scales' (n,) vectors are the

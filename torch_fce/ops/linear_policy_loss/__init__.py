@@ -282,7 +282,7 @@ def fwd(hidden, weight, target, advantages, bias, old_logprobs, ref_logprobs,
     if backend.exp and shard.group is None and exp_rows.serves(hidden, weight, bias, opts):
         gradients = _exp_chunks(hidden, weight, target, advantages, old_logprobs,
                                 ref_logprobs, token_weights_, temperature, opts, needs, out,
-                                backend.sums)
+                                backend)
         loss_t, *stats = out
         return (loss_t.sum(), *grad_outputs(hidden, weight, bias, gradients, True), *stats)
 
@@ -337,16 +337,20 @@ def fwd(hidden, weight, target, advantages, bias, old_logprobs, ref_logprobs,
 
 
 def _exp_chunks(hidden, weight, target, advantages, old_logprobs, ref_logprobs,
-                token_weights_, temperature, opts, needs, out, triton):
-    """The chunks on the exp-GEMM pipeline (loop/exp_gemms.py, exp_rows.py): each
-    chunk's log-probs and entropies from the tempered logits GEMM's partials, `_terms`
-    their loss terms and derivatives, the gradient GEMMs the rest; out (an _Outputs of
-    (N,) float32) is written; triton: the loop's Triton sums. Returns the gradients."""
+                token_weights_, temperature, opts, needs, out, backend):
+    """The chunks on the exp-GEMM pipeline (loop/exp_gemms.py, exp_rows.py; on the
+    Triton rows their twin, exp_kernels.py): each chunk's log-probs and entropies from
+    the tempered logits GEMM's partials, `_terms` their loss terms and derivatives, the
+    gradient GEMMs the rest; out (an _Outputs of (N,) float32) is written. Returns the
+    gradients."""
     N, V, f32 = hidden.shape[0], weight.shape[0], torch.float32
     valid = target != opts.ignore_index
     inv_t = inverse_temperature(temperature, N, hidden.device, f32)
     weights = token_weights(token_weights_, valid, f32)
     want = any(needs)
+    rows_of = exp_rows.policy_exp_rows
+    if backend.triton:
+        from .exp_kernels import triton_policy_exp_rows as rows_of
 
     def row_fn(tile, s, e, m, zsum):
         terms = []
@@ -358,8 +362,7 @@ def _exp_chunks(hidden, weight, target, advantages, old_logprobs, ref_logprobs,
                 None if ref_logprobs is None else ref_logprobs[s:e], weights[s:e], opts))
             return terms[0].g_lp if want else None
 
-        lp, ent, g = exp_rows.policy_exp_rows(tile, target[s:e], valid[s:e], inv_t[s:e], V,
-                                              upstream)
+        lp, ent, g = rows_of(tile, target[s:e], valid[s:e], inv_t[s:e], V, upstream)
         t, = terms
         return _Outputs(t.loss, lp, ent, t.ratio, t.clipped, t.kl), g
 
@@ -368,4 +371,4 @@ def _exp_chunks(hidden, weight, target, advantages, old_logprobs, ref_logprobs,
     with no_autocast(hidden):
         return exp_gemms.run_exp_chunks(hidden, weight, row_fn, out, needs, rows,
                                         torch.where(valid, target, -1).long(), valid,
-                                        triton=triton, inv_t=inv_t)
+                                        triton=backend.sums, inv_t=inv_t)

@@ -9,6 +9,7 @@ and for the loss's derivative g of each token's log-prob, dl_c = g ([c == y] - p
 an ExpGrad with v = -g / (T S) on the E u term and b = -g / T at the target.
 The logits are the GEMM's float32 sums (nothing is rounded before the softmax), so the
 log-probs and the gradients are at least as exact as the chunk loop's against float64.
+Its Triton twin (the CUDA rows): exp_kernels.triton_policy_exp_rows.
 """
 
 import torch

@@ -1,7 +1,8 @@
 """Triton primitives every op's row kernels share: float32's lowest as a running max,
 tanh for the softcap, the logits' loads with their transform, the online max and
-sums, where a kernel writes dz, float32's order-preserving int32 images, and the
-normal law's distribution function and its inverse."""
+sums, where a kernel writes dz, float32's order-preserving int32 images, the normal
+law's distribution function and its inverse, and the exp-GEMM pipeline's exact powers of
+two and the strips its gradient GEMMs read (loop/exp_gemms.py)."""
 
 import torch
 import triton
@@ -162,3 +163,31 @@ def _phi_inv(u):
     x = t - (2.515517 + t * (0.802853 + t * 0.010328)) / (
         1.0 + t * (1.432788 + t * (0.189269 + t * 0.001308)))
     return tl.where(u < 0.5, -x, x)
+
+
+@triton.jit
+def _pow2(d):
+    """exp_gemms.merged's 2^d of an integral float32 d <= 0 from its bits: exact (the
+    GPU's ex2.approx is not), 0 below 2^-126, NaN for NaN."""
+    normal = ((tl.where(d >= -126.0, d, 0.0).to(tl.int32) + 127) << 23).to(tl.float32,
+                                                                           bitcast=True)
+    return tl.where(d >= -126.0, normal, tl.where(d == d, 0.0, d))
+
+
+@triton.jit
+def _store_strips(k_ptr, u_ptr, uv_ptr, rows, live, k_r, v, M, T,
+                  REP: tl.constexpr, BLOCK_T: tl.constexpr):
+    """An ExpGrad's strips of a block of rows (live: rows < M) of k (M, T): u = 2^(k -
+    k_r) and bf16(u v), entry (t REP + j, row) for each n-tile t (exp_gemms.strips)."""
+    ts = tl.arange(0, BLOCK_T)
+    base = rows.to(tl.int64)[:, None] * T
+    for t0 in range(0, T, BLOCK_T):
+        tt = t0 + ts
+        mask = live[:, None] & (tt < T)[None, :]
+        k = tl.load(k_ptr + base + tt[None, :], mask=mask, other=0.0)
+        u = _pow2(k - k_r[:, None])
+        uv = (u * v[:, None]).to(tl.bfloat16)
+        at = (tt.to(tl.int64) * REP)[None, :] * M + rows[:, None]
+        for j in tl.static_range(REP):
+            tl.store(u_ptr + at + j * M, u.to(tl.bfloat16), mask=mask)
+            tl.store(uv_ptr + at + j * M, uv, mask=mask)
