@@ -158,13 +158,16 @@ class _Terms(NamedTuple):
 _Outputs = collections.namedtuple("_Outputs", "loss logprob entropy ratio clipped kl")
 
 
-def _terms(logprob, entropy, valid, advantages, old, ref, weights, opts):
-    """The _Terms of a chunk's tokens. Autograd differentiates the formula on these
+def _terms(logprob, entropy, chunk, valid, advantages, old, ref, weights, opts):
+    """The _Terms of a chunk's tokens: logprob, entropy (n,) theirs, chunk the slice of
+    the per-token (N,) tensors valid ... weights (old, ref may be None). Autograd differentiates the formula on these
     (n,) vectors below the op's own autograd (inference_mode(False) lifts the
     dispatcher's exclusion of the autograd keys; the tensors entering that small graph
     are cloned, so none is an inference tensor). The formula is elementwise: the
     gradient of the sum is each token's derivative."""
     mdt = logprob.dtype
+    valid, advantages, weights = valid[chunk], advantages[chunk], weights[chunk]
+    old, ref = (None if a is None else a[chunk] for a in (old, ref))
     with torch.inference_mode(False), torch.enable_grad():
         # ignored tokens: no NaN from their logits
         lp = torch.where(valid, logprob, 0.0).clone().requires_grad_()
@@ -297,10 +300,8 @@ def fwd(hidden, weight, target, advantages, bias, old_logprobs, ref_logprobs,
         terms = []
 
         def upstream(logprob, entropy):
-            terms.append(_terms(
-                logprob, entropy, valid[s:e], advantages[s:e],
-                None if old_logprobs is None else old_logprobs[s:e],
-                None if ref_logprobs is None else ref_logprobs[s:e], weights[s:e], opts))
+            terms.append(_terms(logprob, entropy, slice(s, e), valid, advantages,
+                                old_logprobs, ref_logprobs, weights, opts))
             return terms[0].g_lp, terms[0].g_h
 
         if truncated is not None:  # the sampler's distribution
@@ -356,10 +357,8 @@ def _exp_chunks(hidden, weight, target, advantages, old_logprobs, ref_logprobs,
         terms = []
 
         def upstream(logprob, entropy):
-            terms.append(_terms(
-                logprob, entropy, valid[s:e], advantages[s:e],
-                None if old_logprobs is None else old_logprobs[s:e],
-                None if ref_logprobs is None else ref_logprobs[s:e], weights[s:e], opts))
+            terms.append(_terms(logprob, entropy, slice(s, e), valid, advantages,
+                                old_logprobs, ref_logprobs, weights, opts))
             return terms[0].g_lp if want else None
 
         lp, ent, g = rows_of(tile, target[s:e], valid[s:e], inv_t[s:e], V, upstream)
