@@ -91,6 +91,7 @@ def _exp_ce_rows_kernel(
         # sweep 2: the strips
         _store_strips(k_ptr, u_ptr, uv_ptr, rows, live, k_r, v, M, T, REP, BLOCK_T)
 
+
 def triton_exp_rows(tile, target, class_weight, scales, opts, V, zsum):
     """exp_rows.exp_rows on the Triton kernel: target and scales' (n,) vectors are the
     chunk's tokens, n <= M (the chunk's rows past them: padding, ignored)."""

@@ -160,11 +160,11 @@ _Outputs = collections.namedtuple("_Outputs", "loss logprob entropy ratio clippe
 
 def _terms(logprob, entropy, chunk, valid, advantages, old, ref, weights, opts):
     """The _Terms of a chunk's tokens: logprob, entropy (n,) theirs, chunk the slice of
-    the per-token (N,) tensors valid ... weights (old, ref may be None). Autograd differentiates the formula on these
-    (n,) vectors below the op's own autograd (inference_mode(False) lifts the
-    dispatcher's exclusion of the autograd keys; the tensors entering that small graph
-    are cloned, so none is an inference tensor). The formula is elementwise: the
-    gradient of the sum is each token's derivative."""
+    the (N,) tensors valid ... weights (old, ref may be None) that is theirs. Autograd
+    differentiates the formula on these (n,) vectors below the op's own autograd
+    (inference_mode(False) lifts the dispatcher's exclusion of the autograd keys; the
+    tensors entering that small graph are cloned, so none is an inference tensor). The
+    formula is elementwise: the gradient of the sum is each token's derivative."""
     mdt = logprob.dtype
     valid, advantages, weights = valid[chunk], advantages[chunk], weights[chunk]
     old, ref = (None if a is None else a[chunk] for a in (old, ref))
