@@ -408,6 +408,33 @@ def test_policy_exp_rows_triton_as_torch(V):
     assert triton_policy_exp_rows(tile, *args, V, lambda lp, ent: None)[2] is None
 
 
+def test_policy_exp_rows_triton_rows_alone_as_in_the_chunk():
+    """A row's log-prob, entropy, strips and coefficients on the Triton kernels are the
+    same bits in a chunk of 272 rows as in one of 40 (its last block of rows part
+    masked, four padding rows)."""
+    from torch_fce.ops.linear_policy_loss.exp_kernels import triton_policy_exp_rows
+    V, M, n, m = 640, 272, 250, 40
+    g = torch.Generator().manual_seed(5)
+    tile = _tile(M, V, 5, 100)
+    tile = tile._replace(sum_ey=(-tile.sum_exp * 2).contiguous())
+    target = torch.randint(0, V, (n,), generator=g).to(DEVICE)
+    valid = (torch.rand(n, generator=g) > 0.1).to(DEVICE)
+    inv_t = (torch.rand(n, generator=g) + 0.5).to(DEVICE)
+    up = torch.randn(n, generator=g).to(DEVICE)
+    whole = triton_policy_exp_rows(tile, target, valid, inv_t, V, lambda lp, ent: up)
+    part = exp_gemms.ExpTile(None, *(a[:m].contiguous() for a in tile[1:]))
+    alone = triton_policy_exp_rows(part, target[:36], valid[:36], inv_t[:36], V,
+                                   lambda lp, ent: up[:36])
+    for a, b in zip(whole[:2], alone[:2]):
+        assert torch.equal(a[:36].nan_to_num(7.0), b.nan_to_num(7.0))
+    for a, b in zip((whole[2].v, whole[2].b, whole[2].col), (alone[2].v, alone[2].b,
+                                                             alone[2].col)):
+        assert torch.equal(a[:36].nan_to_num(7.0), b[:36].nan_to_num(7.0))
+        assert b[36:].eq(-1 if b.dtype == torch.int64 else 0).all()  # padding rows
+    T = tile.k.shape[1] * exp_gemms.tile_n_for(V) // exp_gemms.STRIP
+    assert torch.equal(whole[2].u.view(T, M)[:, :m], alone[2].u.view(T, m))
+
+
 @pytest.mark.parametrize("case", ["entropy_coef", "softcap", "top_p", "bias"])
 def test_exp_policy_not_served_runs_the_rows(case, monkeypatch):
     """What the pipeline does not serve (the entropy's gradient, softcap, a truncation,
