@@ -9,11 +9,13 @@ torch_fce.lowering, which rewrites its loss into fce::linear_ce. Prints the loss
 step, their agreement, peak memory and step time; writes a JSON record and, with
 matplotlib installed (the "plot" extra), a PNG.
 
-The step time is the median of TIMED_STEPS further steps after the training steps (the
-first two of which compile), with its quartiles: a CPU shared with other work moves
-single steps by tens of percent. On a CPU torch_fce's gain is memory: its row math runs
-as plain PyTorch passes that Inductor cannot fuse, so the step time is about the
-unfused one's or above; on a GPU it is both (docs/benchmarks.md).
+The step time is the median of TIMED_STEPS steps of a fresh run of each (after two that
+compile), with its quartiles, timed once every run has trained and its memory was
+measured: on a CPU the memory figures have malloc map each large buffer anew, which a
+user's process does not (bench/measure.py's users_allocator); a CPU shared with other
+work moves single steps by tens of percent. On a CPU torch_fce's gain is memory: its row
+math runs as plain PyTorch passes that Inductor cannot fuse, so the step time is about
+the unfused one's or above; on a GPU it is both (docs/benchmarks.md).
 """
 
 TIMED_STEPS = 15
@@ -39,7 +41,7 @@ import torch_fce
 import torch_fce.lowering as lowering
 from torch_fce.bench.env import describe, environment
 from torch_fce.bench.measure import (AUTO_CHUNKER, check_device, has_auto_chunker, measured,
-                                     peak_extra_bytes, prepare)
+                                     peak_extra_bytes, prepare, users_allocator)
 from torch_fce.bench.tiny_lm import TinyLM
 
 
@@ -80,15 +82,15 @@ def _compile_mode(name, accumulator):
     return contextlib.nullcontext()
 
 
-def train(args, ids, name, progress):
+def _fresh_step(args):
+    """A fresh, seeded run's training step (model, AdamW, torch.compile), compiled at
+    its first call in the block it runs in."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = TinyLM(args.vocab, dim=args.dim, layers=args.layers, heads=4,
                    max_len=args.seq).to(args.device)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     step_fn = torch.compile(model)
-    fused_before = counters["inductor"][lowering.FUSED]
-    losses, times = [], []  # times: the timed steps', ms
 
     def step(x):
         loss = step_fn(x, x)
@@ -96,21 +98,43 @@ def train(args, ids, name, progress):
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss
+    return step
 
+
+def _probe(args, ids):
+    return next(batches(ids, args.batch, args.seq, 1, seed=1)).to(args.device)
+
+
+def train(args, ids, name, progress):
+    """A run's losses, the peak memory of one step after them and its fusions."""
+    fused_before = counters["inductor"][lowering.FUSED]
+    losses = []
     with lowering.fresh_compiles(), _compile_mode(name, args.accumulator):
+        step = _fresh_step(args)
         for i, x in enumerate(batches(ids, args.batch, args.seq, args.steps)):
             losses.append(step(x.to(args.device)).item())
             progress(i + 1, args.steps, losses[-1])
-        probe = next(batches(ids, args.batch, args.seq, 1, seed=1)).to(args.device)
-        peak = peak_extra_bytes(lambda: step(probe), args.device)
-        for _ in range(TIMED_STEPS):  # compiled by now
+        peak = peak_extra_bytes(lambda: step(_probe(args, ids)), args.device)
+    return dict(losses=losses, peak_mib=peak / 2**20 if measured(peak, args.device) else None,
+                fused=counters["inductor"][lowering.FUSED] - fused_before)
+
+
+def time_steps(args, ids, name):
+    """A fresh run's step time (median and quartiles of TIMED_STEPS after two that
+    compile), in users_allocator: run once every memory figure is taken, as the heap a
+    timing leaves would hide memory from a later figure."""
+    probe, times = _probe(args, ids), []
+    with lowering.fresh_compiles(), _compile_mode(name, args.accumulator), \
+            users_allocator(args.device):
+        step = _fresh_step(args)
+        for _ in range(2):
+            step(probe)
+        for _ in range(TIMED_STEPS):
             t0 = time.perf_counter()
             step(probe).item()  # .item(): the step's work is done
             times.append((time.perf_counter() - t0) * 1e3)
     q1, median, q3 = statistics.quantiles(times, n=4)
-    return dict(losses=losses, peak_mib=peak / 2**20 if measured(peak, args.device) else None,
-                step_ms=median, step_ms_quartiles=[q1, q3],
-                fused=counters["inductor"][lowering.FUSED] - fused_before)
+    return dict(step_ms=median, step_ms_quartiles=[q1, q3])
 
 
 def _check_sizes(parser, args):
@@ -282,6 +306,8 @@ def main(argv=None):
         print(f"no auto_chunker run: torch {torch.__version__}'s Inductor has no "
               "auto_chunker (torch >= 2.10)")
     runs = {name: train(args, ids, name, _bar(name)) for name in names}
+    for name in names:  # after every memory figure (time_steps)
+        runs[name].update(time_steps(args, ids, name))
     a, b = runs["unfused"]["losses"], runs["torch_fce"]["losses"]
     for i in range(0, len(a), max(1, len(a) // 10)):
         print(f"step {i + 1:3d}  " + "  ".join(f"{n} {runs[n]['losses'][i]:.6f}"
@@ -298,7 +324,8 @@ def main(argv=None):
     print("peak memory: what one training step allocates beyond what is live before it ("
           + ("the process's resident-set high-water mark, VmHWM, on the CPU; not resolved "
              "below 1 MiB" if cpu else "torch.cuda.max_memory_allocated") + "); step time: "
-          f"the median of {TIMED_STEPS} steps after training")
+          f"the median of {TIMED_STEPS} steps of a fresh run, timed after every memory "
+          "figure" + (" with malloc as a user's process has it" if cpu else ""))
     ratios = _ratios(runs)
     print(f"largest per-step loss difference {worst:.1e}; torch_fce fused "
           f"{runs['torch_fce']['fused']} cross entropy; peak memory "

@@ -3,7 +3,7 @@
 chunk_breakdown.py times the loop's four steps with CUDA events; the op as the benchmark
 calls it takes longer. This profiles one step per shape of the benchmark's methods
 (PROBE_OBJECTIVE=ce, logprobs or policy; PROBE_METHODS, default fce-fp32; the sweep's
-fce-fp32@MiB too) and prints the
+fce-fp32@MiB, fce-exp and torch.compile too) and prints the
 GPU time of each kernel kind, their sum and the step's wall time: the difference is
 time the GPU waits for the host.
 
@@ -36,8 +36,9 @@ METHODS = os.environ.get("PROBE_METHODS", "fce-fp32").split(",")
 
 
 def probe_shape(name):
-    fns = methods("cuda", False, sweep=True) if OBJECTIVE == "ce" else \
-        rl.methods(OBJECTIVE, "cuda", False, SWEEP_WORKSPACE_MIB)
+    compiled = any(m.startswith("torch.compile") for m in METHODS)
+    fns = methods("cuda", compiled, SWEEP_WORKSPACE_MIB) if OBJECTIVE == "ce" else \
+        rl.methods(OBJECTIVE, "cuda", compiled, SWEEP_WORKSPACE_MIB)
     x = shape_inputs(SHAPES[name])
     if OBJECTIVE == "policy":
         x["data"] = rl.policy_data(x["hidden"], x["weight"], x["target"])
