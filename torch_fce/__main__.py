@@ -13,9 +13,9 @@ The step time is the median of TIMED_STEPS steps of a fresh run of each (after t
 compile), with its quartiles, timed once every run has trained and its memory was
 measured: on a CPU the memory figures have malloc map each large buffer anew, which a
 user's process does not (bench/measure.py's users_allocator); a CPU shared with other
-work moves single steps by tens of percent. On a CPU torch_fce's gain is memory: its row
-math runs as plain PyTorch passes that Inductor cannot fuse, so the step time is about
-the unfused one's or above; on a GPU it is both (docs/benchmarks.md).
+work moves single steps by tens of percent. On a CPU at the default size torch_fce's step
+took less memory and time than the unfused one's and Inductor's chunker's (README); on a
+GPU a model this small is launch-bound, and docs/benchmarks.md has the real sizes.
 """
 
 TIMED_STEPS = 15
