@@ -68,3 +68,24 @@ def test_main_job_refuses_sizes_it_cannot_measure(capsys):
             main(flags)
         err = capsys.readouterr().err
         assert stop.value.code == 2 and flag in err, (flags, err)
+
+
+def test_main_job_verdict_names_a_memory_gain_only_where_the_peaks_show_one():
+    # At --tiny sizes Inductor's chunker can take less memory than torch_fce: a slower
+    # step is then not excused as "the gain is memory".
+    from torch_fce.__main__ import _verdict
+
+    def run(ms, peak):
+        return dict(step_ms=ms, step_ms_quartiles=[ms * 0.98, ms * 1.02], peak_mib=peak)
+
+    slower = {"auto_chunker": run(68.0, 19.0), "torch_fce": run(77.0, 24.9)}
+    said = _verdict(slower, 77.0 / 68.0, True, "auto_chunker")
+    assert "slower: 1.13x the auto_chunker one" in said and "memory" not in said
+    assert "as it does for the auto_chunker step" in said
+    smaller = {"unfused": run(68.0, 68.6), "torch_fce": run(77.0, 24.9)}
+    assert "the gain there is memory" in _verdict(smaller, 77.0 / 68.0, True)
+    level = {"unfused": run(77.5, 68.6), "torch_fce": run(77.0, 24.9)}
+    assert _verdict(level, 77.0 / 77.5, True).endswith("On a CPU torch_fce's gain is memory.")
+    level["torch_fce"]["peak_mib"] = None  # too small to measure: no claim
+    assert "memory" not in _verdict(level, 77.0 / 77.5, True)
+    assert "faster: 0.50x" in _verdict(smaller, 0.5, True)
