@@ -114,7 +114,8 @@ def train(args, ids, name, progress):
         for i, x in enumerate(batches(ids, args.batch, args.seq, args.steps)):
             losses.append(step(x.to(args.device)).item())
             progress(i + 1, args.steps, losses[-1])
-        peak = peak_extra_bytes(lambda: step(_probe(args, ids)), args.device)
+        probe = _probe(args, ids)
+        peak = peak_extra_bytes(lambda: step(probe), args.device)
     return dict(losses=losses, peak_mib=peak / 2**20 if measured(peak, args.device) else None,
                 fused=counters["inductor"][lowering.FUSED] - fused_before)
 
@@ -308,6 +309,8 @@ def main(argv=None):
               "auto_chunker (torch >= 2.10)")
     runs = {name: train(args, ids, name, _bar(name)) for name in names}
     for name in names:  # after every memory figure (time_steps)
+        print(f"{name:9} timing {TIMED_STEPS} steps of a fresh run", file=sys.stderr,
+              flush=True)
         runs[name].update(time_steps(args, ids, name))
     a, b = runs["unfused"]["losses"], runs["torch_fce"]["losses"]
     for i in range(0, len(a), max(1, len(a) // 10)):

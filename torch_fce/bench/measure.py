@@ -152,10 +152,10 @@ def users_allocator(device):
     """The block's CPU allocations served as in a user's process: where the memory
     figures pinned malloc's mmap threshold, the block runs at the state glibc's dynamic
     threshold settles in once large blocks have been freed (its 32 MiB ceiling, trim at
-    twice that), so buffers up to 32 MiB are reused from the heap instead of mapped and
-    faulted in anew each time. After it the threshold is pinned again; the heap the
-    block grew stays (its free blocks serve later allocations unseen), so no memory
-    figure should follow in the process."""
+    twice that), so buffers up to 32 MiB come from the heap (reused once it holds freed
+    ones of their size) instead of being mapped and faulted in anew each time. After it
+    the threshold is pinned again; the heap the block grew stays (its free blocks serve
+    later allocations unseen), so no memory figure should follow in the process."""
     if torch.device(device).type != "cpu" or not _pinned:
         yield
         return
