@@ -10,7 +10,7 @@ job) and are not resolved below about a MiB (`CPU_RESOLUTION`).
 That malloc slows what it measures: every chunk-sized buffer is a fresh mmap whose pages
 fault in on each use (on a 2-core EPYC, 2026-12-08, the main job's torch_fce step about
 0.5 s at glibc's defaults, 0.65 s so, the unfused one's 3% slower:
-docs/data/raw/cpu_malloc_threshold_b7e4295.txt). The main job times its steps in
+docs/data/raw/cpu_malloc_threshold_b7e4295_9726519.txt). The main job times its steps in
 `users_allocator`, once every memory figure is taken (the heap a timing leaves hides
 memory from a later figure); the benchmarks' CPU timings, taken between their memory
 figures, run at the pinned threshold.
