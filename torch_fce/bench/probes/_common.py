@@ -1,5 +1,5 @@
-"""What the probes share: timing, the first logits GEMM's mark, plain cross-entropy row
-options, grouped tile order."""
+"""What the probes share: timing, per-kernel profiles, the first logits GEMM's mark, plain
+cross-entropy row options, grouped tile order."""
 
 import sys
 import time
@@ -50,6 +50,23 @@ class first_linear:
 
     def __exit__(self, *exc):
         F.linear = self.linear
+
+
+def profile_steps(fns, cpu=False, row_limit=16, width=60):
+    """Per-kernel CUDA time of three steps of each fn of fns (name -> step, after two
+    warm-up steps), the profiler's table sorted by it; cpu: the host's ops too."""
+    from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if cpu else [])
+    for name, f in fns.items():
+        f(), f()
+        torch.cuda.synchronize()
+        with profile(activities=activities) as p:
+            for _ in range(3):
+                f()
+            torch.cuda.synchronize()
+        print(f"  {name} (3 steps):")
+        print(p.key_averages().table(sort_by="self_cuda_time_total", row_limit=row_limit,
+                                     max_name_column_width=width), flush=True)
 
 
 def ms(fn):

@@ -27,6 +27,8 @@ from torch_fce.bench.shapes import SHAPES
 from torch_fce.ops.linear_ce import CEOptions, exp_rows
 from torch_fce.ops.loop import exp_gemms
 
+from torch_fce.bench.probes._common import profile_steps
+
 N_ERR = 2048
 
 
@@ -152,22 +154,12 @@ def timing(shape):
 
 def profile(shape):
     """Per-kernel CUDA time of one forward + backward of each backend and quack's."""
-    from torch.profiler import ProfilerActivity, profile as prof
     from torch_fce.bench.peers import _quack
     x, w, t = inputs(shape.N, shape.D, shape.V, 3)
-    fns = {"fce-exp": with_backend("exp", step(x, w, t)),
-           "fce-rows": with_backend("triton", step(x, w, t)),
-           "quack-fused-8192": step(x, w, t, _quack(8192, True))}
-    for k, f in fns.items():
-        f(), f()
-        torch.cuda.synchronize()
-        with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
-            for _ in range(3):
-                f()
-            torch.cuda.synchronize()
-        print(f"  {k} (3 steps):")
-        print(p.key_averages().table(sort_by="self_cuda_time_total", row_limit=14,
-                                     max_name_column_width=70), flush=True)
+    profile_steps({"fce-exp": with_backend("exp", step(x, w, t)),
+                   "fce-rows": with_backend("triton", step(x, w, t)),
+                   "quack-fused-8192": step(x, w, t, _quack(8192, True))},
+                  cpu=True, row_limit=14, width=70)
 
 
 def plans(shape):

@@ -20,6 +20,8 @@ from torch_fce.bench.measure import median_time
 from torch_fce.bench.peers import run_step
 from torch_fce.bench.shapes import SHAPES, shape_inputs
 
+from torch_fce.bench.probes._common import profile_steps
+
 
 def with_torch_rows(fn):
     """fn with the pipeline's policy rows in PyTorch (exp_rows.policy_exp_rows)."""
@@ -66,19 +68,8 @@ def timing(x):
 
 
 def profile(x):
-    from torch.profiler import ProfilerActivity, profile as prof
     fns = steps(x)
-    for k in ("fce-exp", "fce-fp32"):
-        f = fns[k]
-        f(), f()
-        torch.cuda.synchronize()
-        with prof(activities=[ProfilerActivity.CUDA]) as p:
-            for _ in range(3):
-                f()
-            torch.cuda.synchronize()
-        print(f"  {k} (3 steps):")
-        print(p.key_averages().table(sort_by="self_cuda_time_total", row_limit=16,
-                                     max_name_column_width=60), flush=True)
+    profile_steps({k: fns[k] for k in ("fce-exp", "fce-fp32")})
 
 
 def main(argv):
